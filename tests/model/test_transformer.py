@@ -158,7 +158,8 @@ def test_logical_axes_mirror_params():
   config = config_lib.PRESETS["tiny"]
   params = transformer.init_params(config, jax.random.key(0))
   axes = transformer.logical_axes(config)
-  assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=is_spec)
   assert tuple(axes["layers"]["attn"]["q_proj"]) == ("layers", "embed", "heads", "head_dim")
   assert tuple(axes["embed"]) == ("vocab", "embed")
   assert not np.any(np.asarray(params["role_embed"]))  # zero-initialised
