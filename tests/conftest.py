@@ -41,3 +41,57 @@ def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
 
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+# Tiny random Hugging Face models of each family, the reference side of parity tests.
+_TINY_COMMON = dict(
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=256,
+  rms_norm_eps=1e-6,
+  rope_theta=10000.0,
+)
+_LLAMA3_ROPE = {
+  "rope_type": "llama3",
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 32,
+}
+TINY_HF_FAMILIES = {
+  "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+  "llama-tied-rope-llama3": (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE),
+  ),
+  "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+  "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
+}
+
+
+def tiny_hf_pair(family: str, path):
+  """(transformers model, our ModelConfig, our params) of a tiny random model saved to ``path`` and loaded back.
+
+  Every weight is random (norm scales 1 + N(0, 0.1), the rest N(0, 0.1)), biases and q/k norms included, so each
+  feature of the family changes the logits.
+  """
+  import torch
+  import transformers
+
+  from envace_jax.model import weights
+
+  config_cls, model_cls, extra = TINY_HF_FAMILIES[family]
+  hf_config = getattr(transformers, config_cls)(**_TINY_COMMON, **extra)
+  torch.manual_seed(0)
+  model = getattr(transformers, model_cls)(hf_config).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+  model.save_pretrained(path, safe_serialization=True)
+  config, params = weights.load_hf_dir(path)
+  return model, config, params

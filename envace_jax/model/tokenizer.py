@@ -347,6 +347,23 @@ class Tokenizer:
     """Text of ``ids`` (int[T]); invalid UTF-8 from a partial character decodes to U+FFFD."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def token_bytes(self) -> list[bytes]:
+    """The bytes each id stands for, indexed by id (length ``vocab_size``): special tokens as their UTF-8 text,
+    byte-level tokens through GPT-2's byte alphabet. Used by the sampler to match stop strings on bytes in jit."""
+    added = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+    to_byte = {c: b for b, c in _byte_alphabet().items()}
+    out = []
+    for index in range(self.vocab_size):
+      if index in added:
+        out.append(added[index].encode("utf-8"))
+        continue
+      token = self.backend.id_to_token(index) or ""
+      if all(c in to_byte for c in token):
+        out.append(bytes(to_byte[c] for c in token))
+      else:  # not a byte-level vocabulary entry: take the decoder's word for it
+        out.append(self.decode([index]).encode("utf-8"))
+    return out
+
   def token_to_id(self, token: str) -> int | None:
     """Id of a vocabulary entry (byte-alphabet spelling, e.g. 'Ġthe') or added token; None if absent."""
     return self.backend.token_to_id(token)

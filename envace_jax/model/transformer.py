@@ -212,7 +212,7 @@ class Transformer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, roles=None, positions=None, cache: KVCache | None = None, valid=None):
+  def __call__(self, tokens, roles=None, positions=None, cache: KVCache | None = None, valid=None, logits_index=None):
     cfg = self.config
     b, t = tokens.shape
     dtype = jnp.dtype(cfg.dtype)
@@ -252,6 +252,8 @@ class Transformer(nn.Module):
       metadata_params={nn.PARTITION_NAME: "layers"},
     )(cfg, name="layers")
     (x_btd, layer_cache), _ = layers((x_btd, layer_cache), jnp.arange(cfg.num_layers), positions, write_slots, mask)
+    if logits_index is not None:  # only the positions asked for reach the [D, V] head (prefill needs one per row)
+      x_btd = jnp.take_along_axis(x_btd, logits_index[:, :, None], axis=1)
     x_btd = RMSNorm(cfg, name="final_norm")(x_btd)
     if cfg.tie_embeddings:
       logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd.astype(dtype), preferred_element_type=jnp.float32)
@@ -292,6 +294,7 @@ def apply(
   positions: jax.Array | None = None,
   cache: KVCache | None = None,
   valid: jax.Array | None = None,
+  logits_index: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
   """One forward pass. See the module docstring for shapes and masking.
 
@@ -304,10 +307,12 @@ def apply(
       ``cache.lengths`` when a cache is given).
     cache: a KVCache to append the valid tokens to and attend over, or None for a self-contained forward.
     valid: bool[B, T], False for padding; default all True.
+    logits_index: int32[B, I] chunk indices to compute logits at (the head costs T*D*V: prefill wants one per
+      row); default all T.
   Returns:
-    (logits float32[B, T, V], the updated cache or None). Logits at padding positions are meaningless.
+    (logits float32[B, T or I, V], the updated cache or None). Logits at padding positions are meaningless.
   """
-  return Transformer(config).apply({"params": params}, tokens, roles, positions, cache, valid)
+  return Transformer(config).apply({"params": params}, tokens, roles, positions, cache, valid, logits_index)
 
 
 def param_count(params: Params) -> int:

@@ -10,58 +10,16 @@ import pytest
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.roles import Role
-from tests.conftest import torch_logits
+from tests.conftest import TINY_HF_FAMILIES, tiny_hf_pair, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_COMMON = dict(
-  vocab_size=320,
-  hidden_size=64,
-  intermediate_size=96,
-  num_hidden_layers=3,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  max_position_embeddings=256,
-  rms_norm_eps=1e-6,
-  rope_theta=10000.0,
-)
 
-HF_CONFIGS = {
-  "llama": lambda: transformers.LlamaConfig(**_COMMON, tie_word_embeddings=False),
-  "llama-tied-rope-llama3": lambda: transformers.LlamaConfig(
-    **_COMMON,
-    tie_word_embeddings=True,
-    rope_scaling={
-      "rope_type": "llama3",
-      "factor": 8.0,
-      "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 32,
-    },
-  ),
-  "qwen2-bias": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
-  "qwen3-qknorm": lambda: transformers.Qwen3Config(**_COMMON, head_dim=24, tie_word_embeddings=False),
-}
-MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+@pytest.fixture(scope="module", params=sorted(TINY_HF_FAMILIES))
 def tiny_pair(request, tmp_path_factory):
   """(hf_model, our config, our params) for one family, all weights random (biases and norms included)."""
-  hf_config = HF_CONFIGS[request.param]()
-  torch.manual_seed(0)
-  model = getattr(transformers, MODEL_CLASSES[hf_config.model_type])(hf_config).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.copy_(0.1 * torch.randn_like(p))
-  path = tmp_path_factory.mktemp(request.param)
-  model.save_pretrained(path, safe_serialization=True)
-  config, params = weights.load_hf_dir(path)
-  return model, config, params
+  return tiny_hf_pair(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _tokens(shape, vocab, seed=0):

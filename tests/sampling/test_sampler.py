@@ -1,0 +1,294 @@
+"""The sampler: token-exact against transformers' greedy generate, logprobs, continuation, forks, stops, buckets."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from envace_jax.model import transformer
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import Message, Tokenizer
+from envace_jax.sampling import stopping
+from envace_jax.sampling.sampler import GREEDY, Sampler, SamplingParams
+from envace_jax.sampling.stopping import FinishReason
+from tests.conftest import tiny_hf_pair
+
+torch = pytest.importorskip("torch")
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2], list(range(30, 70))]  # ragged: 7, 2 and 40 tokens
+
+
+def _hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
+  """transformers' greedy generate on one unpadded prompt -> the new ids (eos included if it stopped there)."""
+  with torch.no_grad():
+    out = model.generate(
+      torch.tensor([prompt]),
+      max_new_tokens=max_new_tokens,
+      do_sample=False,
+      eos_token_id=eos_token_id,
+      pad_token_id=0,
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+  new = out[0, len(prompt) :].tolist()
+  if eos_token_id is not None and eos_token_id in new:
+    new = new[: new.index(eos_token_id) + 1]
+  return new
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3-qknorm"])
+def tiny(request, tmp_path_factory):
+  return tiny_hf_pair(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_greedy_equals_transformers_generate_tiny(tiny):
+  model, config, params = tiny
+  sampler = Sampler(config, params)
+  cache = sampler.init_cache(batch=len(PROMPTS), capacity=128)
+  out, _ = sampler.generate(cache, PROMPTS, Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=64)
+  for b, prompt in enumerate(PROMPTS):
+    assert out.finish_reasons[b] == FinishReason.LENGTH
+    assert out.row(b) == _hf_greedy(model, prompt, 64), f"row {b}"
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_generate_smollm2(smollm2, hf_smollm2):
+  tokenizer = Tokenizer.from_hf_dir(smollm2.path)
+  chats = [
+    [Message("user", "What is the capital of France?")],
+    [Message("system", "You are a travel agent."), Message("user", "Suggest one city to visit in Japan and why.")],
+    [Message("user", "Write a haiku about the sea.")],
+  ]
+  prompts = [tokenizer.render(chat, add_generation_prompt=True)[0].tolist() for chat in chats]
+  sampler = Sampler(smollm2.config, smollm2.params, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+  cache = sampler.init_cache(batch=3, capacity=256)
+  out, _ = sampler.generate(cache, prompts, Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=64)
+  for b, prompt in enumerate(prompts):
+    assert out.row(b) == _hf_greedy(hf_smollm2, prompt, 64, eos_token_id=tokenizer.eos_ids[0]), f"prompt {b}"
+  assert "Paris" in tokenizer.decode(out.row(0))
+
+
+@pytest.fixture(scope="module")
+def tiny_with_roles():
+  """The tiny preset with random weights and a non-zero role table, so role ids change the logits."""
+  from envace_jax.model.config import PRESETS
+
+  config = PRESETS["tiny"]
+  params = transformer.init_params(config, jax.random.key(0))
+  params = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, params)  # peaked, so greedy has no near-ties
+  params["role_embed"] = jax.random.normal(jax.random.key(1), params["role_embed"].shape)
+  return config, params
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=20)])
+def test_logprobs_equal_full_forward(tiny_with_roles, sampling):
+  """Returned logprobs == log_softmax(full forward over prompt + completion) at temperature 1, roles included."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  cache = sampler.init_cache(batch=3, capacity=96)
+  out, _ = sampler.generate(
+    cache,
+    PROMPTS,
+    Role.USER,
+    role=[Role.ACT, Role.REHEARSE, Role.ACT],
+    key=jax.random.key(7),
+    max_new_tokens=24,
+    sampling=sampling,
+  )
+  for b, (prompt, gen_role) in enumerate(zip(PROMPTS, [Role.ACT, Role.REHEARSE, Role.ACT], strict=True)):
+    ids = prompt + out.row(b)
+    roles = [Role.USER] * len(prompt) + [gen_role] * out.lengths[b]
+    logits, _ = transformer.apply(config, params, jnp.asarray([ids]), jnp.asarray([roles]))
+    logp = jax.nn.log_softmax(logits[0], axis=-1)
+    positions = np.arange(len(prompt) - 1, len(ids) - 1)
+    expected = np.asarray(logp[positions, np.asarray(out.row(b))])
+    np.testing.assert_allclose(out.logprobs[b, : out.lengths[b]], expected, atol=1e-4)
+    assert np.all(out.logprobs[b, out.lengths[b] :] == 0)
+
+
+def test_generated_role_changes_the_sample(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  outs = []
+  for role in (Role.ACT, Role.REHEARSE):
+    cache = sampler.init_cache(batch=1, capacity=64)
+    out, _ = sampler.generate(cache, PROMPTS[:1], Role.USER, role=role, key=jax.random.key(0), max_new_tokens=16)
+    outs.append(out.row(0))
+  assert outs[0] != outs[1]
+
+
+def test_same_key_same_output_and_batch_independence(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  hot = SamplingParams(temperature=1.0)
+
+  def run(prompts, key, row_ids=None):
+    cache = sampler.init_cache(batch=len(prompts), capacity=96)
+    kw = dict(role=Role.ACT, key=key, max_new_tokens=20, sampling=hot, row_ids=row_ids)
+    return sampler.generate(cache, prompts, Role.USER, **kw)[0]
+
+  a, b = run(PROMPTS, jax.random.key(3)), run(PROMPTS, jax.random.key(3))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert run(PROMPTS, jax.random.key(4)).row(0) != a.row(0)
+  alone = run(PROMPTS[2:], jax.random.key(3), row_ids=[2])  # row 2 sampled alone, same identity
+  assert alone.row(0) == a.row(2)
+
+
+def test_continuation_equals_one_call_and_prefills_only_new_tokens(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  prompt_a, prompt_b = PROMPTS[0], [11, 12, 13, 14, 15]
+  hot = SamplingParams(temperature=0.8, top_p=0.95)
+  cache = sampler.init_cache(batch=1, capacity=128)
+  first, cache = sampler.generate(
+    cache, [prompt_a], Role.USER, role=Role.ACT, key=jax.random.key(1), max_new_tokens=12, sampling=hot
+  )
+  second, cache = sampler.generate(
+    cache, [prompt_b], Role.OBSERVATION, role=Role.ACT, key=jax.random.key(2), max_new_tokens=12, sampling=hot
+  )
+  assert second.prefill_tokens == len(prompt_b)  # turns before B are never prefilled again
+  ids = prompt_a + first.row(0) + prompt_b
+  roles = [Role.USER] * len(prompt_a) + [Role.ACT] * first.lengths[0] + [Role.OBSERVATION] * len(prompt_b)
+  fresh = sampler.init_cache(batch=1, capacity=128)
+  whole, whole_cache = sampler.generate(
+    fresh, [ids], [roles], role=Role.ACT, key=jax.random.key(2), max_new_tokens=12, sampling=hot
+  )
+  assert whole.prefill_tokens == len(ids)
+  assert whole.row(0) == second.row(0)
+  np.testing.assert_allclose(whole.logprobs, second.logprobs, atol=1e-5)
+  assert int(cache.lengths[0]) == int(whole_cache.lengths[0]) == len(ids) + second.lengths[0]
+
+
+def test_group_fork_equals_separate_prefills(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  hot = SamplingParams(temperature=1.0)
+  kw = dict(role=Role.ACT, key=jax.random.key(5), max_new_tokens=16, sampling=hot)
+  separate, _ = sampler.generate(sampler.init_cache(4, 96), [PROMPTS[2]] * 4, Role.USER, **kw)
+  cache, _, _, count = sampler.prefill(sampler.init_cache(1, 96), [PROMPTS[2][:-1]], Role.USER)
+  assert count == len(PROMPTS[2]) - 1  # prefilled once
+  forked = Sampler.fork(cache, 4)
+  shared, _ = sampler.generate(forked, [PROMPTS[2][-1:]] * 4, Role.USER, **kw)
+  np.testing.assert_array_equal(shared.tokens, separate.tokens)
+  np.testing.assert_allclose(shared.logprobs, separate.logprobs, atol=1e-5)
+  assert len({tuple(shared.row(b)) for b in range(4)}) > 1  # the G samples differ
+
+
+def test_prompt_buckets_bound_compilations(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params, prefill_chunk=32, min_bucket=8)
+  for length in (3, 5, 8, 9, 14, 16, 20, 31, 32, 33, 50, 64, 70):
+    cache = sampler.init_cache(batch=2, capacity=128)
+    prompts = [list(range(1, length + 1)), [7]]
+    sampler.generate(cache, prompts, Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=3)
+  # Chunk buckets {8, 16, 32} (longer prompts run several 32-token chunks) and one new-token bucket (4).
+  assert sampler.compile_counts == {"prefill": 3, "decode": 1}
+
+
+def test_stops_eos_length_and_context(tiny_with_roles):
+  config, params = tiny_with_roles
+  free, _ = Sampler(config, params).generate(
+    Sampler(config, params).init_cache(1, 64),
+    PROMPTS[:1],
+    Role.USER,
+    role=Role.ACT,
+    key=jax.random.key(0),
+    max_new_tokens=12,
+  )
+  eos = free.row(0)[5]
+  sampler = Sampler(config, params, eos_ids=[eos], pad_id=0)
+  first_eos = free.row(0).index(eos)
+  cache = sampler.init_cache(batch=3, capacity=len(PROMPTS[0]) + 4)
+  out, cache = sampler.generate(
+    cache,
+    [PROMPTS[0], PROMPTS[0][:3], list(range(1, 40))],
+    Role.USER,
+    role=Role.ACT,
+    key=jax.random.key(0),
+    max_new_tokens=[12, 2, 5],
+  )
+  # Row 0: EOS (kept) unless the cache fills first; row 1: its own max_new_tokens; row 2: prompt does not fit.
+  if first_eos < 4:
+    assert out.finish_reasons[0] == FinishReason.STOP and out.row(0) == free.row(0)[: first_eos + 1]
+  else:
+    assert out.finish_reasons[0] == FinishReason.CONTEXT_EXHAUSTED and out.lengths[0] == 4
+  assert out.finish_reasons[1] == FinishReason.LENGTH and out.lengths[1] == 2
+  assert out.finish_reasons[2] == FinishReason.CONTEXT_EXHAUSTED and out.lengths[2] == 0
+  assert int(cache.lengths[2]) == 0  # nothing of the oversized prompt was written
+  assert int(cache.lengths[1]) == 3 + 2
+
+
+def test_context_exhausted_keeps_every_token_in_the_cache(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  cache = sampler.init_cache(batch=1, capacity=12)
+  out, cache = sampler.generate(cache, PROMPTS[:1], Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=50)
+  assert out.finish_reasons == [FinishReason.CONTEXT_EXHAUSTED]
+  assert out.lengths[0] == 12 - len(PROMPTS[0]) and int(cache.lengths[0]) == 12
+  again, _ = sampler.generate(cache, [[1]], Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=5)
+  assert again.finish_reasons == [FinishReason.CONTEXT_EXHAUSTED] and again.lengths[0] == 0
+
+
+def test_stop_string_ends_on_the_token_that_completes_it(tiny_with_roles):
+  """Token bytes are made up so a stop string can start and end in the middle of tokens."""
+  config, params = tiny_with_roles
+  token_bytes = [f"{i:03d}|".encode() for i in range(config.vocab_size)]  # every token: 4 bytes
+  free, _ = Sampler(config, params).generate(
+    Sampler(config, params).init_cache(1, 64),
+    PROMPTS[:1],
+    Role.USER,
+    role=Role.ACT,
+    key=jax.random.key(0),
+    max_new_tokens=12,
+  )
+  text = b"".join(token_bytes[t] for t in free.row(0))
+  stop = text[4 * 3 + 2 : 4 * 5 + 1].decode()  # from inside token 3 to inside token 5
+  sampler = Sampler(config, params, token_bytes=token_bytes)
+  out, _ = sampler.generate(
+    sampler.init_cache(1, 64),
+    PROMPTS[:1],
+    Role.USER,
+    role=Role.ACT,
+    key=jax.random.key(0),
+    max_new_tokens=12,
+    stop_strings=("never-generated", stop),
+  )
+  first_end = text.find(stop.encode()) + len(stop)  # the first occurrence may come earlier if tokens repeat
+  assert out.finish_reasons == [FinishReason.STOP]
+  assert out.row(0) == free.row(0)[: -(-first_end // 4)]
+
+
+def test_push_and_match_windows():
+  token_bytes = [b"</tool", b"_call>", b"x", b">\n", b"</tool_call>", b"l>", b"_cal"]
+  table, lengths = (jnp.asarray(a) for a in stopping.token_byte_table(token_bytes))
+  stops = (b"</tool_call>",)
+  width = stopping.buffer_width(table.shape[1], stops)
+  for sequence, expect in [([2, 0, 1], [0, 0, 1]), ([4], [1]), ([0, 6, 5], [0, 0, 1]), ([2, 3, 2], [0, 0, 0])]:
+    buffer = stopping.init_buffer(1, width)
+    hits = []
+    for token in sequence:
+      buffer, hit = stopping.push_and_match(buffer, jnp.asarray([token]), table, lengths, stops)
+      hits.append(int(hit[0]))
+    assert hits == expect, (sequence, hits)
+
+
+def test_bad_input_names_the_fix(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  with pytest.raises(ValueError, match="context"):
+    sampler.init_cache(batch=1, capacity=config.max_seq_len + 1)
+  with pytest.raises(ValueError, match="one \\(possibly empty\\) per row"):
+    sampler.generate(
+      sampler.init_cache(2, 32), [[1]], Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=2
+    )
+  with pytest.raises(ValueError, match="token_bytes"):
+    sampler.generate(
+      sampler.init_cache(1, 32),
+      [[1]],
+      Role.USER,
+      role=Role.ACT,
+      key=jax.random.key(0),
+      max_new_tokens=2,
+      stop_strings=("x",),
+    )

@@ -1,0 +1,248 @@
+"""Mesh construction, logical-axis rules, and the sharded forward pass against the unsharded one on 8 CPU devices."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from envace_jax.model import config as config_lib
+from envace_jax.model import transformer
+from envace_jax.sampling import sharding
+
+TINY = config_lib.PRESETS["tiny"]
+# 6 query heads shard over tensor=2, 3 KV heads do not: exercises the replicate-instead fallback inside attention.
+TINY_KV3 = TINY.replace(num_heads=6, num_kv_heads=3)
+
+needs_8 = pytest.mark.skipif(
+  len(jax.devices()) != 8,
+  reason=f"needs 8 devices (conftest.py sets --xla_force_host_platform_device_count=8); have {len(jax.devices())}",
+)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if len(jax.devices()) != 8:
+    pytest.skip(f"needs 8 devices for a 2x2x2 mesh; have {len(jax.devices())}")
+  return sharding.make_mesh(data=2, fsdp=2, tensor=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# make_mesh
+
+
+@needs_8
+def test_make_mesh_fills_remaining_devices():
+  mesh = sharding.make_mesh()
+  assert mesh.axis_names == sharding.MESH_AXES
+  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+  mesh = sharding.make_mesh(data=2, fsdp=-1, tensor=2)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+@needs_8
+def test_make_mesh_on_given_devices():
+  mesh = sharding.make_mesh(data=2, tensor=2, devices=jax.devices()[:4])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+  assert set(mesh.devices.flat) == set(jax.devices()[:4])
+
+
+@needs_8
+@pytest.mark.parametrize(
+  "sizes, match",
+  [
+    (dict(data=3), r"3 devices, but 8 devices exist"),
+    (dict(data=2, fsdp=2, tensor=4), r"= 16 devices, but 8 devices exist"),
+    (dict(data=-1, fsdp=3), r"does not divide the 8 devices"),
+    (dict(data=-1, fsdp=-1), r"at most one axis may be -1"),
+    (dict(data=0), r"positive int"),
+    (dict(tensor=2.0), r"positive int"),
+  ],
+)
+def test_make_mesh_errors(sizes, match):
+  with pytest.raises(ValueError, match=match):
+    sharding.make_mesh(**sizes)
+
+
+@needs_8
+def test_mesh_from_config():
+  cfg = ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 4})
+  assert dict(sharding.mesh_from_config(cfg).shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert dict(sharding.mesh_from_config({"tensor": 2}).shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  with pytest.raises(ValueError, match=r"unknown keys \['tensr'\]"):
+    sharding.mesh_from_config({"tensr": 2})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rules
+
+
+def test_rules_map_logical_names(mesh):
+  assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), (2, 64, 4, 16), mesh) == P(
+    None, "fsdp", "tensor", None
+  )
+  assert sharding.logical_to_spec(P("vocab", "embed"), (512, 64), mesh) == P("tensor", "fsdp")
+  assert sharding.logical_to_spec(("batch",), (8, 5), mesh) == P(("data", "fsdp"), None)
+  assert sharding.logical_to_spec((), (8, 5), mesh) == P(None, None)
+  assert sharding.logical_to_sharding(("mlp", "embed"), (128, 64), mesh) == NamedSharding(mesh, P("tensor", "fsdp"))
+
+
+def test_rules_never_reuse_a_mesh_axis(mesh):
+  # batch takes fsdp, so embed (also fsdp) is replicated.
+  assert sharding.logical_to_spec(("batch", None, "embed"), (4, 3, 64), mesh) == P(("data", "fsdp"), None, None)
+  rules = (("a", "tensor"), ("b", "tensor"))
+  assert sharding.logical_to_spec(("a", "b"), (4, 4), mesh, rules) == P("tensor", None)
+
+
+def test_rules_fall_back_to_next_rule_then_replicate(mesh):
+  rules = (("x", ("data", "fsdp")), ("x", "tensor"), ("y", None))
+  assert sharding.logical_to_spec(("x",), (8,), mesh, rules) == P(("data", "fsdp"))
+  assert sharding.logical_to_spec(("x",), (6,), mesh, rules) == P("tensor")  # 6 % 4 != 0, 6 % 2 == 0
+  assert sharding.logical_to_spec(("x", "y"), (3, 8), mesh, rules) == P(None, None)
+
+
+def test_rules_errors(mesh):
+  with pytest.raises(ValueError, match=r"'nope' has no rule"):
+    sharding.logical_to_spec(("nope",), (4,), mesh)
+  with pytest.raises(ValueError, match=r"mesh axes \['expert'\] not in the mesh"):
+    sharding.logical_to_spec(("x",), (4,), mesh, (("x", "expert"),))
+  with pytest.raises(ValueError, match=r"more entries than the array has dimensions"):
+    sharding.logical_to_spec(("embed", "mlp"), (4,), mesh)
+
+
+def test_indivisible_dimension_is_replicated_and_logged_once(mesh, caplog):
+  caplog.set_level(logging.INFO)
+  shape = (30, 576, 9, 64)  # SmolLM2's q_proj: 9 heads over tensor=2
+  for _ in range(2):
+    spec = sharding.logical_to_spec(("layers", "embed", "heads", "head_dim"), shape, mesh)
+    assert spec == P(None, "fsdp", None, None)
+  messages = [
+    r.getMessage() for r in caplog.records if "not divisible" in r.getMessage() and "(30, 576, 9, 64)" in r.getMessage()
+  ]
+  assert len(messages) == 1, messages
+
+
+@needs_8
+def test_smollm2_shardings_on_tensor_2():
+  """SmolLM2's 9 query / 3 KV heads cannot split over tensor=2: heads replicate, the rest still shards."""
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  config = config_lib.PRESETS["smollm2-135m"]
+  shardings = sharding.param_shardings(config, mesh)
+  attn, mlp = shardings["layers"]["attn"], shardings["layers"]["mlp"]
+  assert attn["q_proj"].spec == P(None, "fsdp", None, None)
+  assert attn["k_proj"].spec == P(None, "fsdp", None, None)
+  assert attn["o_proj"].spec == P(None, None, None, "fsdp")
+  assert mlp["gate_proj"].spec == P(None, "fsdp", "tensor")
+  assert mlp["down_proj"].spec == P(None, "tensor", "fsdp")
+  assert shardings["embed"].spec == P("tensor", "fsdp")  # 49152 % 2 == 0, 576 % 2 == 0
+  assert "lm_head" not in shardings  # tied
+
+
+def test_batch_and_replicated(mesh):
+  assert sharding.batch_size_multiple(mesh) == 4
+  assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
+  assert sharding.replicated(mesh).spec == P()
+  with pytest.raises(ValueError, match="leading batch axis"):
+    sharding.batch_sharding(mesh, 0)
+
+
+def test_shard_params_rejects_mismatched_trees(mesh):
+  shardings = sharding.param_shardings(TINY, mesh)
+  with pytest.raises(ValueError, match="different tree structures"):
+    sharding.shard_params({"embed": jnp.zeros((512, 64))}, shardings)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The sharded forward pass equals the unsharded one
+
+B, T, S = 4, 8, 24
+_reference_apply = jax.jit(transformer.apply, static_argnums=0)
+_init_params = jax.jit(transformer.init_params, static_argnums=0)  # jitted: op-by-op init is ~3x slower on CPU
+
+
+def _inputs(config, seed):
+  keys = jax.random.split(jax.random.key(seed), 2)
+  tokens = np.asarray(jax.random.randint(keys[0], (B, T), 0, config.vocab_size), np.int32)
+  roles = np.asarray(jax.random.randint(keys[1], (B, T), 0, config.num_roles), np.int32)
+  return tokens, roles
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-kv3"])
+def setup(request, mesh):
+  """(config, unsharded params, sharded params, sharded forward) — jitted once per config, shared by the tests."""
+  config = {"tiny": TINY, "tiny-kv3": TINY_KV3}[request.param]
+  params = _init_params(config, jax.random.key(0))
+  # Role embeddings start at zero; make them count so the sharded role lookup is exercised.
+  params["role_embed"] = 0.02 * jax.random.normal(jax.random.key(1), params["role_embed"].shape)
+  sharded = sharding.shard_params(params, sharding.param_shardings(config, mesh))
+  return config, params, sharded, sharding.sharded_apply(config, mesh)
+
+
+def test_params_are_sharded(setup, mesh):
+  config, params, sharded, _ = setup
+  q = sharded["layers"]["attn"]["q_proj"]  # [L, D, N, H]
+  assert q.sharding.spec == P(None, "fsdp", "tensor", None)
+  L, D, N, H = q.shape
+  assert {s.data.shape for s in q.addressable_shards} == {(L, D // 2, N // 2, H)}
+  k = sharded["layers"]["attn"]["k_proj"]  # [L, D, K, H]
+  kv_split = config.num_kv_heads % 2 == 0
+  assert k.sharding.spec == P(None, "fsdp", "tensor" if kv_split else None, None)
+  assert {s.data.shape for s in k.addressable_shards} == {(L, D // 2, config.num_kv_heads // (2 if kv_split else 1), H)}
+  assert sharded["lm_head"].sharding.spec == P("fsdp", "tensor")
+  assert sharded["role_embed"].sharding.spec == P(None, "fsdp")
+  np.testing.assert_array_equal(np.asarray(q), np.asarray(params["layers"]["attn"]["q_proj"]))
+
+
+def test_sharded_forward_matches_unsharded(setup):
+  config, params, sharded, forward = setup
+  tokens, roles = _inputs(config, seed=2)
+  ref, _ = _reference_apply(config, params, tokens, roles)
+  logits, cache = forward(sharded, tokens, roles)
+  assert cache is None
+  assert logits.shape == (B, T, config.vocab_size) and logits.dtype == jnp.float32
+  assert logits.sharding.spec == P(("data", "fsdp"), None, None)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+def test_sharded_prefill_through_cache_matches_unsharded(setup, mesh):
+  """Two chunks through the KV cache (the second with padding), sharded vs unsharded: logits and cache contents."""
+  config, params, sharded, forward = setup
+  chunks = [_inputs(config, seed=3), _inputs(config, seed=4)]
+  valids = [np.ones((B, T), bool), np.arange(T)[None, :] < np.array([[T], [3], [0], [5]])]
+  ref_cache = transformer.init_cache(config, B, S)
+  cache = sharding.init_sharded_cache(config, mesh, B, S)
+  assert cache.k.sharding.spec == P(
+    None, ("data", "fsdp"), None, "tensor" if config.num_kv_heads % 2 == 0 else None, None
+  )
+  for (tokens, roles), valid in zip(chunks, valids, strict=True):
+    ref, ref_cache = _reference_apply(config, params, tokens, roles, None, ref_cache, valid)
+    logits, cache = forward(sharded, tokens, roles, None, cache, valid)
+    np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref)[valid], atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [2 * T, T + 3, T, T + 5])
+  np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(ref_cache.lengths))
+  np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(cache.v), np.asarray(ref_cache.v), atol=1e-5, rtol=0)
+  expected = sharding.cache_shardings(config, mesh, cache)
+  assert cache.k.sharding == expected.k and cache.lengths.sharding == expected.lengths
+  assert cache.lengths.sharding.spec == P(("data", "fsdp"))
+
+
+def test_sharded_apply_rejects_indivisible_batch(setup):
+  config, _, sharded, forward = setup
+  tokens = np.zeros((3, T), np.int32)
+  with pytest.raises(ValueError, match=r"batch size 3 is not divisible by the 4 batch shards.*pad the batch"):
+    forward(sharded, tokens)
+
+
+def test_cache_shardings_checks_shape(mesh):
+  cache = jax.eval_shape(lambda: transformer.init_cache(TINY, 4, 8))
+  assert sharding.cache_shardings(TINY, mesh, cache).k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+  with pytest.raises(ValueError, match=r"expected \[L=2, B, S, K=3, H=16\]"):
+    sharding.cache_shardings(TINY_KV3, mesh, cache)
