@@ -34,7 +34,7 @@ from flax import struct
 
 from envace_jax.model import transformer
 from envace_jax.model.config import ModelConfig
-from envace_jax.sampling import stopping
+from envace_jax.sampling import sharding, stopping
 from envace_jax.sampling.stopping import FinishReason
 
 KVCache = transformer.KVCache
@@ -141,7 +141,9 @@ class Sampler:
     pad_id: id written past each row's end in outputs.
     prefill_chunk: prompt tokens per prefill call (bounds attention memory to B*N*chunk*S floats).
     min_bucket: the smallest prompt-chunk bucket.
-    shardings: optional ``sharding.SamplerShardings`` to run over a mesh (params, cache and batch placed on it).
+    mesh: optional ``jax.sharding.Mesh`` (see sharding.make_mesh): params are placed by ``rules``, caches and the
+      batch split over the batch axes, and both jitted functions get explicit in/out shardings.
+    rules: logical-axis rules (default ``sharding.LOGICAL_RULES``).
   """
 
   def __init__(
@@ -154,13 +156,15 @@ class Sampler:
     pad_id: int = 0,
     prefill_chunk: int = 512,
     min_bucket: int = 16,
-    shardings=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=sharding.LOGICAL_RULES,
   ):
     if prefill_chunk & (prefill_chunk - 1) or min_bucket & (min_bucket - 1):
       raise ValueError(f"prefill_chunk={prefill_chunk} and min_bucket={min_bucket} must be powers of two.")
     self.config = config
-    self.shardings = shardings
-    self.params = shardings.place_params(params) if shardings else params
+    self.mesh, self.rules = mesh, rules
+    self._param_shardings = sharding.param_shardings(config, mesh, rules) if mesh is not None else None
+    self.params = params
     self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
     self.pad_id = pad_id
     self.prefill_chunk = prefill_chunk
@@ -170,8 +174,35 @@ class Sampler:
       table, lengths = stopping.token_byte_table(token_bytes)
       self._byte_table = (jnp.asarray(table), jnp.asarray(lengths))
     self.compile_counts = {"prefill": 0, "decode": 0}
-    self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
-    self._decode = jax.jit(self._decode_loop, static_argnums=(7, 8, 9), donate_argnums=(1,))
+    self._jitted = {}
+
+  @property
+  def params(self):
+    """The parameter tree sampled from; assigning new weights re-places them on the mesh (no recompilation)."""
+    return self._params
+
+  @params.setter
+  def params(self, params):
+    self._params = sharding.shard_params(params, self._param_shardings) if self.mesh is not None else params
+
+  def _jit(self, kind: str, cache: KVCache):
+    """The jitted prefill or decode function; on a mesh, with explicit shardings for this cache's shape."""
+    key = (kind, cache.k.shape if self.mesh is not None else None)
+    if key in self._jitted:
+      return self._jitted[key]
+    fn, static = (self._prefill_chunk, ()) if kind == "prefill" else (self._decode_loop, (7, 8, 9))
+    kwargs = {}
+    if self.mesh is not None:
+      c = sharding.cache_shardings(self.config, self.mesh, cache, self.rules)
+      rows1, rows2 = (sharding.batch_sharding(self.mesh, n, self.rules) for n in (1, 2))
+      if kind == "prefill":  # params, cache, last_logits, tokens, roles, valid, last_index, is_last
+        kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows2, rows2, rows2, rows1, rows1))
+        kwargs["out_shardings"] = (c, rows2)
+      else:  # params, cache, logits, active, max_new, row_keys, gen_roles
+        kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows1, rows1, rows1, rows1))
+        kwargs["out_shardings"] = (rows2, rows2, rows1, rows1, c)
+    self._jitted[key] = jax.jit(fn, static_argnums=static, donate_argnums=(1,), **kwargs)
+    return self._jitted[key]
 
   # ------------------------------------------------------------------------------------------------ caches
 
@@ -179,15 +210,16 @@ class Sampler:
     """An empty cache of B=batch rows and S=capacity slots (at most the model's context length).
 
     Raises:
-      ValueError: capacity exceeds ``config.max_seq_len``.
+      ValueError: capacity exceeds ``config.max_seq_len``; on a mesh, batch is not a multiple of the batch shards.
     """
     if capacity > self.config.max_seq_len:
       raise ValueError(
         f"capacity={capacity} exceeds the model's context of {self.config.max_seq_len} tokens; use a smaller "
         "capacity (sequences that outgrow it finish with context_exhausted)."
       )
-    cache = transformer.init_cache(self.config, batch, capacity)
-    return self.shardings.place_cache(cache) if self.shardings else cache
+    if self.mesh is not None:
+      return sharding.init_sharded_cache(self.config, self.mesh, batch, capacity, rules=self.rules)
+    return transformer.init_cache(self.config, batch, capacity)
 
   @staticmethod
   def fork(cache: KVCache, group_size: int) -> KVCache:
@@ -322,7 +354,7 @@ class Sampler:
       valid = np.arange(size)[None, :] < (lengths - start)[:, None]
       last = lengths - 1 - start
       is_last = (lengths > 0) & (last >= 0) & (last < size)
-      cache, last_logits = self._prefill(
+      cache, last_logits = self._jit("prefill", cache)(
         self.params, cache, last_logits, tokens, roles, valid, np.clip(last, 0, size - 1).astype(np.int32), is_last
       )
     return cache, last_logits, fitted, int(lengths.sum())
@@ -368,7 +400,7 @@ class Sampler:
     row_ids = np.arange(b) if row_ids is None else np.asarray(row_ids)
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(row_ids, jnp.uint32))
     stops = tuple(s.encode("utf-8") for s in stop_strings)
-    tokens, logprobs, lengths, finish, cache = self._decode(
+    tokens, logprobs, lengths, finish, cache = self._jit("decode", cache)(
       self.params, cache, logits, fitted, max_new, row_keys, roles, num_new, sampling, stops
     )
     tokens, logprobs, lengths, finish = jax.device_get((tokens, logprobs, lengths, finish))

@@ -292,3 +292,29 @@ def test_bad_input_names_the_fix(tiny_with_roles):
       max_new_tokens=2,
       stop_strings=("x",),
     )
+
+
+def test_sharded_sampler_equals_unsharded(tiny_with_roles):
+  """Mesh 2x2x2 on 8 fake CPU devices: identical greedy tokens, logprobs to 1e-5, cache per its shardings."""
+  from envace_jax.sampling import sharding
+
+  if len(jax.devices()) != 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
+  config, params = tiny_with_roles
+  prompts = PROMPTS + [[9, 8, 7, 6]]  # 4 rows: a multiple of the data x fsdp batch shards
+  kw = dict(role=[Role.ACT, Role.REHEARSE, Role.ACT, Role.ACT], key=jax.random.key(0), max_new_tokens=24)
+  plain = Sampler(config, params)
+  ref, ref_cache = plain.generate(plain.init_cache(4, 96), prompts, Role.USER, **kw)
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  sharded = Sampler(config, params, mesh=mesh)
+  assert "tensor" in sharded.params["layers"]["attn"]["q_proj"].sharding.spec
+  out, cache = sharded.generate(sharded.init_cache(4, 96), prompts, Role.USER, **kw)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  assert out.finish_reasons == ref.finish_reasons
+  assert cache.k.sharding.spec[1] == ("data", "fsdp")
+  np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5)
+  # A continuation turn on the mesh reuses the sharded cache.
+  more, _ = sharded.generate(cache, [[5]] * 4, Role.OBSERVATION, **kw)
+  again, _ = plain.generate(ref_cache, [[5]] * 4, Role.OBSERVATION, **kw)
+  np.testing.assert_array_equal(more.tokens, again.tokens)
