@@ -130,3 +130,25 @@ def test_config_errors_name_the_fix():
     config_lib.ModelConfig.from_hf_config({"model_type": "gpt2"})
   with pytest.raises(config_lib.ConfigError, match="preset"):
     config_lib.get_model_config("no-such-model")
+
+
+def test_sharded_and_bfloat16_checkpoints_load(tmp_path):
+  """A sharded safetensors index and a bfloat16 checkpoint load to the same values transformers holds."""
+  model, config, params = tiny_hf_pair("qwen2-bias", tmp_path / "f32")
+  model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+  assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+  _, sharded = weights.load_hf_dir(tmp_path / "sharded")
+  jax.tree.map(np.testing.assert_array_equal, sharded, params)
+  model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+  _, half = weights.load_hf_dir(tmp_path / "bf16")
+  assert half["embed"].dtype == jnp.float32  # the config's param_dtype
+  expected = model.model.embed_tokens.weight.float().detach().numpy()
+  np.testing.assert_array_equal(np.asarray(half["embed"]), expected)
+
+
+def test_missing_tensor_names_it(tmp_path):
+  _, config, params = tiny_hf_pair("llama", tmp_path / "model")
+  state = weights.hf_state_from_params(config, params)
+  del state["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(weights.WeightsError, match="model.layers.1.mlp.up_proj.weight"):
+    weights.params_from_hf_state(config, state.__getitem__)
