@@ -10,7 +10,7 @@ import pytest
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.roles import Role
-from tests.conftest import TINY_HF_FAMILIES, tiny_hf_pair, torch_logits
+from tests.conftest import TINY_HF_FAMILIES, jit_apply, tiny_hf_pair, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,7 +29,7 @@ def _tokens(shape, vocab, seed=0):
 def test_logits_match_transformers(tiny_pair):
   model, config, params = tiny_pair
   tokens = _tokens((2, 40), config.vocab_size)
-  ours, _ = transformer.apply(config, params, tokens)
+  ours, _ = jit_apply(config, params, tokens)
   ref = torch_logits(model, tokens)
   assert ours.dtype == jnp.float32 and ours.shape == ref.shape
   np.testing.assert_array_less(np.abs(np.asarray(ours) - ref).max(), 1e-4)
@@ -50,7 +50,7 @@ def test_export_reloads_in_transformers(tiny_pair, tmp_path):
   weights.save_hf_dir(config, params, tmp_path)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
   tokens = _tokens((2, 24), config.vocab_size, seed=1)
-  ours, _ = transformer.apply(config, params, tokens)
+  ours, _ = jit_apply(config, params, tokens)
   assert np.abs(torch_logits(reloaded, tokens) - np.asarray(ours)).max() <= 1e-4
   # And our own loader reads the export back exactly.
   _, again = weights.load_hf_dir(tmp_path)
@@ -61,11 +61,11 @@ def test_zero_role_embeddings_are_bit_identical(tiny_pair):
   _, config, params = tiny_pair
   tokens = _tokens((2, 16), config.vocab_size, seed=2)
   roles = np.asarray(jax.random.randint(jax.random.key(3), tokens.shape, 0, len(Role)), np.int32)
-  without, _ = transformer.apply(config, params, tokens)
-  with_zero, _ = transformer.apply(config, params, tokens, roles)
+  without, _ = jit_apply(config, params, tokens)
+  with_zero, _ = jit_apply(config, params, tokens, roles)
   np.testing.assert_array_equal(np.asarray(without), np.asarray(with_zero))
   table = jax.random.normal(jax.random.key(4), params["role_embed"].shape) * 0.5
-  changed, _ = transformer.apply(config, {**params, "role_embed": table}, tokens, roles)
+  changed, _ = jit_apply(config, {**params, "role_embed": table}, tokens, roles)
   assert np.abs(np.asarray(changed) - np.asarray(without)).max() > 1e-3
 
 
@@ -76,20 +76,20 @@ def test_role_embedding_is_added_to_token_embedding():
   table = jax.random.normal(jax.random.key(1), params["role_embed"].shape)
   tokens = _tokens((1, 8), config.vocab_size)
   roles = np.full_like(tokens, int(Role.REHEARSE))
-  ours, _ = transformer.apply(config, {**params, "role_embed": table}, tokens, roles)
+  ours, _ = jit_apply(config, {**params, "role_embed": table}, tokens, roles)
   folded = {**params, "embed": params["embed"] + table[int(Role.REHEARSE)]}
-  ref, _ = transformer.apply(config, folded, tokens)
+  ref, _ = jit_apply(config, folded, tokens)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=1e-5)
 
 
 def test_cached_chunks_equal_one_forward(tiny_pair):
   _, config, params = tiny_pair
   tokens = _tokens((3, 30), config.vocab_size, seed=5)
-  full, _ = transformer.apply(config, params, tokens)
+  full, _ = jit_apply(config, params, tokens)
   cache = transformer.init_cache(config, batch=3, capacity=48)
   pieces = []
   for start, stop in [(0, 11), (11, 12), (12, 30)]:
-    logits, cache = transformer.apply(config, params, tokens[:, start:stop], cache=cache)
+    logits, cache = jit_apply(config, params, tokens[:, start:stop], cache=cache)
     pieces.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(pieces, axis=1), np.asarray(full), atol=2e-5)
   np.testing.assert_array_equal(np.asarray(cache.lengths), [30, 30, 30])
@@ -99,15 +99,15 @@ def test_padding_never_changes_a_sequence(tiny_pair):
   """Left- or right-padded rows, with or without a cache, give the unpadded row's logits."""
   _, config, params = tiny_pair
   seq = _tokens((1, 9), config.vocab_size, seed=6)
-  ref, _ = transformer.apply(config, params, seq)
+  ref, _ = jit_apply(config, params, seq)
   pad = np.zeros((1, 4), np.int32)
   left = np.concatenate([pad, seq], axis=1)
   right = np.concatenate([seq, pad], axis=1)
   valid_left = np.concatenate([np.zeros((1, 4), bool), np.ones((1, 9), bool)], axis=1)
-  out, _ = transformer.apply(config, params, left, valid=valid_left)
+  out, _ = jit_apply(config, params, left, valid=valid_left)
   np.testing.assert_allclose(np.asarray(out)[:, 4:], ref, atol=2e-5)
   cache = transformer.init_cache(config, batch=1, capacity=16)
-  out, cache = transformer.apply(config, params, right, cache=cache, valid=valid_left[:, ::-1])
+  out, cache = jit_apply(config, params, right, cache=cache, valid=valid_left[:, ::-1])
   np.testing.assert_allclose(np.asarray(out)[:, :9], ref, atol=2e-5)
   assert int(cache.lengths[0]) == 9  # padding is never written to the cache
 

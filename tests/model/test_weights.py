@@ -9,7 +9,7 @@ import pytest
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.tokenizer import Message, Tokenizer
-from tests.conftest import torch_logits
+from tests.conftest import jit_apply, torch_logits
 
 CHAT = [
   Message("system", "You are a concise assistant. Answer in one sentence."),
@@ -61,7 +61,7 @@ def chat_tokens(smollm2):
 
 @pytest.mark.slow
 def test_logits_match_transformers_gguf_loader(smollm2, hf_smollm2, chat_tokens):
-  ours, _ = jax.jit(transformer.apply, static_argnums=0)(smollm2.config, smollm2.params, chat_tokens)
+  ours, _ = jit_apply(smollm2.config, smollm2.params, chat_tokens)
   delta = np.abs(np.asarray(ours) - torch_logits(hf_smollm2, chat_tokens)).max()
   assert delta <= 1e-3, delta
 
@@ -69,5 +69,5 @@ def test_logits_match_transformers_gguf_loader(smollm2, hf_smollm2, chat_tokens)
 def test_greedy_next_token_is_paris(smollm2):
   tokenizer = Tokenizer.from_hf_dir(smollm2.path)
   ids = np.asarray([tokenizer.encode("The capital of France is")], np.int32)
-  logits, _ = transformer.apply(smollm2.config, smollm2.params, ids)
+  logits, _ = jit_apply(smollm2.config, smollm2.params, ids)
   assert tokenizer.decode([int(np.argmax(logits[0, -1]))]) == " Paris"

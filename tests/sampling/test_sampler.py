@@ -13,7 +13,7 @@ from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.sampling import stopping
 from envace_jax.sampling.sampler import GREEDY, Sampler, SamplingParams
 from envace_jax.sampling.stopping import FinishReason
-from tests.conftest import tiny_hf_pair
+from tests.conftest import jit_apply, tiny_hf_pair
 
 torch = pytest.importorskip("torch")
 
@@ -99,7 +99,7 @@ def test_logprobs_equal_full_forward(tiny_with_roles, sampling):
   for b, (prompt, gen_role) in enumerate(zip(PROMPTS, [Role.ACT, Role.REHEARSE, Role.ACT], strict=True)):
     ids = prompt + out.row(b)
     roles = [Role.USER] * len(prompt) + [gen_role] * out.lengths[b]
-    logits, _ = transformer.apply(config, params, jnp.asarray([ids]), jnp.asarray([roles]))
+    logits, _ = jit_apply(config, params, jnp.asarray([ids]), jnp.asarray([roles]))
     logp = jax.nn.log_softmax(logits[0], axis=-1)
     positions = np.arange(len(prompt) - 1, len(ids) - 1)
     expected = np.asarray(logp[positions, np.asarray(out.row(b))])
