@@ -51,6 +51,10 @@ class ModelConfig:
     max_seq_len: the model's context length, in tokens.
     dtype: compute dtype of activations ("float32" on CPU, "bfloat16" on accelerators). Logits are always float32.
     param_dtype: dtype parameters are created and stored in.
+    scan_layers: run the layers as one ``nn.scan`` over parameters stacked on a leading L axis (fast to compile:
+      training and checkpoints), or as L separate layers ``layers_0 .. layers_{L-1}`` (fast to run on CPU and GPU,
+      where slicing a layer out of a stacked array copies it: the sampler uses this). ``transformer.unstack_layers``
+      and ``stack_layers`` convert the parameter trees.
   """
 
   family: str
@@ -71,6 +75,7 @@ class ModelConfig:
   max_seq_len: int = 8192
   dtype: str = "float32"
   param_dtype: str = "float32"
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.family not in FAMILIES:

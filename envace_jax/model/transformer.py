@@ -8,8 +8,12 @@ H head dim, F MLP width, V vocab, R roles):
     tokens, roles, positions   int32[B, T]
     valid                      bool[B, T]    False marks padding (never attended to, never written to the cache)
     logits                     float32[B, T, V]
-    KVCache.k, KVCache.v       dtype[L, B, S, K, H]   keys are stored after the rotary embedding
+    KVCache.k, KVCache.v       dtype[L, B, K, S, H] (scan_layers) or a tuple of L dtype[B, K, S, H] arrays;
+                               keys are stored after the rotary embedding
     KVCache.lengths            int32[B]      filled slots per sequence
+
+The cache keeps heads before slots ([B, K, S, H]) so attention reads it as the batched matmul wants it, without a
+transposed copy per layer and step.
 
 Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
 the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
@@ -44,26 +48,40 @@ class KVCache:
   """Keys and values of every layer with a static capacity, and the filled length of each sequence.
 
   Attributes:
-    k: dtype[L, B, S, K, H], rotary-embedded keys.
-    v: dtype[L, B, S, K, H].
+    k: rotary-embedded keys: dtype[L, B, K, S, H] for a scanned model, a tuple of L dtype[B, K, S, H] otherwise.
+    v: values, laid out as k.
     lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its history).
   """
 
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   lengths: jax.Array
 
   @property
   def capacity(self) -> int:
     """S, the number of slots per sequence."""
-    return self.k.shape[2]
+    return self.k[0].shape[2]  # layer 0: [B, K, S, H] in both layouts
+
+  def repeat(self, group_size: int) -> KVCache:
+    """Each row repeated ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
+    stacked = not isinstance(self.k, tuple)
+    kv = lambda x: jnp.repeat(x, group_size, axis=1 if stacked else 0)
+    return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=jnp.repeat(self.lengths, group_size))
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
-  """An empty KV cache: zeros of dtype[L, batch, capacity, K, H] (default: the config's compute dtype)."""
-  shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+  """An empty KV cache of ``capacity`` slots per row, laid out for ``config.scan_layers`` (see KVCache).
+
+  dtype defaults to the config's compute dtype.
+  """
+  shape = (batch, config.num_kv_heads, capacity, config.head_dim)
   dtype = dtype or config.dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+  if config.scan_layers:
+    zeros = lambda: jnp.zeros((config.num_layers, *shape), dtype)
+  else:
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  # k and v must be distinct buffers: the sampler donates both.
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
@@ -152,26 +170,35 @@ class Attention(nn.Module):
     q_btnh = apply_rope(q_btnh, positions, inv_freq)
     k_btkh = apply_rope(k_btkh, positions, inv_freq)
 
-    if cache is not None:
-      # Write the new keys/values into this layer's slots (padding carries slot S and is dropped), then attend
-      # over the whole cache.
-      k_all, v_all = cache
-      batch_idx = jnp.broadcast_to(jnp.arange(x_btd.shape[0])[:, None], write_slots.shape)
-      k_all = k_all.at[layer, batch_idx, write_slots].set(k_btkh.astype(k_all.dtype), mode="drop")
-      v_all = v_all.at[layer, batch_idx, write_slots].set(v_btkh.astype(v_all.dtype), mode="drop")
-      cache = (k_all, v_all)
-      k_bskh = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False).astype(dtype)
-      v_bskh = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False).astype(dtype)
-    else:
-      k_bskh, v_bskh = k_btkh, v_btkh
-
     b, t = x_btd.shape[:2]
-    q_btkgh = q_btnh.reshape(b, t, k, cfg.num_groups, h)
-    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
+    if cache is not None:
+      # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
+      # whole cache. ``layer`` indexes a stacked [L, B, K, S, H] cache; None means this layer's own [B, K, S, H].
+      k_cache, v_cache = cache
+      rows = jnp.arange(b)[:, None, None]
+      heads = jnp.arange(k)[None, :, None]
+      slots = write_slots[:, None, :]
+      where = (rows, heads, slots) if layer is None else (layer, rows, heads, slots)
+      k_cache = k_cache.at[where].set(k_bkth.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[where].set(v_bkth.astype(v_cache.dtype), mode="drop")
+      cache = (k_cache, v_cache)
+      if layer is not None:
+        k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
+      k_bksh, v_bksh = k_cache.astype(dtype), v_cache.astype(dtype)
+    else:
+      k_bksh, v_bksh = k_bkth, v_bkth
+
+    q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
+    scores_bkgts = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
     scores_bkgts = jnp.where(mask[:, None, None], scores_bkgts * (h**-0.5), _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
-    out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), o_weight_nhd.astype(dtype))
+    out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)
+    # As one [B, T, N*H] @ [N*H, D] matmul: an einsum over (n, h) let XLA transpose the weight (a copy of o_proj
+    # per layer and step) to match the activations' head order, rather than the other way round.
+    out_btf = out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+    out_btd = out_btf @ o_weight_nhd.reshape(n * h, d).astype(dtype)
     return out_btd, cache
 
 
@@ -243,15 +270,24 @@ class Transformer(nn.Module):
     if roles is not None:
       x_btd = x_btd + jnp.take(role_embed_rd, roles, axis=0).astype(dtype)
 
-    layers = nn.scan(
-      DecoderLayer,
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-      length=cfg.num_layers,
-      metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg, name="layers")
-    (x_btd, layer_cache), _ = layers((x_btd, layer_cache), jnp.arange(cfg.num_layers), positions, write_slots, mask)
+    if cfg.scan_layers:
+      layers = nn.scan(
+        DecoderLayer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )(cfg, name="layers")
+      (x_btd, layer_cache), _ = layers((x_btd, layer_cache), jnp.arange(cfg.num_layers), positions, write_slots, mask)
+    else:
+      per_layer = []
+      for i in range(cfg.num_layers):
+        carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
+        (x_btd, written), _ = DecoderLayer(cfg, name=f"layers_{i}")(carry, None, positions, write_slots, mask)
+        per_layer.append(written)
+      if cache is not None:
+        layer_cache = tuple(c[0] for c in per_layer), tuple(c[1] for c in per_layer)
     if logits_index is not None:  # only the positions asked for reach the [D, V] head (prefill needs one per row)
       x_btd = jnp.take_along_axis(x_btd, logits_index[:, :, None], axis=1)
     x_btd = RMSNorm(cfg, name="final_norm")(x_btd)
@@ -265,14 +301,37 @@ class Transformer(nn.Module):
     return logits_btv.astype(jnp.float32), cache
 
 
+def unstack_layers(params: Params) -> Params:
+  """A scanned model's params (``layers/...`` stacked on axis 0) as separate ``layers_0 .. layers_{L-1}`` trees,
+  for a config with ``scan_layers=False``. Trees already unstacked are returned as they are."""
+  if "layers" not in params:
+    return params
+  stacked = params["layers"]
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  out = {name: value for name, value in params.items() if name != "layers"}
+  out.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)})
+  return out
+
+
+def stack_layers(params: Params) -> Params:
+  """Inverse of ``unstack_layers``: ``layers_0 .. layers_{L-1}`` -> ``layers`` stacked on a leading axis."""
+  names = sorted((n for n in params if n.startswith("layers_")), key=lambda n: int(n.split("_")[1]))
+  if not names:
+    return params
+  out = {name: value for name, value in params.items() if not name.startswith("layers_")}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[n] for n in names))
+  return out
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) projections, unit norms, zero role embeddings), as plain arrays.
 
   Args:
     key: a ``jax.random.key``.
   Returns:
-    The parameter tree: ``embed[V, D]``, ``role_embed[R, D]``, ``layers/...`` stacked on a leading L axis,
-    ``final_norm/scale[D]`` and, when untied, ``lm_head[D, V]``.
+    The parameter tree: ``embed[V, D]``, ``role_embed[R, D]``, ``layers/...`` stacked on a leading L axis (or
+    ``layers_0 .. layers_{L-1}`` when ``config.scan_layers`` is False), ``final_norm/scale[D]`` and, when untied,
+    ``lm_head[D, V]``.
   """
   tokens = jnp.zeros((1, 1), jnp.int32)
   variables = Transformer(config).init(key, tokens, tokens)

@@ -161,9 +161,11 @@ class Sampler:
   ):
     if prefill_chunk & (prefill_chunk - 1) or min_bucket & (min_bucket - 1):
       raise ValueError(f"prefill_chunk={prefill_chunk} and min_bucket={min_bucket} must be powers of two.")
-    self.config = config
+    # Sampling runs the layers unrolled: slicing a layer out of stacked weights copies it on CPU and GPU, which
+    # tripled the memory traffic of a decode step. Callers pass either layout of params.
+    self.config = config.replace(scan_layers=False)
     self.mesh, self.rules = mesh, rules
-    self._param_shardings = sharding.param_shardings(config, mesh, rules) if mesh is not None else None
+    self._param_shardings = sharding.param_shardings(self.config, mesh, rules) if mesh is not None else None
     self.params = params
     self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
     self.pad_id = pad_id
@@ -178,16 +180,18 @@ class Sampler:
 
   @property
   def params(self):
-    """The parameter tree sampled from; assigning new weights re-places them on the mesh (no recompilation)."""
+    """The parameter tree sampled from, layers unstacked (``layers_0 ..``). Assigning new weights (either layout)
+    unstacks them and re-places them on the mesh; nothing recompiles."""
     return self._params
 
   @params.setter
   def params(self, params):
+    params = transformer.unstack_layers(params)
     self._params = sharding.shard_params(params, self._param_shardings) if self.mesh is not None else params
 
   def _jit(self, kind: str, cache: KVCache):
     """The jitted prefill or decode function; on a mesh, with explicit shardings for this cache's shape."""
-    key = (kind, cache.k.shape if self.mesh is not None else None)
+    key = (kind, (cache.lengths.shape[0], cache.capacity) if self.mesh is not None else None)
     if key in self._jitted:
       return self._jitted[key]
     fn, static = (self._prefill_chunk, ()) if kind == "prefill" else (self._decode_loop, (7, 8, 9))
@@ -224,7 +228,7 @@ class Sampler:
   @staticmethod
   def fork(cache: KVCache, group_size: int) -> KVCache:
     """Repeats each row ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
-    return jax.tree.map(lambda x, axis: jnp.repeat(x, group_size, axis=axis), cache, KVCache(k=1, v=1, lengths=0))
+    return cache.repeat(group_size)
 
   # ------------------------------------------------------------------------------------------------ jitted parts
 

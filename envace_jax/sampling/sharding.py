@@ -57,8 +57,8 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("cache_sequence", None),
 )
 
-# Logical names of the KV cache's k/v: dtype[L, B, S, K, H].
-CACHE_AXES = ("layers", "batch", "cache_sequence", "kv_heads", "head_dim")
+# Logical names of a stacked KV cache's k/v, dtype[L, B, K, S, H]; a per-layer cache drops the leading "layers".
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_sequence", "head_dim")
 
 _logged: set[str] = set()
 
@@ -279,16 +279,26 @@ def cache_shardings(
 
   Args:
     config: the model's config (checks the cache's layer and head counts).
-    cache: a KVCache, or one of ``jax.ShapeDtypeStruct``s; only shapes are read. k, v: [L, B, S, K, H].
+    cache: a KVCache, or one of ``jax.ShapeDtypeStruct``s; only shapes are read. k, v: [L, B, K, S, H] (stacked)
+      or a tuple of L [B, K, S, H] (per layer).
   Raises:
     ValueError: the cache's shape does not match ``config``.
   """
-  shape = tuple(cache.k.shape)
-  expected = (config.num_layers, config.num_kv_heads, config.head_dim)
-  if len(shape) != 5 or (shape[0], shape[3], shape[4]) != expected:
-    raise ValueError(f"cache k has shape {shape}; expected [L={expected[0]}, B, S, K={expected[1]}, H={expected[2]}].")
-  kv = logical_to_sharding(CACHE_AXES, shape, mesh, rules)
   lengths = logical_to_sharding(("batch",), tuple(cache.lengths.shape), mesh, rules)
+  per_layer = isinstance(cache.k, tuple)
+  shape = tuple(cache.k[0].shape) if per_layer else tuple(cache.k.shape)
+  layers = len(cache.k) if per_layer else shape[0]
+  inner = shape if per_layer else shape[1:]
+  k_heads, head_dim = config.num_kv_heads, config.head_dim
+  if layers != config.num_layers or len(inner) != 4 or (inner[1], inner[3]) != (k_heads, head_dim):
+    raise ValueError(
+      f"cache k has {layers} layers of shape {inner}; expected {config.num_layers} layers of "
+      f"[B, K={k_heads}, S, H={head_dim}]."
+    )
+  if per_layer:
+    kv = logical_to_sharding(CACHE_AXES[1:], shape, mesh, rules)
+    return transformer.KVCache(k=(kv,) * layers, v=(kv,) * layers, lengths=lengths)
+  kv = logical_to_sharding(CACHE_AXES, shape, mesh, rules)
   return transformer.KVCache(k=kv, v=kv, lengths=lengths)
 
 
@@ -298,8 +308,8 @@ def init_sharded_cache(
   """``transformer.init_cache`` allocated directly in place on the mesh (no full copy on any single device).
 
   Returns:
-    KVCache with k, v: dtype[L, batch, capacity, K, H] zeros and lengths: int32[batch], sharded per
-    ``cache_shardings``.
+    KVCache laid out for ``config.scan_layers`` (see ``transformer.KVCache``), zeros, lengths int32[batch],
+    sharded per ``cache_shardings``.
   Raises:
     ValueError: ``batch`` is not a multiple of ``batch_size_multiple(mesh, rules)``.
   """
@@ -327,8 +337,8 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
 
   Returns:
     ``f(params, tokens, roles=None, positions=None, cache=None, valid=None) -> (logits, cache)`` with the shapes of
-    ``transformer.apply``: tokens/roles/positions int32[B, T], valid bool[B, T], cache a KVCache with k/v
-    [L, B, S, K, H], logits float32[B, T, V]. Params are expected laid out per ``param_shardings(config, mesh,
+    ``transformer.apply``: tokens/roles/positions int32[B, T], valid bool[B, T], cache a KVCache laid out for
+    ``config.scan_layers``, logits float32[B, T, V]. Params are expected laid out per ``param_shardings(config, mesh,
     rules)`` (use ``shard_params``; uncommitted host arrays are also accepted); the inputs and logits are split on
     the batch, the cache per ``cache_shardings``. One compiled function per (input shapes, which optional inputs
     are given), as with any ``jax.jit``.
@@ -344,7 +354,12 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
     logits = batch_sharding(mesh, ndim_tokens + 1, rules)
     c_shardings = None
     if cache_shape is not None:
-      kv, lengths = (jax.ShapeDtypeStruct(shape, np.float32) for shape in cache_shape)  # only shapes are read
+      layer_shape, lengths_shape = cache_shape  # only shapes are read
+      lengths = jax.ShapeDtypeStruct(lengths_shape, np.int32)
+      if config.scan_layers:
+        kv = jax.ShapeDtypeStruct((config.num_layers, *layer_shape), np.float32)
+      else:
+        kv = (jax.ShapeDtypeStruct(layer_shape, np.float32),) * config.num_layers
       c_shardings = cache_shardings(config, mesh, transformer.KVCache(k=kv, v=kv, lengths=lengths), rules)
     return jax.jit(
       forward,
@@ -354,8 +369,8 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
 
   def f(params, tokens, roles=None, positions=None, cache=None, valid=None):
     _check_batch(tokens.shape[0], mesh, rules)
-    cache_shape = None if cache is None else (tuple(cache.k.shape), tuple(cache.lengths.shape))
+    cache_shape = None if cache is None else (tuple(cache.k[0].shape), tuple(cache.lengths.shape))
     return jitted(len(tokens.shape), cache_shape)(params, tokens, roles, positions, cache, valid)
 
-  f.jitted = jitted  # for inspection: f.jitted(tokens.ndim, None or (k.shape, lengths.shape)).lower(...).compile()
+  f.jitted = jitted  # for inspection: f.jitted(tokens.ndim, None or (k[0].shape, lengths.shape)).lower(...).compile()
   return f

@@ -152,3 +152,21 @@ def test_missing_tensor_names_it(tmp_path):
   del state["model.layers.1.mlp.up_proj.weight"]
   with pytest.raises(weights.WeightsError, match="model.layers.1.mlp.up_proj.weight"):
     weights.params_from_hf_state(config, state.__getitem__)
+
+
+def test_unrolled_layers_equal_scanned(tiny_pair):
+  """scan_layers=False (the sampler's layout) gives the scanned model's logits, with and without a cache."""
+  _, config, params = tiny_pair
+  unrolled = config.replace(scan_layers=False)
+  per_layer = transformer.unstack_layers(params)
+  assert "layers" not in per_layer and f"layers_{config.num_layers - 1}" in per_layer
+  jax.tree.map(np.testing.assert_array_equal, transformer.stack_layers(per_layer), params)
+  tokens = _tokens((2, 20), config.vocab_size, seed=8)
+  ref, _ = jit_apply(config, params, tokens)
+  out, _ = jit_apply(unrolled, per_layer, tokens)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+  cache = transformer.init_cache(unrolled, batch=2, capacity=32)
+  assert isinstance(cache.k, tuple) and cache.k[0].shape == (2, config.num_kv_heads, 32, config.head_dim)
+  first, cache = jit_apply(unrolled, per_layer, tokens[:, :13], cache=cache)
+  second, cache = jit_apply(unrolled, per_layer, tokens[:, 13:], cache=cache)
+  np.testing.assert_allclose(np.concatenate([first, second], axis=1), np.asarray(ref), atol=2e-5)

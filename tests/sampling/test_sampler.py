@@ -307,13 +307,16 @@ def test_sharded_sampler_equals_unsharded(tiny_with_roles):
   ref, ref_cache = plain.generate(plain.init_cache(4, 96), prompts, Role.USER, **kw)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   sharded = Sampler(config, params, mesh=mesh)
-  assert "tensor" in sharded.params["layers"]["attn"]["q_proj"].sharding.spec
+  assert "tensor" in sharded.params["layers_0"]["attn"]["q_proj"].sharding.spec
   out, cache = sharded.generate(sharded.init_cache(4, 96), prompts, Role.USER, **kw)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
   assert out.finish_reasons == ref.finish_reasons
-  assert cache.k.sharding.spec[1] == ("data", "fsdp")
-  np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5)
+  assert cache.k[0].sharding.spec[0] == ("data", "fsdp")
+  # Cached keys of generated tokens carry the float32 rounding of every earlier step, summed in another order on the
+  # mesh, through this peaked (x5) model: they agree to ~1e-4 relative (tokens and logprobs are checked above).
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+  jax.tree.map(close, cache.k, ref_cache.k)
   # A continuation turn on the mesh reuses the sharded cache.
   more, _ = sharded.generate(cache, [[5]] * 4, Role.OBSERVATION, **kw)
   again, _ = plain.generate(ref_cache, [[5]] * 4, Role.OBSERVATION, **kw)

@@ -219,7 +219,7 @@ def test_sharded_prefill_through_cache_matches_unsharded(setup, mesh):
   ref_cache = transformer.init_cache(config, B, S)
   cache = sharding.init_sharded_cache(config, mesh, B, S)
   assert cache.k.sharding.spec == P(
-    None, ("data", "fsdp"), None, "tensor" if config.num_kv_heads % 2 == 0 else None, None
+    None, ("data", "fsdp"), "tensor" if config.num_kv_heads % 2 == 0 else None, None, None
   )
   for (tokens, roles), valid in zip(chunks, valids, strict=True):
     ref, ref_cache = _reference_apply(config, params, tokens, roles, None, ref_cache, valid)
@@ -243,6 +243,9 @@ def test_sharded_apply_rejects_indivisible_batch(setup):
 
 def test_cache_shardings_checks_shape(mesh):
   cache = jax.eval_shape(lambda: transformer.init_cache(TINY, 4, 8))
-  assert sharding.cache_shardings(TINY, mesh, cache).k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
-  with pytest.raises(ValueError, match=r"expected \[L=2, B, S, K=3, H=16\]"):
+  assert sharding.cache_shardings(TINY, mesh, cache).k.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+  with pytest.raises(ValueError, match=r"expected 2 layers of \[B, K=3, S, H=16\]"):
     sharding.cache_shardings(TINY_KV3, mesh, cache)
+  unrolled = TINY.replace(scan_layers=False)
+  per_layer = sharding.cache_shardings(unrolled, mesh, jax.eval_shape(lambda: transformer.init_cache(unrolled, 4, 8)))
+  assert len(per_layer.k) == 2 and per_layer.k[1].spec == P(("data", "fsdp"), "tensor", None, None)
