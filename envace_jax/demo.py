@@ -25,6 +25,11 @@ from envace_jax.sampling.sampler import Sampler, SamplingParams
 def load_model(cfg):
   """(ModelConfig, params, Tokenizer or None) for ``cfg.model``: a random preset, or real weights offline."""
   if cfg.model in config_lib.PRESETS and cfg.model != "smollm2-135m":
+    if cfg.model != "tiny":
+      raise ValueError(
+        f"model={cfg.model!r} is a shape preset with no bundled weights; set model to a local Hugging Face "
+        "directory of that model (or 'tiny' for random weights)."
+      )
     model_config = config_lib.get_model_config(cfg.model, dtype=cfg.dtype)
     return model_config, transformer.init_params(model_config, jax.random.key(cfg.seed)), None
   pretrained = weights.load_pretrained(cfg.model, dtype=cfg.dtype)
@@ -59,13 +64,19 @@ def run(cfg, workdir: str | None = None) -> list[dict]:
     roles = np.full_like(ids, int(Role.USER))
   # Group prefix sharing: prefill all but the last prompt token once, fork G ways, feed the last token per row.
   cache = sampler.init_cache(batch=1, capacity=cfg.sampler.capacity)
-  cache, _, _, _ = sampler.prefill(cache, [ids[:-1]], [roles[:-1]])
+  cache, _, fitted, _ = sampler.prefill(cache, [ids[:-1]], [roles[:-1]])
+  if not fitted[0]:
+    raise ValueError(
+      f"the {len(ids)}-token prompt does not fit sampler.capacity={cfg.sampler.capacity}; "
+      "raise --config.sampler.capacity."
+    )
   if mesh is not None:
     cache = jax.device_put(cache, sharding.cache_shardings(model_config, mesh, Sampler.fork(cache, group)))
   cache = Sampler.fork(cache, group)
   sampling = SamplingParams(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)
   if sampling.temperature == 0 and group > 1:
     sampling = SamplingParams(temperature=0.7, top_p=0.95)  # G greedy samples would all be equal
+    print(f"{group} samples of one prompt: sampling at temperature 0.7, top-p 0.95 instead of greedy")
   start = time.perf_counter()
   out, _ = sampler.generate(
     cache,

@@ -440,7 +440,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
   out_dir = pathlib.Path(out_dir)
   if _is_converted(out_dir):
     return out_dir
-  reader = gguf.GGUFReader(str(gguf_path))
+  try:
+    reader = gguf.GGUFReader(str(gguf_path))
+  except (ValueError, OSError) as e:
+    raise WeightsError(f"{gguf_path} is not a readable GGUF file ({e}); is it truncated or another format?") from e
   hf_config = gguf_hf_config(reader)
   config = ModelConfig.from_hf_config(hf_config)
   state = gguf_hf_state(reader, hf_config)

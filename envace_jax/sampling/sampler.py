@@ -126,6 +126,14 @@ class SampleOutput:
     return self.tokens[b, : self.lengths[b]].tolist()
 
 
+def _check_rows(prompts: Sequence[Sequence[int]], cache: KVCache) -> int:
+  """B, the cache's rows; raises ValueError unless there is one prompt per row."""
+  b = cache.lengths.shape[0]
+  if len(prompts) != b:
+    raise ValueError(f"got {len(prompts)} prompts for a cache of {b} rows; pass one (possibly empty) per row.")
+  return b
+
+
 def _next_pow2(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
@@ -327,9 +335,7 @@ class Sampler:
     Raises:
       ValueError: wrong number of prompts or roles, or an active row with an empty prompt.
     """
-    b = cache.lengths.shape[0]
-    if len(prompts) != b:
-      raise ValueError(f"got {len(prompts)} prompts for a cache of {b} rows; pass one (possibly empty) per row.")
+    b = _check_rows(prompts, cache)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     active = lengths > 0 if active is None else np.asarray(active, bool)
     if np.any(active & (lengths == 0)):
@@ -342,6 +348,15 @@ class Sampler:
     for p, r in zip(prompts, prompt_roles, strict=True):
       if len(p) != len(r):
         raise ValueError(f"a prompt of {len(p)} tokens has {len(r)} role ids; give one role id per token.")
+    vocab, num_roles = self.config.vocab_size, self.config.num_roles
+    for row in np.flatnonzero(active):
+      ids, ids_roles = np.asarray(prompts[row]), np.asarray(prompt_roles[row])
+      if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(
+          f"row {row}: prompt ids must be integers in [0, {vocab}); check the tokenizer matches the model."
+        )
+      if ids_roles.dtype.kind not in "iu" or ids_roles.min() < 0 or ids_roles.max() >= num_roles:
+        raise ValueError(f"row {row}: role ids must be integers in [0, {num_roles}) (roles.Role).")
     filled = np.asarray(jax.device_get(cache.lengths))
     fitted = active & (filled + lengths <= cache.capacity)
     lengths = np.where(fitted, lengths, 0)
@@ -395,17 +410,21 @@ class Sampler:
     """
     if stop_strings and self._byte_table is None:
       raise ValueError("stop_strings need token_bytes: build the Sampler with token_bytes=tokenizer.token_bytes().")
-    b = cache.lengths.shape[0]
-    cache, logits, fitted, prefilled = self.prefill(cache, prompts, prompt_roles, active)
+    b = _check_rows(prompts, cache)
     active = np.asarray([len(p) > 0 for p in prompts]) if active is None else np.asarray(active, bool)
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))
+    if np.any(max_new[active] < 1):
+      raise ValueError(f"max_new_tokens must be >= 1 for every active row, got {max_new_tokens}.")
+    gen_roles = np.broadcast_to(np.asarray(role, np.int32), (b,))
+    if np.any((gen_roles < 0) | (gen_roles >= self.config.num_roles)):
+      raise ValueError(f"role must be a role id in [0, {self.config.num_roles}) (roles.Role), got {role}.")
+    cache, logits, fitted, prefilled = self.prefill(cache, prompts, prompt_roles, active)
     num_new = _next_pow2(int(max_new[active].max(initial=1)), 1)
-    roles = np.broadcast_to(np.asarray(role, np.int32), (b,))
     row_ids = np.arange(b) if row_ids is None else np.asarray(row_ids)
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(row_ids, jnp.uint32))
     stops = tuple(s.encode("utf-8") for s in stop_strings)
     tokens, logprobs, lengths, finish, cache = self._jit("decode", cache)(
-      self.params, cache, logits, fitted, max_new, row_keys, roles, num_new, sampling, stops
+      self.params, cache, logits, fitted, max_new, row_keys, gen_roles, num_new, sampling, stops
     )
     tokens, logprobs, lengths, finish = jax.device_get((tokens, logprobs, lengths, finish))
     finish = np.where(active & ~fitted, int(FinishReason.CONTEXT_EXHAUSTED), finish)

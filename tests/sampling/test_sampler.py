@@ -321,3 +321,20 @@ def test_sharded_sampler_equals_unsharded(tiny_with_roles):
   more, _ = sharded.generate(cache, [[5]] * 4, Role.OBSERVATION, **kw)
   again, _ = plain.generate(ref_cache, [[5]] * 4, Role.OBSERVATION, **kw)
   np.testing.assert_array_equal(more.tokens, again.tokens)
+
+
+def test_out_of_range_input_is_refused_before_the_cache_is_touched(tiny_with_roles):
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  cache = sampler.init_cache(1, 32)
+  kw = dict(key=jax.random.key(0), max_new_tokens=2)
+  with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    sampler.generate(cache, [[1, 2]], Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=0)
+  with pytest.raises(ValueError, match=f"prompt ids must be integers in \\[0, {config.vocab_size}\\)"):
+    sampler.generate(cache, [[1, config.vocab_size]], Role.USER, role=Role.ACT, **kw)
+  with pytest.raises(ValueError, match="role ids must be integers"):
+    sampler.generate(cache, [[1, 2]], 99, role=Role.ACT, **kw)
+  with pytest.raises(ValueError, match="role must be a role id"):
+    sampler.generate(cache, [[1, 2]], Role.USER, role=-1, **kw)
+  out, _ = sampler.generate(cache, [[1, 2]], Role.USER, role=Role.ACT, **kw)  # the cache was never donated
+  assert out.lengths[0] == 2
