@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import ml_collections
 
-from configs import base
+# Load base.py beside this file by path, so the config works from any working directory (config_flags loads
+# files by path; `configs` is not an installed package).
+_spec = importlib.util.spec_from_file_location("envace_configs_base", pathlib.Path(__file__).with_name("base.py"))
+base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(base)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
