@@ -70,9 +70,9 @@ def run(cfg, workdir: str | None = None) -> list[dict]:
       f"the {len(ids)}-token prompt does not fit sampler.capacity={cfg.sampler.capacity}; "
       "raise --config.sampler.capacity."
     )
-  if mesh is not None:
-    cache = jax.device_put(cache, sharding.cache_shardings(model_config, mesh, Sampler.fork(cache, group)))
   cache = Sampler.fork(cache, group)
+  if mesh is not None:
+    cache = jax.device_put(cache, sharding.cache_shardings(sampler.config, mesh, cache))
   sampling = SamplingParams(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)
   if sampling.temperature == 0 and group > 1:
     sampling = SamplingParams(temperature=0.7, top_p=0.95)  # G greedy samples would all be equal

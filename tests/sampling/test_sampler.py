@@ -186,16 +186,18 @@ def test_prompt_buckets_bound_compilations(tiny_with_roles):
   assert sampler.compile_counts == {"prefill": 3, "decode": 1}
 
 
+def _unstopped_run(config, params):
+  """12 greedy tokens for PROMPTS[0] with no EOS or stop string: the run the stopping tests cut short."""
+  sampler = Sampler(config, params)
+  out, _ = sampler.generate(
+    sampler.init_cache(1, 64), PROMPTS[:1], Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=12
+  )
+  return out
+
+
 def test_stops_eos_length_and_context(tiny_with_roles):
   config, params = tiny_with_roles
-  free, _ = Sampler(config, params).generate(
-    Sampler(config, params).init_cache(1, 64),
-    PROMPTS[:1],
-    Role.USER,
-    role=Role.ACT,
-    key=jax.random.key(0),
-    max_new_tokens=12,
-  )
+  free = _unstopped_run(config, params)
   eos = free.row(0)[5]
   sampler = Sampler(config, params, eos_ids=[eos], pad_id=0)
   first_eos = free.row(0).index(eos)
@@ -234,14 +236,7 @@ def test_stop_string_ends_on_the_token_that_completes_it(tiny_with_roles):
   """Token bytes are made up so a stop string can start and end in the middle of tokens."""
   config, params = tiny_with_roles
   token_bytes = [f"{i:03d}|".encode() for i in range(config.vocab_size)]  # every token: 4 bytes
-  free, _ = Sampler(config, params).generate(
-    Sampler(config, params).init_cache(1, 64),
-    PROMPTS[:1],
-    Role.USER,
-    role=Role.ACT,
-    key=jax.random.key(0),
-    max_new_tokens=12,
-  )
+  free = _unstopped_run(config, params)
   text = b"".join(token_bytes[t] for t in free.row(0))
   stop = text[4 * 3 + 2 : 4 * 5 + 1].decode()  # from inside token 3 to inside token 5
   sampler = Sampler(config, params, token_bytes=token_bytes)
