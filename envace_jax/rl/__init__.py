@@ -1,0 +1,1 @@
+"""Rewards, role-wise advantages and the GRPO update."""
