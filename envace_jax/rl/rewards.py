@@ -419,7 +419,9 @@ def derived_checklist(task: Task) -> list[dict[str, Any]]:
   """Judge items for a task without annotated checklists (e.g. τ²), one turn covering the whole conversation.
 
   Items, equally weighted: each assistant-side gold action (restricted to `compare_args`), each `communicate_info`
-  string, and each natural-language assertion in `task.criteria["nl_assertions"]` (τ²'s `nl_assertions`).
+  string, and each natural-language assertion of τ²'s `nl_assertions`, read from
+  `task.criteria["evaluation_criteria"]["nl_assertions"]` (where `envs/tau2.py` keeps τ²'s evaluation criteria) or
+  `task.criteria["nl_assertions"]`.
   """
   items = []
   for i, g in enumerate(a for a in task.gold_actions if a.requestor == "assistant"):
@@ -444,7 +446,9 @@ def derived_checklist(task: Task) -> list[dict[str, Any]]:
         "failure_examples": ["The information only appears in private thinking or not at all"],
       }
     )
-  for i, assertion in enumerate(task.criteria.get("nl_assertions") or ()):
+  tau2_criteria = task.criteria.get("evaluation_criteria") or {}
+  assertions = task.criteria.get("nl_assertions") or tau2_criteria.get("nl_assertions") or ()
+  for i, assertion in enumerate(assertions):
     question = f"Is this true of the conversation: {assertion}"
     items.append({"id": f"assertion[{i}]", "question": question, "focus_on": "", "pass_condition": str(assertion)})
   for item in items:

@@ -581,6 +581,9 @@ def test_derived_checklist_for_a_task_without_annotations(serve):
   assert any('{"user_id": "u1"}' in p and '"note"' not in p for p in server.prompts())  # compare_args only
   with _judge(server.url) as judge:
     assert judge(_task(), conversation).reward == 1.0 and not server.requests[3:]
+    # envs/tau2.py keeps τ²'s evaluation criteria under criteria["evaluation_criteria"].
+    nested = _task(criteria={"evaluation_criteria": {"nl_assertions": ["a", "b"]}})
+    assert set(judge(nested, conversation).breakdown) == {"turn[0]/assertion[0]", "turn[0]/assertion[1]", "turn[0]"}
 
 
 def test_judge_as_checklist_env_scorer(serve):
