@@ -8,12 +8,15 @@ H head dim, F MLP width, V vocab, R roles):
     tokens, roles, positions   int32[B, T]
     valid                      bool[B, T]    False marks padding (never attended to, never written to the cache)
     logits                     float32[B, T, V]
-    KVCache.k, KVCache.v       dtype[L, B, K, S, H] (scan_layers) or a tuple of L dtype[B, K, S, H] arrays;
-                               keys are stored after the rotary embedding
+    KVCache.k                  dtype[L, B, K, H, S] (scan_layers) or a tuple of L dtype[B, K, H, S] arrays;
+                               keys after the rotary embedding, stored transposed (head dim before slots)
+    KVCache.v                  dtype[L, B, K, S, H] or a tuple of L dtype[B, K, S, H]
     KVCache.lengths            int32[B]      filled slots per sequence
 
-The cache keeps heads before slots ([B, K, S, H]) so attention reads it as the batched matmul wants it, without a
-transposed copy per layer and step.
+Both layouts are the ones the two attention matmuls read in place: scores = q @ k contracts k's second-to-last axis
+(H) and out = probs @ v contracts v's (S). Keys stored [B, K, S, H] made XLA copy every layer's keys to [B, K, H, S]
+at every decode step (a full read and write of the key cache, ~7% of a SmolLM2 step at 322 slots and growing with
+capacity).
 
 Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
 the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
@@ -48,8 +51,9 @@ class KVCache:
   """Keys and values of every layer with a static capacity, and the filled length of each sequence.
 
   Attributes:
-    k: rotary-embedded keys: dtype[L, B, K, S, H] for a scanned model, a tuple of L dtype[B, K, S, H] otherwise.
-    v: values, laid out as k.
+    k: rotary-embedded keys, transposed: dtype[L, B, K, H, S] for a scanned model, a tuple of L dtype[B, K, H, S]
+      otherwise.
+    v: values: dtype[L, B, K, S, H], or a tuple of L dtype[B, K, S, H].
     lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its history).
   """
 
@@ -60,7 +64,7 @@ class KVCache:
   @property
   def capacity(self) -> int:
     """S, the number of slots per sequence."""
-    return self.k[0].shape[2]  # layer 0: [B, K, S, H] in both layouts
+    return self.v[0].shape[2]  # layer 0 of v: [B, K, S, H] in both layouts
 
   def repeat(self, group_size: int) -> KVCache:
     """Each row repeated ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
@@ -74,14 +78,15 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None
 
   dtype defaults to the config's compute dtype.
   """
-  shape = (batch, config.num_kv_heads, capacity, config.head_dim)
+  k_shape = (batch, config.num_kv_heads, config.head_dim, capacity)
+  v_shape = (batch, config.num_kv_heads, capacity, config.head_dim)
   dtype = dtype or config.dtype
   if config.scan_layers:
-    zeros = lambda: jnp.zeros((config.num_layers, *shape), dtype)
+    zeros = lambda shape: jnp.zeros((config.num_layers, *shape), dtype)
   else:
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   # k and v must be distinct buffers: the sampler donates both.
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+  return KVCache(k=zeros(k_shape), v=zeros(v_shape), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
@@ -174,24 +179,28 @@ class Attention(nn.Module):
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
-      # whole cache. ``layer`` indexes a stacked [L, B, K, S, H] cache; None means this layer's own [B, K, S, H].
+      # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are
+      # split by a slice, so for k[.., B, K, H, S] the written block is still laid out [B, K, T, H] (NumPy rules).
       k_cache, v_cache = cache
       rows = jnp.arange(b)[:, None, None]
       heads = jnp.arange(k)[None, :, None]
       slots = write_slots[:, None, :]
-      where = (rows, heads, slots) if layer is None else (layer, rows, heads, slots)
-      k_cache = k_cache.at[where].set(k_bkth.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[where].set(v_bkth.astype(v_cache.dtype), mode="drop")
+      k_where = (rows, heads, slice(None), slots)
+      v_where = (rows, heads, slots)
+      if layer is not None:
+        k_where, v_where = (layer, *k_where), (layer, *v_where)
+      k_cache = k_cache.at[k_where].set(k_bkth.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[v_where].set(v_bkth.astype(v_cache.dtype), mode="drop")
       cache = (k_cache, v_cache)
       if layer is not None:
         k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
-      k_bksh, v_bksh = k_cache.astype(dtype), v_cache.astype(dtype)
+      k_bkhs, v_bksh = k_cache.astype(dtype), v_cache.astype(dtype)
     else:
-      k_bksh, v_bksh = k_bkth, v_bkth
+      k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
-    scores_bkgts = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
+    scores_bkgts = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32)
     scores_bkgts = jnp.where(mask[:, None, None], scores_bkgts * (h**-0.5), _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
     out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)

@@ -57,8 +57,10 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("cache_sequence", None),
 )
 
-# Logical names of a stacked KV cache's k/v, dtype[L, B, K, S, H]; a per-layer cache drops the leading "layers".
+# Logical names of a stacked KV cache's v, dtype[L, B, K, S, H], and of its transposed k, dtype[L, B, K, H, S]; a
+# per-layer cache drops the leading "layers".
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_sequence", "head_dim")
+K_CACHE_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_sequence")
 
 _logged: set[str] = set()
 
@@ -275,31 +277,35 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = LOGICAL_RULES) -> Named
 def cache_shardings(
   config: ModelConfig, mesh: Mesh, cache: transformer.KVCache, rules: Rules = LOGICAL_RULES
 ) -> transformer.KVCache:
-  """A ``KVCache`` whose fields are ``NamedSharding``s: k/v by ``CACHE_AXES``, lengths on the batch.
+  """A ``KVCache`` whose fields are ``NamedSharding``s: k by ``K_CACHE_AXES``, v by ``CACHE_AXES``, lengths on the
+  batch.
 
   Args:
     config: the model's config (checks the cache's layer and head counts).
-    cache: a KVCache, or one of ``jax.ShapeDtypeStruct``s; only shapes are read. k, v: [L, B, K, S, H] (stacked)
-      or a tuple of L [B, K, S, H] (per layer).
+    cache: a KVCache, or one of ``jax.ShapeDtypeStruct``s; only shapes are read. v: [L, B, K, S, H] (stacked) or
+      a tuple of L [B, K, S, H] (per layer); k the same with S and H swapped.
   Raises:
     ValueError: the cache's shape does not match ``config``.
   """
   lengths = logical_to_sharding(("batch",), tuple(cache.lengths.shape), mesh, rules)
-  per_layer = isinstance(cache.k, tuple)
-  shape = tuple(cache.k[0].shape) if per_layer else tuple(cache.k.shape)
-  layers = len(cache.k) if per_layer else shape[0]
+  per_layer = isinstance(cache.v, tuple)
+  shape = tuple(cache.v[0].shape) if per_layer else tuple(cache.v.shape)
+  layers = len(cache.v) if per_layer else shape[0]
   inner = shape if per_layer else shape[1:]
   k_heads, head_dim = config.num_kv_heads, config.head_dim
   if layers != config.num_layers or len(inner) != 4 or (inner[1], inner[3]) != (k_heads, head_dim):
     raise ValueError(
-      f"cache k has {layers} layers of shape {inner}; expected {config.num_layers} layers of "
+      f"cache v has {layers} layers of shape {inner}; expected {config.num_layers} layers of "
       f"[B, K={k_heads}, S, H={head_dim}]."
     )
+  k_shape = (*shape[:-2], shape[-1], shape[-2])
   if per_layer:
-    kv = logical_to_sharding(CACHE_AXES[1:], shape, mesh, rules)
-    return transformer.KVCache(k=(kv,) * layers, v=(kv,) * layers, lengths=lengths)
-  kv = logical_to_sharding(CACHE_AXES, shape, mesh, rules)
-  return transformer.KVCache(k=kv, v=kv, lengths=lengths)
+    k = logical_to_sharding(K_CACHE_AXES[1:], k_shape, mesh, rules)
+    v = logical_to_sharding(CACHE_AXES[1:], shape, mesh, rules)
+    return transformer.KVCache(k=(k,) * layers, v=(v,) * layers, lengths=lengths)
+  k = logical_to_sharding(K_CACHE_AXES, k_shape, mesh, rules)
+  v = logical_to_sharding(CACHE_AXES, shape, mesh, rules)
+  return transformer.KVCache(k=k, v=v, lengths=lengths)
 
 
 def init_sharded_cache(
@@ -354,13 +360,14 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
     logits = batch_sharding(mesh, ndim_tokens + 1, rules)
     c_shardings = None
     if cache_shape is not None:
-      layer_shape, lengths_shape = cache_shape  # only shapes are read
+      v_shape, lengths_shape = cache_shape  # only shapes are read: one layer's v [B, K, S, H]
+      k_shape = (*v_shape[:-2], v_shape[-1], v_shape[-2])
       lengths = jax.ShapeDtypeStruct(lengths_shape, np.int32)
       if config.scan_layers:
-        kv = jax.ShapeDtypeStruct((config.num_layers, *layer_shape), np.float32)
+        k, v = (jax.ShapeDtypeStruct((config.num_layers, *shape), np.float32) for shape in (k_shape, v_shape))
       else:
-        kv = (jax.ShapeDtypeStruct(layer_shape, np.float32),) * config.num_layers
-      c_shardings = cache_shardings(config, mesh, transformer.KVCache(k=kv, v=kv, lengths=lengths), rules)
+        k, v = ((jax.ShapeDtypeStruct(shape, np.float32),) * config.num_layers for shape in (k_shape, v_shape))
+      c_shardings = cache_shardings(config, mesh, transformer.KVCache(k=k, v=v, lengths=lengths), rules)
     return jax.jit(
       forward,
       in_shardings=(p_shardings, rows, rows, rows, c_shardings, rows),
@@ -369,8 +376,8 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
 
   def f(params, tokens, roles=None, positions=None, cache=None, valid=None):
     _check_batch(tokens.shape[0], mesh, rules)
-    cache_shape = None if cache is None else (tuple(cache.k[0].shape), tuple(cache.lengths.shape))
+    cache_shape = None if cache is None else (tuple(cache.v[0].shape), tuple(cache.lengths.shape))
     return jitted(len(tokens.shape), cache_shape)(params, tokens, roles, positions, cache, valid)
 
-  f.jitted = jitted  # for inspection: f.jitted(tokens.ndim, None or (k[0].shape, lengths.shape)).lower(...).compile()
+  f.jitted = jitted  # for inspection: f.jitted(tokens.ndim, None or (v[0].shape, lengths.shape)).lower(...).compile()
   return f

@@ -166,7 +166,8 @@ def test_unrolled_layers_equal_scanned(tiny_pair):
   out, _ = jit_apply(unrolled, per_layer, tokens)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
   cache = transformer.init_cache(unrolled, batch=2, capacity=32)
-  assert isinstance(cache.k, tuple) and cache.k[0].shape == (2, config.num_kv_heads, 32, config.head_dim)
+  assert isinstance(cache.k, tuple) and cache.k[0].shape == (2, config.num_kv_heads, config.head_dim, 32)
+  assert cache.v[0].shape == (2, config.num_kv_heads, 32, config.head_dim) and cache.capacity == 32
   first, cache = jit_apply(unrolled, per_layer, tokens[:, :13], cache=cache)
   second, cache = jit_apply(unrolled, per_layer, tokens[:, 13:], cache=cache)
   np.testing.assert_allclose(np.concatenate([first, second], axis=1), np.asarray(ref), atol=2e-5)
