@@ -1,0 +1,1 @@
+"""World rehearsal: self-unfolded rollouts (ACT / REHEARSE / USER in lockstep) and test-time private rehearsal."""

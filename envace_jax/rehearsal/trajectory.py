@@ -1,0 +1,103 @@
+"""Trajectories and their training rows: the token bookkeeping between the rollout and the update.
+
+A self-unfolded trajectory (paper §3; DESIGN.md, "One training step") keeps one append-only token sequence per
+**view**: the agent's (ACT), the environment's (REHEARSE) and the user simulator's (USER). Each view's sequence is
+exactly what that view's KV cache holds: prompt tokens rendered from messages, and generated tokens exactly as the
+sampler produced them. At the end each view becomes one `TrainingRow`: nothing is re-tokenised from text.
+
+Alignment: ``logprobs[t]`` is the sampler's log-probability of ``tokens[t]`` given ``tokens[:t]`` under the
+unmodified policy (temperature 1, no truncation); it is meaningful where ``loss_mask[t]`` is True (tokens the view's
+role generated) and 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from envace_jax.envs.base import ChatMessage, RewardInfo, Task
+from envace_jax.model.roles import Role
+
+
+class Termination(str, enum.Enum):
+  """Why a trajectory ended (kept on the trajectory and counted in metrics)."""
+
+  AGENT_STOP = "agent_stop"  # the agent replied with its stop marker / final answer and the user ended
+  USER_STOP = "user_stop"  # the user simulator emitted a stop marker (###STOP###, ###TRANSFER###, ...)
+  USER_TURNS_DONE = "user_turns_done"  # logged user turns (BFCL, checklist format) are exhausted
+  MAX_TURNS = "max_turns"  # the configured turn budget ran out
+  CONTEXT_EXHAUSTED = "context_exhausted"  # a view's KV cache is full
+  MALFORMED = "malformed"  # malformed output ended the trajectory (when configured to)
+
+
+@dataclasses.dataclass
+class TrainingRow:
+  """One view of one trajectory, packed: T tokens (T = the view's length).
+
+  Attributes:
+    tokens: int32[T] token ids, exactly as held by the view's KV cache.
+    roles: int32[T] role id (roles.Role) of every token.
+    loss_mask: bool[T] True on the tokens this view's ``role`` generated.
+    logprobs: float32[T] the sampler's logprob of each generated token (0 where ``loss_mask`` is False).
+    role: the role that generated in this view (Role.ACT, Role.REHEARSE or Role.USER).
+    trajectory: index of the trajectory in its rollout batch (B*G trajectories, task-major: b*G + g).
+    num_generations: how many generations (sampler outputs) this row holds.
+  """
+
+  tokens: np.ndarray
+  roles: np.ndarray
+  loss_mask: np.ndarray
+  logprobs: np.ndarray
+  role: int
+  trajectory: int
+  num_generations: int
+
+  def __post_init__(self):
+    n = len(self.tokens)
+    for name in ("roles", "loss_mask", "logprobs"):
+      if len(getattr(self, name)) != n:
+        raise ValueError(f"TrainingRow.{name} has length {len(getattr(self, name))}, tokens has {n}.")
+
+  @property
+  def num_trained_tokens(self) -> int:
+    return int(np.sum(self.loss_mask))
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One rollout of one task.
+
+  Attributes:
+    task: the task.
+    group: index of the task in the rollout batch (the GRPO group).
+    sample: index of this rollout within its group (0..G-1).
+    messages: the conversation as the agent saw it (OpenAI layout), for the evaluator and for humans.
+    rows: the views' training rows, by role id.
+    termination: why it ended.
+    counts: recoverable faults and sizes for metrics, e.g. ``tool_calls``, ``malformed_act``,
+      ``invalid_rehearsed_json``, ``unknown_tool``, ``turns``, ``generations_act`` ...
+    reward: the trajectory's reward (set after the rollout), or None.
+    events: a host-side log of what happened (parse errors with their raw text, ...), JSON-compatible.
+  """
+
+  task: Task
+  group: int
+  sample: int
+  messages: list[ChatMessage] = dataclasses.field(default_factory=list)
+  rows: dict[int, TrainingRow] = dataclasses.field(default_factory=dict)
+  termination: Termination | None = None
+  counts: dict[str, int] = dataclasses.field(default_factory=dict)
+  reward: RewardInfo | None = None
+  events: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+
+  def count(self, name: str, n: int = 1) -> None:
+    self.counts[name] = self.counts.get(name, 0) + n
+
+  def generations(self, role: Role | int) -> int:
+    """Number of generations of ``role`` in this trajectory (0 when the view has none)."""
+    row = self.rows.get(int(role))
+    return row.num_generations if row is not None else 0
