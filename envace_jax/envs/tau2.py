@@ -214,11 +214,21 @@ def _convert_task(domain: str, split: str, tau_task: TauTask, env: Environment, 
     criteria={
       "evaluation_criteria": criteria.model_dump(mode="json") if criteria else None,
       "evaluation_type": EVALUATION_TYPE.value,
-      "tau2_task": tau_task.model_dump(mode="json"),  # rebuilds the package Task for its evaluator
+      "tau2_task": _without_timestamps(tau_task.model_dump(mode="json")),  # rebuilds the package Task
       "reference_source": source,  # "gold_actions" | "scenario_lookups" | "none" | None (not computed)
     },
     user_stop_markers=USER_STOP_MARKERS,
   )
+
+
+def _without_timestamps(value):
+  """``value`` without the ``timestamp`` fields the package fills with the load time (initial message histories),
+  so loading the same task twice gives identical data (a prepared dataset is reproducible)."""
+  if isinstance(value, dict):
+    return {k: _without_timestamps(v) for k, v in value.items() if k != "timestamp"}
+  if isinstance(value, list):
+    return [_without_timestamps(v) for v in value]
+  return value
 
 
 def load_tasks(domain: str, split: str, with_reference: bool = True) -> list[Task]:

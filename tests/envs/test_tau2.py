@@ -240,3 +240,11 @@ def test_oracle_airline_test_is_perfect():
   rows = tau2.run_oracle("airline", "test")
   assert len(rows) == 20
   assert [task_id for task_id, reward, _ in rows if reward.reward != 1.0] == []
+
+
+def test_loading_twice_gives_identical_tasks():
+  """The package stamps initial message histories with the load time; our tasks must not carry it (prepared
+  datasets are rebuilt byte for byte)."""
+  first, second = (tau2.load_tasks("mock", "base", with_reference=False) for _ in range(2))
+  assert [t.to_json() for t in first] == [t.to_json() for t in second]
+  assert any(tau2.initial_conversation(t) for t in first)  # the histories are still there, minus the stamps
