@@ -430,7 +430,7 @@ class ChecklistEnv(ToolEnv):
 
   Scoring lives in `rl/rewards.py` (envs do not import rl, DESIGN.md "Dependency direction"), so the wiring passes it
   in: `ChecklistEnv(scorer=rewards.rule_checklist)` (offline, gold actions only) or
-  `ChecklistEnv(scorer=rewards.ChecklistJudge(config))` (the paper's LLM judge over the checklists).
+  `ChecklistEnv(scorer=judge.ChecklistJudge(config))` (`rl/judge.py`) (the paper's LLM judge over the checklists).
 
   Args:
     scorer: `(task, conversation) -> RewardInfo`; None leaves `evaluate` unavailable (it raises `EnvError`).
@@ -484,8 +484,9 @@ class ChecklistEnv(ToolEnv):
     if self._scorer is None:
       raise EnvError(
         "ChecklistEnv has no scorer: this format has no backend to evaluate against. Construct it with "
-        "scorer=envace_jax.rl.rewards.rule_checklist (offline, gold actions) or scorer=ChecklistJudge(JudgeConfig("
-        "base_url=..., model=...)) (the paper's LLM judge over the checklists)."
+        "scorer=envace_jax.rl.rewards.rule_checklist (offline, gold actions) or "
+        "scorer=envace_jax.rl.judge.ChecklistJudge(JudgeConfig(base_url=..., model=...)) (the paper's LLM judge over "
+        "the checklists)."
       )
     return self._scorer(task, conversation)
 

@@ -16,8 +16,9 @@ import pytest
 
 from envace_jax.envs import checklist
 from envace_jax.envs.base import ChatMessage, GoldAction, Task, ToolCall
-from envace_jax.rl import rewards
-from envace_jax.rl.rewards import ChecklistJudge, JudgeConfig, RewardConfigError, RuleChecklistConfig
+from envace_jax.rl import judge, rewards
+from envace_jax.rl.judge import ChecklistJudge, JudgeConfig
+from envace_jax.rl.rewards import RewardConfigError, RuleChecklistConfig
 
 FIXTURE = Path(__file__).parents[1] / "envs" / "data" / "checklist_fixture.jsonl"
 
@@ -613,4 +614,4 @@ def test_judge_as_checklist_env_scorer(serve):
   ],
 )
 def test_parse_verdict(text, expected):
-  assert rewards.parse_verdict(text) == expected
+  assert judge.parse_verdict(text) == expected
