@@ -26,6 +26,7 @@ setup(
     "jinja2>=3.1",
     "absl-py>=2.0",
     "tqdm>=4.66",
+    "tensorboardX>=2.6",  # metrics.py: TensorBoard event files without TensorFlow
     "httpx>=0.27",  # the LLM checklist judge (rl/rewards.py)
   ],
   extras_require={

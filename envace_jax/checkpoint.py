@@ -1,0 +1,434 @@
+"""Checkpoints: everything a run needs to resume exactly, in one orbax ``CheckpointManager`` per workdir.
+
+    ckpt = Checkpointer.from_config(workdir, config)        # save interval and retention from config.train
+    if ckpt.latest_step() is not None:
+      abstract = {"params": jax.eval_shape(init, key), "opt_state": jax.eval_shape(optimizer.init, params_shape)}
+      abstract = with_shardings(abstract, {"params": param_shardings, "opt_state": opt_shardings})
+      restored = ckpt.restore(abstract_state=abstract)       # the latest step, each array placed on its sharding
+      params, opt_state, rng = restored.params, restored.opt_state, restored.rng
+      stream = TaskStream.from_state(source, restored.data_state)
+    ...
+    ckpt.save(step, params=params, opt_state=opt_state, rng=rng, data_state=stream.state(), metrics=scalars)
+    ckpt.close()                                            # waits for the last (asynchronous) save
+
+On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
+  ``state/``   {"params": ..., "opt_state": ...}, orbax's standard array format (bit-exact; sharded arrays are
+               written by every process, each its own shards). ``params`` is the model's tree, or in per-role mode
+               {"act": tree, "rehearse": tree}; ``opt_state`` is the optax state (e.g. AdamW) over it.
+  ``config/``  the run's config as JSON: a checkpoint describes itself (``read_config``; ``python -m
+               envace_jax.inspect DIR`` prints it without the config file).
+  ``meta/``    JSON: the step, the RNG key (``jax.random.key_data`` and the key's implementation), the data position
+               (``TaskStream.state()``), the step's metrics (non-finite floats as "NaN"/"Infinity" strings) and the
+               save's wall time.
+
+Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns, so the caller may donate
+or update them right after); ``restore``, ``latest_step`` and ``close`` wait for saves in flight. Steps count
+updates (step s is saved after the s-th update): a resumed run continues at ``restored.step + 1``.
+
+Restoring checks the checkpoint's array shapes, dtypes and tree structure against the target before reading any
+array, so a workdir holding a checkpoint of another model (or another mode) fails with a ``CheckpointError`` that
+names the first differing arrays and the two configs' model settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from envace_jax.metrics import from_json_safe, to_json_safe
+
+CHECKPOINT_SUBDIR = "checkpoints"
+_STATE, _CONFIG, _META = "state", "config", "meta"
+# Config keys that decide the parameter tree's shapes and structure: quoted in incompatibility errors.
+_MODEL_KEYS = ("model", "model_path", "tokenizer", "param_dtype", "grpo.mode")
+_MAX_LISTED = 8  # mismatching arrays named in an error
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is missing, or does not fit the state it is restored into (another model, mode or dtype)."""
+
+
+@dataclasses.dataclass
+class Restored:
+  """What ``Checkpointer.restore`` returns.
+
+  Attributes:
+    step: the checkpoint's step (updates done); the run continues at step + 1.
+    params: the parameter tree, arrays on the target's shardings.
+    opt_state: the optimizer state, with the target's structure (optax namedtuples when the target has them).
+    rng: the run's RNG key, a typed key array (``jax.random.wrap_key_data`` of the saved key data).
+    data_state: the saved data position (``TaskStream.state()``), or None when none was saved.
+    metrics: the scalars saved with the step.
+    config: the config the checkpoint was saved with.
+  """
+
+  step: int
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  data_state: dict[str, Any] | None
+  metrics: dict[str, Any]
+  config: ml_collections.ConfigDict
+
+
+def _config_dict(config: ml_collections.ConfigDict | Mapping[str, Any] | None) -> dict[str, Any]:
+  if config is None:
+    return {}
+  if isinstance(config, ml_collections.ConfigDict):
+    return json.loads(config.to_json_best_effort())
+  return to_json_safe(dict(config))
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+  value: Any = config
+  for part in dotted.split("."):
+    if not isinstance(value, Mapping) or part not in value:
+      return None
+    value = value[part]
+  return value
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """``abstract`` (a tree of arrays or ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``) with the shardings
+  of the matching tree ``shardings`` attached: the target ``Checkpointer.restore`` places arrays on.
+
+  Raises:
+    ValueError: the two trees have different structures.
+  """
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def _abstract(tree: Any) -> Any:
+  """Arrays -> ShapeDtypeStruct (keeping their sharding); ShapeDtypeStructs stay as they are."""
+
+  def leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if sharding is None else x.dtype, sharding=sharding)
+
+  return jax.tree.map(leaf, tree)
+
+
+def _path_name(path: tuple) -> str:
+  """A key path as orbax names the array: dict keys, sequence indices and namedtuple fields joined with '/'."""
+  parts = []
+  for entry in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(entry, attr):
+        parts.append(str(getattr(entry, attr)))
+        break
+    else:
+      parts.append(str(entry))
+  return "/".join(parts)
+
+
+def _flat_target(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {_path_name(p): (tuple(x.shape), np.dtype(x.dtype)) for p, x in flat}
+
+
+def _flat_saved(tree: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Orbax tree metadata (nested dicts / lists of ArrayMetadata; None for empty nodes) -> path -> (shape, dtype)."""
+  out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+  if tree is None:
+    return out
+  if isinstance(tree, Mapping):
+    items = tree.items()
+  elif isinstance(tree, list | tuple):
+    items = enumerate(tree)
+  else:
+    return {prefix: (tuple(tree.shape), np.dtype(tree.dtype))}
+  for key, value in items:
+    out.update(_flat_saved(value, f"{prefix}/{key}" if prefix else str(key)))
+  return out
+
+
+class Checkpointer:
+  """Saves and restores a run's state under ``workdir/checkpoints`` (see the module docstring for the layout).
+
+  Args:
+    workdir: the run's directory; checkpoints go to ``workdir/checkpoints`` (created on first save).
+    config: the run's config, stored as JSON with every checkpoint (a ConfigDict or a JSON-able mapping).
+    max_to_keep: how many of the newest checkpoints to keep (older ones are deleted); None keeps all.
+    save_every: ``save`` writes only steps that are multiples of this (``force=True`` writes any step).
+    async_save: write in a background thread (the default); False blocks in ``save`` until written.
+
+  Raises:
+    ValueError: max_to_keep or save_every below 1.
+  """
+
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    config: ml_collections.ConfigDict | Mapping[str, Any] | None = None,
+    max_to_keep: int | None = 3,
+    save_every: int = 1,
+    async_save: bool = True,
+  ):
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    if save_every < 1:
+      raise ValueError(f"save_every must be >= 1, got {save_every}")
+    self.save_every = int(save_every)
+    self.directory = os.path.join(os.path.abspath(os.fspath(workdir)), CHECKPOINT_SUBDIR)
+    self._config = _config_dict(config)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep,
+      create=True,
+      cleanup_tmp_directories=True,  # a save killed mid-way leaves a tmp folder; it is never a checkpoint
+      enable_async_checkpointing=async_save,
+    )
+    handlers = {
+      _STATE: ocp.StandardCheckpointHandler(),
+      _CONFIG: ocp.JsonCheckpointHandler(),
+      _META: ocp.JsonCheckpointHandler(),
+    }
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  @classmethod
+  def from_config(cls, workdir: str | os.PathLike, config: ml_collections.ConfigDict, **kwargs) -> Checkpointer:
+    """A Checkpointer with ``config.train.checkpoint_every`` and ``config.train.keep_checkpoints``."""
+    kwargs.setdefault("save_every", config.train.checkpoint_every)
+    kwargs.setdefault("max_to_keep", config.train.keep_checkpoints)
+    return cls(workdir, config=config, **kwargs)
+
+  # -- which steps -------------------------------------------------------------------------------------------------
+
+  def latest_step(self) -> int | None:
+    """The newest saved step, or None when the workdir has no checkpoint."""
+    self._manager.wait_until_finished()
+    self._manager.reload()
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Every saved step, oldest first."""
+    self._manager.wait_until_finished()
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step)`` (without force) would write: ``step`` is a multiple of ``save_every``."""
+    return int(step) % self.save_every == 0
+
+  def _step(self, step: int | None) -> int:
+    latest = self.latest_step()
+    if step is None:
+      if latest is None:
+        raise CheckpointError(f"no checkpoint in {self.directory}")
+      return latest
+    if step not in self._manager.all_steps():
+      raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; saved steps: {self.all_steps()}")
+    return int(step)
+
+  # -- save --------------------------------------------------------------------------------------------------------
+
+  def save(
+    self,
+    step: int,
+    *,
+    params: Any,
+    opt_state: Any,
+    rng: jax.Array,
+    data_state: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    force: bool = False,
+  ) -> bool:
+    """Saves the state of ``step`` (updates done) when ``step`` is on the save interval, or when ``force``.
+
+    Args:
+      step: a non-negative int; each step is saved once.
+      params: the parameter tree (or {"act": tree, "rehearse": tree} in per-role mode), JAX or numpy arrays.
+      opt_state: the optimizer state (any pytree of arrays: optax namedtuples are fine).
+      rng: a typed key (``jax.random.key``); stored as ``jax.random.key_data`` with the key's implementation.
+      data_state: the data position, ``TaskStream.state()`` (plain JSON values).
+      metrics: the step's scalars.
+      force: save even off the interval (do this for the last step of a run).
+
+    Returns:
+      Whether a checkpoint was started.
+
+    Raises:
+      TypeError: ``rng`` is not a typed key array (make it with ``jax.random.key``, not ``PRNGKey``).
+      orbax's StepAlreadyExistsError: ``step`` is already saved.
+    """
+    if not jax.dtypes.issubdtype(getattr(rng, "dtype", np.float32), jax.dtypes.prng_key):
+      raise TypeError(f"rng must be a typed key array from jax.random.key(...), got {getattr(rng, 'dtype', rng)!r}")
+    if not force and not self.should_save(step):
+      return False
+    key_data = np.asarray(jax.random.key_data(rng))
+    meta = {
+      "step": int(step),
+      "rng": {
+        "impl": str(jax.random.key_impl(rng)),
+        "shape": list(key_data.shape),
+        "dtype": str(key_data.dtype),
+        "data": key_data.reshape(-1).tolist(),
+      },
+      "data_state": to_json_safe(dict(data_state)) if data_state is not None else None,
+      "metrics": to_json_safe(dict(metrics or {})),
+      "time": time.time(),
+      "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "")},
+    }
+    args = ocp.args.Composite(
+      **{
+        _STATE: ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+        _CONFIG: ocp.args.JsonSave(self._config),
+        _META: ocp.args.JsonSave(meta),
+      }
+    )
+    # force: the interval is decided above (orbax's own policy would also save a fresh run's first step).
+    saved = self._manager.save(int(step), args=args, force=True)
+    if saved:
+      logging.info("checkpoint of step %d -> %s", step, self.directory)
+    return saved
+
+  # -- restore -----------------------------------------------------------------------------------------------------
+
+  def read_meta(self, step: int | None = None) -> dict[str, Any]:
+    """The ``meta`` item of ``step`` (default: the latest): step, rng, data_state, metrics, time, versions.
+
+    Raises:
+      CheckpointError: no such checkpoint.
+    """
+    step = self._step(step)
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+    return from_json_safe(restored[_META])
+
+  def read_config(self, step: int | None = None) -> ml_collections.ConfigDict:
+    """The config ``step`` (default: the latest) was saved with; reads no arrays.
+
+    Raises:
+      CheckpointError: no such checkpoint.
+    """
+    step = self._step(step)
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
+    return ml_collections.ConfigDict(restored[_CONFIG] or {})
+
+  def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of every saved array of ``step`` (default: the latest), by path ("params/embed/embedding",
+    "opt_state/0/mu/..."); reads no arrays.
+
+    Raises:
+      CheckpointError: no such checkpoint.
+    """
+    step = self._step(step)
+    metadata = self._manager.item_metadata(step)[_STATE]
+    return _flat_saved(getattr(metadata, "tree", metadata))
+
+  def _check_compatible(self, step: int, target: Any) -> None:
+    saved = self.saved_arrays(step)
+    wanted = _flat_target(target)
+    problems = []
+    # Parameters first: they say what changed; the optimizer state's moments mirror them.
+    for name in sorted(set(saved) | set(wanted), key=lambda n: (not n.startswith("params/"), n)):
+      if name not in saved:
+        problems.append(f"{name}: not in the checkpoint (this run has {wanted[name][0]} {wanted[name][1]})")
+      elif name not in wanted:
+        problems.append(f"{name}: in the checkpoint ({saved[name][0]} {saved[name][1]}) but not in this run's state")
+      elif saved[name] != wanted[name]:
+        (s_shape, s_dtype), (w_shape, w_dtype) = saved[name], wanted[name]
+        problems.append(f"{name}: checkpoint {s_shape} {s_dtype}, this run {w_shape} {w_dtype}")
+    if not problems:
+      return
+    listed = problems[:_MAX_LISTED] + (
+      [f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else []
+    )
+    saved_config = _config_dict(self.read_config(step))
+    settings = []
+    for key in _MODEL_KEYS:
+      then, now = _lookup(saved_config, key), _lookup(self._config, key)
+      if then != now:
+        settings.append(f"{key}: checkpoint {then!r}, this run {now!r}")
+    raise CheckpointError(
+      f"the checkpoint of step {step} in {self.directory} was made with an incompatible config: "
+      f"{len(problems)} of its arrays do not match this run's state.\n  "
+      + "\n  ".join(listed)
+      + ("\nModel settings that differ:\n  " + "\n  ".join(settings) if settings else "")
+      + "\nResume with the checkpoint's own config (`python -m envace_jax.inspect "
+      f"{os.path.dirname(self.directory)}` prints it), or start the new config in a fresh --workdir."
+    )
+
+  def _default_target(self, step: int) -> dict[str, Any]:
+    """The saved arrays as ShapeDtypeStructs on the first local device (opt_state as nested dicts/lists)."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    metadata = self._manager.item_metadata(step)[_STATE]
+    tree = getattr(metadata, "tree", metadata)
+    return jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),
+      dict(tree),
+      is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+    )
+
+  def restore(self, step: int | None = None, *, abstract_state: Mapping[str, Any] | None = None) -> Restored:
+    """Restores ``step`` (default: the latest) onto the target's shapes, dtypes and shardings.
+
+    Args:
+      step: the step to restore; None for the latest.
+      abstract_state: {"params": tree, "opt_state": tree} of ``jax.ShapeDtypeStruct`` with shardings (see
+        ``with_shardings``; ``jax.eval_shape`` of the initialisers gives the shapes) or of concrete arrays (their
+        shardings are used). The restored trees have this structure. None restores every array onto the first
+        local device, the optimizer state as nested dicts and lists (for inspection, not for resuming).
+
+    Raises:
+      CheckpointError: no checkpoint; or the checkpoint's arrays do not match ``abstract_state`` (another model,
+        per-role vs shared parameters, another dtype).
+      ValueError: ``abstract_state`` lacks "params" or "opt_state".
+    """
+    step = self._step(step)
+    if abstract_state is None:
+      target = self._default_target(step)
+    else:
+      missing = {"params", "opt_state"} - set(abstract_state)
+      if missing:
+        raise ValueError(f"abstract_state needs the keys 'params' and 'opt_state'; missing {sorted(missing)}")
+      target = _abstract({"params": abstract_state["params"], "opt_state": abstract_state["opt_state"]})
+      self._check_compatible(step, target)
+    args = ocp.args.Composite(
+      **{
+        _STATE: ocp.args.StandardRestore(target),
+        _CONFIG: ocp.args.JsonRestore(),
+        _META: ocp.args.JsonRestore(),
+      }
+    )
+    restored = self._manager.restore(step, args=args)
+    meta = from_json_safe(restored[_META])
+    key = meta["rng"]
+    key_data = np.asarray(key["data"], dtype=key["dtype"]).reshape(key["shape"])
+    return Restored(
+      step=int(meta["step"]),
+      params=restored[_STATE]["params"],
+      opt_state=restored[_STATE]["opt_state"],
+      rng=jax.random.wrap_key_data(key_data, impl=key["impl"]),
+      data_state=meta.get("data_state"),
+      metrics=meta.get("metrics") or {},
+      config=ml_collections.ConfigDict(restored[_CONFIG] or {}),
+    )
+
+  # -- lifetime ----------------------------------------------------------------------------------------------------
+
+  def wait(self) -> None:
+    """Blocks until saves in flight are written."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for saves in flight and releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,474 @@
+"""Start-up validation of a run's config (configs/*.py), before any model is loaded or any array computed.
+
+    config_check.validate(config)   # raises ConfigError listing every bad key, its value and what is valid
+
+The checks read files only to see that they exist (weights, checklist data) and, for a local model directory, its
+``config.json`` (to compare it with the named preset and to learn the context length). Helpers here turn the
+config's strings into what the training loop needs: ``trained_roles``, ``weights_source``, ``tokenizer_source``.
+The schema itself, with every key's meaning and default, is ``configs/base.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from envace_jax.envs import datasets
+from envace_jax.model import config as model_config
+
+MODES = ("envace", "per_role", "grpo_real_env")
+ROLES = ("act", "rehearse", "user")
+VIEWS = ("act", "rehearse", "user")
+# The same values as rl/grpo.py and rehearsal/unfold.py accept (tests/test_configs.py checks they agree).
+WEIGHTINGS = ("row", "trajectory")
+KL_ESTIMATORS = ("low_var_kl", "k1", "k2")
+ENV_MODES = ("rehearse", "real")
+ON_MALFORMED = ("continue", "end")
+ON_INVALID_REHEARSAL = ("as_is", "error", "end")
+USER_MODES = ("reference", "policy", "external")
+REWARD_KINDS = ("rule", "judge")
+ARG_KEYS = ("strict", "tau2")
+REHEARSAL = ("off", "parallel", "sequential")
+DTYPES = ("float32", "bfloat16", "float16")
+MESH_AXES = ("data", "fsdp", "tensor")
+SMOLLM2 = "smollm2-135m"
+# Architecture fields a model directory's config.json must share with the preset it is given for.
+_SHAPE_FIELDS = ("family", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+# Splits of each prepared dataset config, from the TFDS builders (checklist splits come from the data).
+_SPLITS = {
+  (benchmark, c.name): c.splits
+  for benchmark, builder in (("tau2", datasets.EnvaceTau2), ("bfcl", datasets.EnvaceBfcl))
+  for c in builder.BUILDER_CONFIGS
+}
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+  """The run's config is invalid. ``problems`` lists each bad key with its value and the valid values."""
+
+  def __init__(self, problems: Sequence[str]):
+    self.problems = list(problems)
+    lines = "\n".join(f"  - {p}" for p in self.problems)
+    super().__init__(f"invalid config ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):\n{lines}")
+
+
+def _choices(values: Sequence[str]) -> str:
+  return ", ".join(repr(v) for v in values)
+
+
+def parse_roles(value: str | Sequence[str]) -> tuple[str, ...]:
+  """Role names from "act,rehearse" or ("act", "rehearse") (items may themselves hold commas), stripped, in order,
+  without repeats. Checks nothing: ``validate`` does."""
+  items = [value] if isinstance(value, str) else list(value)
+  names: list[str] = []
+  for item in items:
+    for name in str(item).split(","):
+      name = name.strip()
+      if name and name not in names:
+        names.append(name)
+  return tuple(names)
+
+
+def trained_roles(config) -> tuple[str, ...]:
+  """``config.grpo.trained_roles`` as a tuple of names from ``ROLES``."""
+  return parse_roles(config.grpo.trained_roles)
+
+
+def weights_source(config) -> str | None:
+  """What to pass to ``weights.load_pretrained``: ``model_path``, or ``model`` when it is "smollm2-135m" or a path;
+  None for a randomly initialised preset ("tiny")."""
+  if config.model_path:
+    return config.model_path
+  if config.model in model_config.PRESETS and config.model != SMOLLM2:
+    return None
+  return config.model
+
+
+def grpo_fields(config) -> dict[str, Any]:
+  """``config.grpo`` as keyword arguments of ``rl.grpo.GrpoConfig`` (trained_roles as a tuple of names)."""
+  fields = config.grpo.to_dict()
+  fields["trained_roles"] = parse_roles(fields["trained_roles"])
+  return fields
+
+
+def unfold_fields(config) -> dict[str, Any]:
+  """``config.rollout`` plus ``group_size`` (``config.train.group_size``), for ``UnfoldConfig.from_dict``."""
+  return {**config.rollout.to_dict(), "group_size": config.train.group_size}
+
+
+def tokenizer_source(config) -> str | None:
+  """Where the tokenizer comes from: ``config.tokenizer``, else the weights' own; None: no tokenizer (random ids)."""
+  return config.tokenizer or weights_source(config)
+
+
+class _Checker:
+  """Reads dotted keys of a config and collects problems instead of stopping at the first."""
+
+  def __init__(self, config):
+    self.config = config
+    self.problems: list[str] = []
+
+  def add(self, problem: str) -> None:
+    self.problems.append(problem)
+
+  def get(self, key: str) -> Any:
+    value = self.config
+    for part in key.split("."):
+      try:
+        value = value[part]
+      except (KeyError, TypeError, AttributeError):
+        self.add(f"{key} is missing; every config starts from configs/base.py, which defines it")
+        return _MISSING
+    return value
+
+  def one_of(self, key: str, choices: Sequence[str], why: str = "") -> Any:
+    value = self.get(key)
+    if value is not _MISSING and value not in choices:
+      self.add(f"{key}={value!r} is not valid{why}; choose one of {_choices(choices)}")
+    return value
+
+  def integer(self, key: str, low: int | None = None, high: int | None = None, why: str = "") -> Any:
+    value = self.get(key)
+    if value is _MISSING:
+      return value
+    if isinstance(value, bool) or not isinstance(value, int):
+      self.add(f"{key}={value!r} must be an integer")
+      return _MISSING
+    if low is not None and value < low or high is not None and value > high:
+      bound = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+      self.add(f"{key}={value} must be {bound}{why}")
+      return _MISSING
+    return value
+
+  def number(self, key: str, valid: Callable[[float], bool], bound: str, why: str = "") -> Any:
+    value = self.get(key)
+    if value is _MISSING:
+      return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+      self.add(f"{key}={value!r} must be a finite number")
+      return _MISSING
+    if not valid(value):
+      self.add(f"{key}={value} must be {bound}{why}")
+      return _MISSING
+    return value
+
+  def boolean(self, key: str) -> Any:
+    value = self.get(key)
+    if value is not _MISSING and not isinstance(value, bool):
+      self.add(f"{key}={value!r} must be True or False")
+    return value
+
+  def text(self, key: str) -> Any:
+    value = self.get(key)
+    if value is not _MISSING and not isinstance(value, str):
+      self.add(f"{key}={value!r} must be a string")
+      return _MISSING
+    return value
+
+
+def _is_weights(path: str) -> bool:
+  p = os.path.expanduser(path)
+  return os.path.isfile(os.path.join(p, "config.json")) or (os.path.isfile(p) and p.endswith(".gguf"))
+
+
+def _smollm2_problem() -> str | None:
+  """Why SmolLM2's packaged weights are unavailable, or None. Finds the file; reads and hashes nothing."""
+  from envace_jax.model import weights
+
+  try:
+    weights.smollm2_gguf_path(verify=False)
+  except weights.WeightsError as e:
+    return str(e)
+  return None
+
+
+def _check_model(ck: _Checker) -> int | None:
+  """Checks model / model_path / tokenizer / dtypes; returns the model's context length when it is known."""
+  model, path, tokenizer = ck.text("model"), ck.text("model_path"), ck.text("tokenizer")
+  for key in ("dtype", "param_dtype"):
+    ck.one_of(key, DTYPES)
+  if model is _MISSING or path is _MISSING:
+    return None
+  presets = tuple(model_config.PRESETS)
+  context = None
+  if model in model_config.PRESETS:
+    preset = model_config.PRESETS[model]
+    context = preset.max_seq_len
+    if model == "tiny":
+      if path:
+        ck.add(f"model_path={path!r} is set, but model='tiny' is randomly initialised; clear model_path")
+    elif not path:
+      if model == SMOLLM2:
+        problem = _smollm2_problem()
+        if problem:
+          ck.add(f"model={model!r} has no weights: {problem}")
+      else:
+        ck.add(
+          f"model={model!r} is a preset without bundled weights; set --config.model_path=DIR, a local Hugging Face "
+          "directory of that model (config.json + *.safetensors)"
+        )
+    elif not _is_weights(path):
+      ck.add(
+        f"model_path={path!r} does not exist or holds no model; point it to a local Hugging Face directory "
+        "(config.json + *.safetensors) or a .gguf file"
+      )
+    elif os.path.isdir(os.path.expanduser(path)):
+      try:
+        found = model_config.get_model_config(os.path.expanduser(path))
+      except (model_config.ConfigError, KeyError, ValueError) as e:
+        ck.add(f"model_path={path!r}: its config.json cannot be read as a model config: {e}")
+      else:
+        context = found.max_seq_len
+        differ = [
+          f"{f} {getattr(found, f)} (preset: {getattr(preset, f)})"
+          for f in _SHAPE_FIELDS
+          if getattr(found, f) != getattr(preset, f)
+        ]
+        if differ:
+          ck.add(
+            f"model_path={path!r} holds another architecture than model={model!r}: {', '.join(differ)}; "
+            "set model to the matching preset"
+          )
+  else:
+    if path:
+      ck.add(f"model={model!r} is not a preset ({_choices(presets)}); with model_path set, model must name its preset")
+    elif not _is_weights(model):
+      ck.add(
+        f"model={model!r} is neither a preset ({_choices(presets)}) nor an existing Hugging Face directory or "
+        ".gguf file"
+      )
+    elif os.path.isdir(os.path.expanduser(model)):
+      try:
+        context = model_config.get_model_config(os.path.expanduser(model)).max_seq_len
+      except (model_config.ConfigError, KeyError, ValueError) as e:
+        ck.add(f"model={model!r}: its config.json cannot be read as a model config: {e}")
+  if tokenizer is not _MISSING and tokenizer:
+    if model != "tiny":
+      ck.add(
+        f"tokenizer={tokenizer!r} is only for the randomly initialised model='tiny'; a pretrained model uses its "
+        "own tokenizer, so clear tokenizer"
+      )
+    elif tokenizer == SMOLLM2:
+      problem = _smollm2_problem()
+      if problem:
+        ck.add(f"tokenizer={tokenizer!r} is not available: {problem}")
+    elif not (os.path.isfile(os.path.join(os.path.expanduser(tokenizer), "tokenizer.json")) or _is_weights(tokenizer)):
+      ck.add(f"tokenizer={tokenizer!r} does not exist; use {SMOLLM2!r} or a directory with tokenizer.json")
+  return context
+
+
+def _check_mesh(ck: _Checker) -> None:
+  mesh = ck.get("mesh")
+  if mesh is _MISSING:
+    return
+  extra = sorted(set(mesh) - set(MESH_AXES))
+  if extra:
+    ck.add(f"mesh has unknown axes {extra}; the axes are {_choices(MESH_AXES)}")
+  sizes = [ck.get(f"mesh.{axis}") for axis in MESH_AXES]
+  for axis, size in zip(MESH_AXES, sizes, strict=True):
+    if size is not _MISSING and (isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1)):
+      ck.add(f"mesh.{axis}={size!r} must be a positive integer, or -1 for every remaining device")
+  if sizes.count(-1) > 1:
+    ck.add("mesh: at most one axis may be -1 (the one that takes every remaining device)")
+
+
+def _check_env(ck: _Checker) -> str | None:
+  benchmark = ck.one_of("env.benchmark", datasets.BENCHMARKS)
+  domain, data_path = ck.text("env.domain"), ck.text("env.data_path")
+  split, eval_split = ck.text("env.split"), ck.text("env.eval_split")
+  data_dir = ck.text("env.data_dir")
+  if data_dir is not _MISSING and not data_dir:
+    ck.add("env.data_dir is empty; set it to the folder that holds (or will hold) the prepared datasets")
+  if benchmark is _MISSING or benchmark not in datasets.BENCHMARKS:
+    return None
+  if benchmark == "checklist":
+    if data_path is not _MISSING:
+      if not data_path:
+        ck.add("env.data_path is required for env.benchmark='checklist': pass --config.env.data_path=FILE_OR_DIR")
+      elif not os.path.exists(os.path.expanduser(data_path)):
+        ck.add(f"env.data_path={data_path!r} does not exist; point it to checklist-format data (a file or a folder)")
+    for key, value in (("env.split", split), ("env.eval_split", eval_split)):
+      if value is not _MISSING and (not re.fullmatch(r"[A-Za-z0-9_]+", value) or value == "all"):
+        ck.add(f"{key}={value!r} is not a split name; use letters, digits and _ (tasks without a split are 'train')")
+    return benchmark
+  names = datasets.configs(benchmark)
+  what = "τ² domain" if benchmark == "tau2" else "BFCL category"
+  if domain is _MISSING:
+    return benchmark
+  if domain not in names:
+    ck.add(f"env.domain={domain!r} is not a {what}; choose one of {_choices(names)}")
+    return benchmark
+  splits = _SPLITS[(benchmark, domain)]
+  for key, value in (("env.split", split), ("env.eval_split", eval_split)):
+    if value is not _MISSING and value not in splits:
+      ck.add(f"{key}={value!r} is not a split of {benchmark} {domain}; choose one of {_choices(splits)}")
+  return benchmark
+
+
+def _check_train(ck: _Checker) -> None:
+  steps = ck.integer("train.steps", 1)
+  ck.integer("train.tasks_per_step", 1)
+  ck.integer("train.group_size", 2, why=" (GRPO advantages compare each rollout with the other rollouts of its task)")
+  ck.integer("train.checkpoint_every", 1)
+  ck.integer("train.keep_checkpoints", 1)
+  ck.integer("train.eval_every", 0)
+  ck.integer("train.eval_tasks", 0)
+  warmup = ck.integer("train.sft_warmup_steps", 0)
+  if steps is not _MISSING and warmup is not _MISSING and warmup > steps:
+    ck.add(f"train.sft_warmup_steps={warmup} must be <= train.steps={steps}")
+
+
+def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
+  ck.integer("rollout.max_turns", 1)
+  env_mode = ck.one_of("rollout.env_mode", ENV_MODES)
+  ck.one_of("rollout.on_malformed", ON_MALFORMED)
+  ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
+  for key in ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue"):
+    ck.boolean(f"rollout.{key}")
+  grounding = ck.integer("rollout.grounding_max_tokens", 0)
+  capacities = {}
+  for view in VIEWS:
+    capacity = ck.integer(f"rollout.{view}_capacity", 2, context, why=" (the model's context)" if context else "")
+    capacities[view] = capacity
+    new = ck.integer(f"rollout.{view}_max_new_tokens", 1)
+    if capacity is not _MISSING and new is not _MISSING and new >= capacity:
+      ck.add(
+        f"rollout.{view}_max_new_tokens={new} must be < rollout.{view}_capacity={capacity} (the view also holds its "
+        "prompt)"
+      )
+    if view == "user":
+      ck.number("rollout.user_sampling.temperature", lambda t: t >= 0, ">= 0")
+    else:
+      why = " (G greedy rollouts of a task would be copies, with no advantage to learn from)"
+      ck.number(f"rollout.{view}_sampling.temperature", lambda t: t > 0, "> 0", why)
+    ck.number(f"rollout.{view}_sampling.top_p", lambda p: 0 < p <= 1, "in (0, 1]")
+    ck.integer(f"rollout.{view}_sampling.top_k", 0)
+  if grounding is not _MISSING and capacities["rehearse"] is not _MISSING and grounding >= capacities["rehearse"]:
+    ck.add(
+      f"rollout.grounding_max_tokens={grounding} must be < rollout.rehearse_capacity={capacities['rehearse']} (the "
+      "grounding block sits in the REHEARSE view)"
+    )
+  user_mode = ck.one_of("rollout.user_mode", USER_MODES)
+  url, name = ck.text("rollout.external_user.base_url"), ck.text("rollout.external_user.model")
+  ck.text("rollout.external_user.api_key_env")
+  if user_mode == "external":
+    if url is not _MISSING and not re.match(r"https?://", url):
+      ck.add(
+        f"rollout.external_user.base_url={url!r}: rollout.user_mode='external' needs an http(s) API root, e.g. "
+        "'http://127.0.0.1:30000/v1'"
+      )
+    if name is not _MISSING and not name:
+      ck.add("rollout.external_user.model is empty: rollout.user_mode='external' needs the model name to request")
+  return env_mode, user_mode
+
+
+def _check_reward(ck: _Checker) -> None:
+  kind = ck.one_of("reward.kind", REWARD_KINDS)
+  ck.one_of("reward.arg_keys", ARG_KEYS)
+  ck.number("reward.malformed_penalty", lambda x: x >= 0, ">= 0")
+  if kind == "judge":
+    url, name = ck.text("reward.judge_url"), ck.text("reward.judge_model")
+    if url is not _MISSING and not re.match(r"https?://", url):
+      ck.add(
+        f"reward.judge_url={url!r}: reward.kind='judge' needs an http(s) API root, e.g. 'http://127.0.0.1:8000/v1'"
+      )
+    if name is not _MISSING and not name:
+      ck.add("reward.judge_model is empty: reward.kind='judge' needs the judge's model name")
+  ck.text("reward.judge_api_key_env")
+
+
+def _power_of_two(x: float) -> bool:
+  return x >= 1 and x == int(x) and not int(x) & (int(x) - 1)
+
+
+def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: Any) -> None:
+  mode = ck.one_of("grpo.mode", MODES)
+  raw_roles = ck.get("grpo.trained_roles")
+  roles: tuple[str, ...] = ()
+  if raw_roles is not _MISSING:
+    roles = parse_roles(raw_roles) if isinstance(raw_roles, str | list | tuple) else ()
+    unknown = [r for r in roles if r not in ROLES]
+    if not roles or unknown:
+      ck.add(
+        f"grpo.trained_roles={raw_roles!r} must be a non-empty subset of {_choices(ROLES)}"
+        + (f"; unknown: {_choices(unknown)}" if unknown else "")
+      )
+      roles = ()
+  ck.one_of("grpo.weighting", WEIGHTINGS)
+  ck.boolean("grpo.std_normalize")
+  ck.number("grpo.adv_eps", lambda x: x > 0, "> 0")
+  ck.number("grpo.clip_eps_low", lambda x: 0 <= x < 1, "in [0, 1)")
+  ck.number("grpo.clip_eps_high", lambda x: x >= 0, ">= 0")
+  ck.number("grpo.clip_ratio_c", lambda x: x > 1, "> 1")
+  ck.boolean("grpo.use_kl")
+  ck.number("grpo.kl_coef", lambda x: x >= 0, ">= 0")
+  ck.one_of("grpo.kl_estimator", KL_ESTIMATORS)
+  ck.number("grpo.learning_rate", lambda x: x > 0, "> 0")
+  ck.number("grpo.weight_decay", lambda x: x >= 0, ">= 0")
+  for key in ("adam_b1", "adam_b2"):
+    ck.number(f"grpo.{key}", lambda x: 0 <= x < 1, "in [0, 1)")
+  ck.number("grpo.adam_eps", lambda x: x > 0, "> 0")
+  ck.number("grpo.max_grad_norm", lambda x: x > 0, "> 0")
+  ck.integer("grpo.micro_batch_size", 1)
+  for key in ("length_bucket", "head_chunk"):
+    if ck.integer(f"grpo.{key}", 1) is not _MISSING and not _power_of_two(ck.config.grpo[key]):
+      ck.add(f"grpo.{key}={ck.config.grpo[key]} must be a power of 2")
+  ck.boolean("grpo.remat")
+  # How the pieces fit together.
+  if mode == "grpo_real_env":
+    if env_mode in ENV_MODES and env_mode != "real":
+      ck.add("grpo.mode='grpo_real_env' trains against the real tools: also pass --config.rollout.env_mode=real")
+    if "rehearse" in roles:
+      ck.add("grpo.mode='grpo_real_env' has no REHEARSE rows: pass --config.grpo.trained_roles=act")
+  elif mode in MODES and env_mode == "real":
+    ck.add(
+      f"grpo.mode={mode!r} rehearses the environment, but rollout.env_mode='real'; set rollout.env_mode='rehearse', "
+      "or grpo.mode='grpo_real_env' for the real-environment baseline"
+    )
+  if mode == "per_role" and "user" in roles:
+    ck.add("grpo.mode='per_role' keeps parameter trees for 'act' and 'rehearse' only; drop 'user' from trained_roles")
+  if "user" in roles:
+    if benchmark in ("bfcl", "checklist"):
+      ck.add(f"grpo.trained_roles has 'user', but {benchmark} replays logged user turns: there are no USER rows")
+    elif user_mode in USER_MODES and user_mode != "policy":
+      ck.add(
+        f"grpo.trained_roles has 'user', but rollout.user_mode={user_mode!r}: only the policy's own user turns "
+        "(rollout.user_mode='policy') can be trained"
+      )
+
+
+def _check_eval(ck: _Checker) -> None:
+  ck.integer("eval.num_trials", 1)
+  rehearsal = ck.one_of("eval.rehearsal", REHEARSAL)
+  if rehearsal != "off":
+    ck.integer("eval.rehearsal_n", 1)
+
+
+def validate(config) -> None:
+  """Checks a run's config (a ``ml_collections.ConfigDict`` from configs/*.py); loads no model, computes nothing.
+
+  Checks every key the training loop reads (see configs/base.py for their meaning): enum values (modes, roles,
+  benchmark, domain/category, splits), ranges (G >= 2, lr > 0, capacities within the model's context, ...), that
+  weights, tokenizer and checklist data exist, and that the settings fit together (grpo_real_env needs
+  env_mode="real", a trained "user" role needs the policy to play the user, ...).
+
+  Raises:
+    ConfigError: one or more problems; ``ConfigError.problems`` lists them, each naming the key, its value and the
+      valid values (or the flag that fixes it).
+  """
+  ck = _Checker(config)
+  ck.integer("seed", 0)
+  context = _check_model(ck)
+  _check_mesh(ck)
+  ck.integer("sampler.prefill_chunk", 1)
+  benchmark = _check_env(ck)
+  _check_train(ck)
+  env_mode, user_mode = _check_rollout(ck, context)
+  _check_reward(ck)
+  _check_grpo(ck, benchmark, env_mode, user_mode)
+  _check_eval(ck)
+  if ck.problems:
+    raise ConfigError(ck.problems)

@@ -1,0 +1,287 @@
+"""Per-step scalars to TensorBoard and to ``workdir/metrics.jsonl``, and a progress bar.
+
+    start = restored_step + 1 if restored_step is not None else 1
+    with MetricsWriter(workdir, total_steps=config.train.steps, start_step=start) as writer:
+      for step in range(start, config.train.steps + 1):
+        ...
+        writer.write(step, {"reward/mean": 0.4, "loss": 1.3, "malformed_act": 2})
+    rows = read_jsonl(workdir)  # [{"step": 1, "time": 1718000000.0, "reward/mean": 0.4, ...}, ...]
+
+Steps count updates: step s is logged (and checkpointed) after the s-th update, so a run's steps are 1..N and a
+resumed run starts at the checkpoint's step + 1. Write a step once, with all its scalars (merge evaluation scalars
+into the step's dict).
+
+``metrics.jsonl`` holds one JSON object per line: ``step`` (int), ``time`` (Unix wall time, seconds) and every
+scalar of that step. Non-finite floats are written as the strings "NaN", "Infinity" and "-Infinity" (standard JSON
+has no NaN; jq, pandas and browsers read the file as is) and ``read_jsonl`` turns them back into floats.
+
+Resume: a run that restarts from a checkpoint passes ``start_step``, the first step it will write. Lines of the
+earlier run at or after that step (written after its last checkpoint, and about to be redone) are dropped from the
+JSONL file, and TensorBoard hides its events from that step on (tensorboardX's ``purge_step``), so a resumed run
+never shows a step twice.
+
+Only process 0 writes (multi-host runs log once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+JSONL_NAME = "metrics.jsonl"
+TENSORBOARD_SUBDIR = "tensorboard"
+_RESERVED = ("step", "time")
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def to_json_safe(value: Any) -> Any:
+  """``value`` with numpy/JAX scalars made Python numbers and non-finite floats made strings, recursively.
+
+  Mappings become dicts (keys as str), sequences lists; a 0-d array becomes its scalar; other arrays become
+  (nested) lists. The result passes ``json.dumps(..., allow_nan=False)``.
+
+  Raises:
+    TypeError: a value JSON cannot hold (an object that is not a number, string, bool, None, mapping, sequence or
+      array).
+  """
+  if value is None or isinstance(value, str | bool):
+    return value
+  if isinstance(value, np.bool_):
+    return bool(value)
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    f = float(value)
+    if math.isfinite(f):
+      return f
+    return "NaN" if math.isnan(f) else ("Infinity" if f > 0 else "-Infinity")
+  if isinstance(value, Mapping):
+    return {str(k): to_json_safe(v) for k, v in value.items()}
+  if hasattr(value, "__array__") and hasattr(value, "shape"):  # numpy and JAX arrays
+    array = np.asarray(value)
+    return to_json_safe(array.item() if array.ndim == 0 else array.tolist())
+  if isinstance(value, Sequence):
+    return [to_json_safe(v) for v in value]
+  raise TypeError(f"cannot write a {type(value).__name__} as JSON: {value!r}")
+
+
+def from_json_safe(value: Any) -> Any:
+  """Inverse of ``to_json_safe`` for floats: the strings "NaN", "Infinity", "-Infinity" become floats, recursively."""
+  if isinstance(value, str):
+    return _NONFINITE.get(value, value)
+  if isinstance(value, dict):
+    return {k: from_json_safe(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [from_json_safe(v) for v in value]
+  return value
+
+
+def scalar(name: str, value: Any) -> float | int:
+  """A metric value as a Python int or float (bools count as ints).
+
+  Raises:
+    ValueError: ``value`` is not a real number or a one-element array (the message names the metric).
+  """
+  if isinstance(value, bool | np.bool_):
+    return int(value)
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if hasattr(value, "__array__") and hasattr(value, "shape"):
+    array = np.asarray(value)
+    if array.size == 1 and (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+      return scalar(name, array.reshape(()).item())
+  raise ValueError(f"metric {name!r} must be a real number (or a one-element array), got {type(value).__name__}")
+
+
+def jsonl_path(workdir: str | os.PathLike) -> str:
+  """``workdir/metrics.jsonl``."""
+  return os.path.join(os.fspath(workdir), JSONL_NAME)
+
+
+def read_jsonl(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+  """Every step logged under ``workdir``, oldest first: dicts with ``step``, ``time`` and the scalars.
+
+  Non-finite floats come back as floats. A missing file gives []. A line that does not parse (the tail of a run
+  killed mid-write) is skipped with a warning.
+  """
+  path = jsonl_path(workdir)
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        logging.warning("%s line %d is not JSON (a run killed mid-write?); skipped", path, number)
+        continue
+      rows.append(from_json_safe(row))
+  return rows
+
+
+def _truncate_jsonl(path: str, start_step: int) -> int:
+  """Drops lines with step >= start_step (and unparseable ones); returns how many lines were dropped."""
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        step = json.loads(line)["step"]
+      except (json.JSONDecodeError, KeyError, TypeError):
+        dropped += 1
+        continue
+      if isinstance(step, int) and step < start_step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+      else:
+        dropped += 1
+  if dropped:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
+
+
+class MetricsWriter:
+  """Writes each step's scalars to TensorBoard, to ``workdir/metrics.jsonl`` and to a tqdm progress bar.
+
+  Args:
+    workdir: the run's directory (created if missing). TensorBoard events go to ``workdir/tensorboard``.
+    total_steps: the run's last step, for the progress bar's ETA (None: no ETA).
+    start_step: the first step this run writes: 1 for a fresh run (an earlier log in ``workdir`` is then dropped),
+      the restored checkpoint's step + 1 after a resume. Earlier JSONL lines with step >= start_step are dropped,
+      and TensorBoard hides events from that step on.
+    tensorboard: write TensorBoard event files.
+    progress: show a progress bar (on stderr).
+    progress_keys: scalars shown on the bar when a step has them (the first present of "reward/mean", "reward" is
+      shown as "reward").
+    is_primary: whether this process writes; default ``jax.process_index() == 0``.
+
+  Raises:
+    ValueError: negative start_step or total_steps.
+  """
+
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    total_steps: int | None = None,
+    start_step: int = 1,
+    tensorboard: bool = True,
+    progress: bool = True,
+    progress_keys: Sequence[str] = ("reward/mean", "reward", "loss"),
+    is_primary: bool | None = None,
+  ):
+    if start_step < 0:
+      raise ValueError(f"start_step must be >= 0, got {start_step}")
+    if total_steps is not None and total_steps < 0:
+      raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
+    if is_primary is None:
+      import jax
+
+      is_primary = jax.process_index() == 0
+    self.workdir = os.fspath(workdir)
+    self.is_primary = is_primary
+    self.progress_keys = tuple(progress_keys)
+    self._file = None
+    self._tb = None
+    self._bar = None
+    self._last_step: int | None = None
+    if not is_primary:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    path = jsonl_path(self.workdir)
+    dropped = _truncate_jsonl(path, start_step)
+    if dropped:
+      logging.info("%s: dropped %d lines at step >= %d (resuming there)", path, dropped, start_step)
+    self._file = open(path, "a", encoding="utf-8")
+    if tensorboard:
+      import tensorboardX
+
+      # tensorboardX names event files by the second and the host: a unique suffix keeps a quick restart from
+      # overwriting the previous run's file.
+      self._tb = tensorboardX.SummaryWriter(
+        os.path.join(self.workdir, TENSORBOARD_SUBDIR),
+        purge_step=start_step,
+        filename_suffix=f".{os.getpid()}.{time.time_ns()}",
+      )
+    if progress:
+      import tqdm
+
+      done = max(start_step - 1, 0)  # steps already completed by earlier runs
+      self._bar = tqdm.tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
+    """Logs one step: a JSONL line, TensorBoard scalars, and the progress bar advanced to ``step``.
+
+    Args:
+      step: the step these scalars belong to (ints; a step may be written once).
+      scalars: metric name -> real number or one-element array (JAX arrays are fetched). Names may use "/" to
+        group them in TensorBoard ("reward/mean").
+
+    Returns:
+      The JSONL record written (with Python floats; non-finite values as floats).
+
+    Raises:
+      ValueError: a non-scalar value, a metric named "step" or "time", or a step not after the previous one.
+    """
+    step = int(step)
+    if self._last_step is not None and step <= self._last_step:
+      raise ValueError(f"step {step} written after step {self._last_step}; steps must increase")
+    values = {}
+    for name, value in scalars.items():
+      if name in _RESERVED:
+        raise ValueError(f"metric name {name!r} is reserved in metrics.jsonl; rename it")
+      values[str(name)] = scalar(name, value)
+    record = {"step": step, "time": time.time(), **values}
+    self._last_step = step
+    if not self.is_primary:
+      return record
+    self._file.write(json.dumps(to_json_safe(record), allow_nan=False) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for name, value in values.items():
+        self._tb.add_scalar(name, value, global_step=step, walltime=record["time"])
+      self._tb.flush()
+    if self._bar is not None:
+      shown = {}
+      for key in self.progress_keys:
+        label = "reward" if key.startswith("reward") else key
+        if key in values and label not in shown:
+          shown[label] = f"{values[key]:.4g}"
+      self._bar.set_postfix(shown, refresh=False)
+      self._bar.update(max(step - self._bar.n, 0))
+    return record
+
+  def close(self) -> None:
+    """Flushes and closes the files and the bar (idempotent)."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

