@@ -1,0 +1,620 @@
+"""Role-wise GRPO: the config, the dual-clipped policy loss with exact micro-batch accumulation, the optax step.
+
+The paper trains one policy that wears two hats, ACT and REHEARSE, with GRPO where the group of a generation is
+(task, role) (paper §3, role-wise GRPO; DESIGN.md, "One training step", steps 6-7). The advantages live in
+rl/advantages.py, the padded batch in rl/batch.py, the training forward in rl/logprobs.py. Data flows:
+
+    rewards, groups, generations, valid = advantages.trajectory_arrays(trajectories)   # host numpy
+    adv_nr, adv_stats = advantages.role_advantages(rewards, groups, generations, valid,
+                                                   trained_roles=cfg.trained_roles, weighting=cfg.weighting,
+                                                   std_normalize=cfg.std_normalize, eps=cfg.adv_eps)
+    batch = build_batch(trajectories, adv_nr, cfg)                                     # TrainBatch [K, M, ...]
+    batch = logprobs.with_ref_logprobs(model_config, ref_params, batch)                # only when cfg.use_kl
+    state = init_train_state(cfg, params)
+    step = make_update_step(model_config, cfg, mesh=mesh)
+    state, metrics = step(state, batch)
+
+Modes (one code path; ``GrpoConfig.mode``):
+  ``envace``         one shared parameter tree; ACT and REHEARSE rows both trained.
+  ``per_role``       two trees ``{"act": ..., "rehearse": ...}`` (the paper's ablation: a separate model per role).
+                     Micro-batches hold rows of one role; each row's loss runs through its role's tree, so a role's
+                     loss moves only its own tree. Each tree has its own AdamW state, global-norm clip and token
+                     denominator, as two separate models would; a tree with no trained tokens in a step is left
+                     bitwise unchanged (params and optimizer state).
+  ``grpo_real_env``  plain GRPO against the real environment: only ACT is trained (REHEARSE rows never occur or
+                     are frozen).
+
+Shapes: N trajectories, R role ids (``roles.NUM_ROLES``), K micro-batches, M rows per micro-batch, T tokens per row
+(bucketed), I trained-token slots per row (bucketed), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from envace_jax.model import transformer
+from envace_jax.model.config import ModelConfig
+from envace_jax.model.roles import NUM_ROLES, Role
+from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rl.advantages import WEIGHTINGS, role_name
+from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches
+from envace_jax.rl.logprobs import target_logprobs
+from envace_jax.sampling import sharding
+
+MODES = ("envace", "per_role", "grpo_real_env")
+KL_ESTIMATORS = ("low_var_kl", "k1", "k2")
+# per_role mode: the name of each role's parameter tree.
+ROLE_TREES: dict[str, int] = {"act": int(Role.ACT), "rehearse": int(Role.REHEARSE)}
+_DEFAULT_TRAINED_ROLES = {
+  "envace": (int(Role.ACT), int(Role.REHEARSE)),
+  "per_role": (int(Role.ACT), int(Role.REHEARSE)),
+  "grpo_real_env": (int(Role.ACT),),
+}
+_LOG_RATIO_CLAMP = 20.0  # |logp_new - logp_old| and |ref - logp| are clamped here before exp (verl's convention)
+_KL_CLAMP = 10.0  # the low_var_kl estimate is clamped to [-10, 10] (verl's kl_penalty)
+
+
+def _parse_role(value: Any) -> int:
+  if isinstance(value, str):
+    try:
+      return int(Role[value.upper()])
+    except KeyError:
+      raise ValueError(f"trained_roles: unknown role {value!r}; valid: {[r.name.lower() for r in Role]}.") from None
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= int(value) < NUM_ROLES:
+    return int(value)
+  raise ValueError(f"trained_roles: {value!r} is not a role; use role ids 0..{NUM_ROLES - 1} or names (roles.Role).")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+  """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument).
+
+  Attributes:
+    mode: "envace", "per_role" or "grpo_real_env" (see the module doc).
+    trained_roles: role ids (or names) whose generations are trained; None: the mode's default (ACT and REHEARSE;
+      ACT only for grpo_real_env). Stored as a sorted tuple of ints. Other roles are frozen: their loss mask is 0.
+    weighting: how a group's baseline counts its members: "row" (each generation once: a trajectory with 5 ACT
+      generations counts 5 times in the ACT baseline, as the paper's code does) or "trajectory" (each trajectory
+      once, among those with at least one generation of the role).
+    std_normalize: divide advantages by the role's reward std within the group (off in the paper's run).
+    adv_eps: added to the std when std_normalize is on.
+    clip_eps_low, clip_eps_high: the ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high] (DAPO's
+      decoupled clip; 0.2 / 0.2 in the paper).
+    clip_ratio_c: dual-clip constant c > 1 for negative advantages (Ye et al. 2020; verl's clip_ratio_c).
+    use_kl: add a KL penalty to the reference policy (off in the paper's run); needs ``batch.ref_logprobs``.
+    kl_coef: its coefficient.
+    kl_estimator: "low_var_kl" (k3, clamped as verl does), "k1" or "k2"; see ``kl_penalty``.
+    learning_rate, weight_decay, adam_b1, adam_b2, adam_eps: optax AdamW.
+    max_grad_norm: ``optax.clip_by_global_norm`` before AdamW.
+    micro_batch_size: rows per micro-batch (M); on a mesh, a multiple of the batch shards.
+    length_bucket: rows are padded to a power of two up to this, then to a multiple of it (bounds compiles).
+    remat: rematerialise each layer (and each head chunk) in the backward: memory keeps one [B, T, D] per layer
+      plus one layer's working set, at the cost of a second forward. Off: every layer's attention probabilities
+      [B, N, T, T] stay alive until the backward.
+    head_chunk: trained positions per [B, c, V] logits block (a power of 2): bounds the head's memory for large V.
+  """
+
+  mode: str = "envace"
+  trained_roles: tuple[int, ...] | None = None
+  weighting: str = "row"
+  std_normalize: bool = False
+  adv_eps: float = 1e-6
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  clip_ratio_c: float = 3.0
+  use_kl: bool = False
+  kl_coef: float = 1e-4
+  kl_estimator: str = "low_var_kl"
+  learning_rate: float = 1e-6
+  weight_decay: float = 0.01
+  max_grad_norm: float = 1.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-8
+  micro_batch_size: int = 4
+  length_bucket: int = 512
+  remat: bool = True
+  head_chunk: int = 512
+
+  def __post_init__(self):
+    for name, valid in (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS)):
+      if getattr(self, name) not in valid:
+        raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; valid values: {valid}.")
+    roles = self.trained_roles
+    if roles is None:
+      roles = _DEFAULT_TRAINED_ROLES[self.mode]
+    elif isinstance(roles, (str, int, np.integer)):
+      roles = (roles,)
+    roles = tuple(sorted({_parse_role(r) for r in roles}))
+    if not roles:
+      raise ValueError("GrpoConfig.trained_roles is empty; train at least one role (e.g. ('act',)).")
+    if self.mode == "per_role" and not set(roles) <= set(ROLE_TREES.values()):
+      raise ValueError(
+        f"GrpoConfig.trained_roles={[role_name(r) for r in roles]} with mode='per_role': only roles with their own "
+        f"parameter tree can be trained, valid: {list(ROLE_TREES)}."
+      )
+    if self.mode == "grpo_real_env" and int(Role.REHEARSE) in roles:
+      raise ValueError(
+        "GrpoConfig.trained_roles includes 'rehearse' with mode='grpo_real_env', where the real environment answers "
+        "tool calls; use mode='envace' to train rehearsal."
+      )
+    object.__setattr__(self, "trained_roles", roles)
+    checks = (
+      ("clip_eps_low", 0.0 <= self.clip_eps_low < 1.0, "in [0, 1)"),
+      ("clip_eps_high", self.clip_eps_high >= 0.0, ">= 0"),
+      ("clip_ratio_c", self.clip_ratio_c > 1.0, "> 1"),
+      ("adv_eps", self.adv_eps > 0.0, "> 0"),
+      ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
+      ("learning_rate", self.learning_rate > 0.0, "> 0"),
+      ("weight_decay", self.weight_decay >= 0.0, ">= 0"),
+      ("max_grad_norm", self.max_grad_norm > 0.0, "> 0"),
+      ("adam_b1", 0.0 <= self.adam_b1 < 1.0, "in [0, 1)"),
+      ("adam_b2", 0.0 <= self.adam_b2 < 1.0, "in [0, 1)"),
+      ("adam_eps", self.adam_eps > 0.0, "> 0"),
+      ("micro_batch_size", self.micro_batch_size >= 1, ">= 1"),
+      ("length_bucket", self.length_bucket >= 1 and not self.length_bucket & (self.length_bucket - 1), "a power of 2"),
+      ("head_chunk", self.head_chunk >= 1 and not self.head_chunk & (self.head_chunk - 1), "a power of 2"),
+    )
+    for name, ok, need in checks:
+      if not ok:
+        raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; it must be {need}.")
+
+  @classmethod
+  def from_mapping(cls, mapping: Mapping[str, Any] | Any) -> GrpoConfig:
+    """From a dict or ml_collections ConfigDict with these field names.
+
+    Raises:
+      ValueError: an unknown key (likely a typo; the message lists the valid ones), or any validation error.
+    """
+    items = dict(mapping.items()) if hasattr(mapping, "items") else dict(mapping)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(items) - set(fields))
+    if unknown:
+      raise ValueError(f"GrpoConfig: unknown keys {unknown}; valid keys: {fields}.")
+    if isinstance(items.get("trained_roles"), list):
+      items["trained_roles"] = tuple(items["trained_roles"])
+    return cls(**items)
+
+  @property
+  def per_role(self) -> bool:
+    return self.mode == "per_role"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The batch of one step
+
+
+def build_batch(
+  trajectories: Sequence[Trajectory],
+  advantages: np.ndarray,
+  cfg: GrpoConfig,
+  *,
+  num_micro_batches: int | None = None,
+  pad_id: int = 0,
+) -> TrainBatch:
+  """The [K, M, ...] batch of one step: rows of trained roles from valid trajectories, with their advantages.
+
+  Args:
+    trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
+    advantages: float32[N, R'] from ``role_advantages``.
+    cfg: trained_roles, length_bucket, micro_batch_size and mode (per_role splits micro-batches by role).
+    num_micro_batches, pad_id: see ``split_micro_batches`` and ``collate``.
+  Raises:
+    ValueError: no trainable row (every trajectory invalid or no trained role present), or see ``collate``.
+  """
+  rows, adv = [], []
+  for i, traj in enumerate(trajectories):
+    if traj.reward is None or not traj.reward.valid:
+      continue
+    for role, row in sorted(traj.rows.items()):
+      if role in cfg.trained_roles and row.num_trained_tokens:
+        rows.append(row)
+        adv.append(float(advantages[i, role]))
+  if not rows:
+    raise ValueError("build_batch: no trainable rows (every trajectory invalid, or no row of a trained role).")
+  batch = collate(rows, adv, trained_roles=cfg.trained_roles, length_bucket=cfg.length_bucket, pad_id=pad_id)
+  return split_micro_batches(batch, cfg.micro_batch_size, by_role=cfg.per_role, num_micro_batches=num_micro_batches)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-token terms
+
+
+def clipped_policy_loss(
+  log_ratio: jax.Array, advantages: jax.Array, eps_low: float, eps_high: float, clip_c: float
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The dual-clipped PPO surrogate per token (PPO: Schulman et al. 2017; dual clip: Ye et al. 2020; DAPO's
+  decoupled eps_low / eps_high), as verl computes it. With r = exp(log_ratio), A the advantage:
+
+      clipped = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))
+      loss    = min(clipped, -clip_c * A)   if A < 0
+                clipped                     otherwise
+
+  Args:
+    log_ratio: float32[...] logp_new - logp_old (callers clamp it to +-20 before).
+    advantages: float32[...] broadcastable to log_ratio.
+    eps_low, eps_high, clip_c: see GrpoConfig.
+  Returns:
+    (loss float32[...], clip_low, clip_high, clip_dual bool[...]): where the lower clip binds (A < 0 and
+    r < 1 - eps_low), the upper clip binds (A > 0 and r > 1 + eps_high), the dual clip binds (A < 0 and
+    clipped > -clip_c * A, i.e. r > clip_c). The gradient is zero wherever a clip binds.
+  """
+  ratio = jnp.exp(log_ratio)
+  adv = jnp.broadcast_to(advantages, ratio.shape)
+  unclipped = -adv * ratio
+  clipped = jnp.maximum(unclipped, -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  dual = -adv * clip_c
+  loss = jnp.where(adv < 0, jnp.minimum(clipped, dual), clipped)
+  clip_low = (adv < 0) & (ratio < 1.0 - eps_low)
+  clip_high = (adv > 0) & (ratio > 1.0 + eps_high)
+  clip_dual = (adv < 0) & (clipped > dual)
+  return loss, clip_low, clip_high, clip_dual
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+  """A per-token estimate of KL(policy || reference) from the sampled token's logprobs (Schulman 2020,
+  "Approximating KL divergence"; verl's ``kl_penalty``):
+
+      k1:          logp - ref
+      k2:          0.5 * (logp - ref)^2
+      low_var_kl:  clip(exp(d) - d - 1, -10, 10) with d = clip(ref - logp, -20, 20)   (k3)
+
+  Args:
+    logp, ref_logp: float32[...] under the policy and the reference.
+    estimator: one of KL_ESTIMATORS.
+  Raises:
+    ValueError: an unknown estimator.
+  """
+  if estimator == "k1":
+    return logp - ref_logp
+  if estimator == "k2":
+    return 0.5 * jnp.square(logp - ref_logp)
+  if estimator == "low_var_kl":
+    d = jnp.clip(ref_logp - logp, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return jnp.clip(jnp.exp(d) - d - 1.0, -_KL_CLAMP, _KL_CLAMP)
+  raise ValueError(f"kl estimator {estimator!r}; valid values: {KL_ESTIMATORS}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loss with exact micro-batch accumulation
+
+
+def micro_batch_sums(
+  config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Sums over the trained tokens of one [M, ...] micro-batch.
+
+  Returns:
+    (objective, sums): objective float32[] = sum over trained tokens of the policy loss (+ kl_coef * KL when
+    use_kl), the value to differentiate; sums (no gradient) over trained tokens: ``objective``, ``pg_loss``, ``kl``,
+    ``tokens``, ``clip_low``, ``clip_high``, ``clip_dual``, ``entropy``, ``approx_kl`` and ``tokens/<role>``.
+    The step's loss is sum(objective) / sum(tokens) over all its micro-batches.
+  """
+  logp, entropy = target_logprobs(config, params, batch, cfg.remat, cfg.head_chunk)
+  mask = batch.target_mask
+  old = jnp.take_along_axis(batch.old_logprobs, batch.target_index, axis=1)
+  log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  pg, low, high, dual = clipped_policy_loss(
+    log_ratio, batch.advantages[:, None], cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_ratio_c
+  )
+  objective = pg
+  msum = lambda x: jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32))
+  sums = {}
+  if cfg.use_kl:
+    ref = jnp.take_along_axis(batch.ref_logprobs, batch.target_index, axis=1)
+    kl = kl_penalty(logp, ref, cfg.kl_estimator)
+    objective = pg + cfg.kl_coef * kl
+    sums["kl"] = msum(kl)
+  else:
+    sums["kl"] = jnp.zeros((), jnp.float32)
+  sums.update(
+    objective=msum(objective),
+    pg_loss=msum(pg),
+    tokens=msum(1.0),
+    clip_low=msum(low),
+    clip_high=msum(high),
+    clip_dual=msum(dual),
+    entropy=msum(entropy),
+    approx_kl=msum(-log_ratio),
+  )
+  for r in cfg.trained_roles:
+    sums[f"tokens/{role_name(r)}"] = msum(jnp.broadcast_to((batch.row_role == r)[:, None], mask.shape))
+  return sums["objective"], jax.lax.stop_gradient(sums)
+
+
+def _tree_names(cfg: GrpoConfig) -> tuple[str, ...]:
+  return tuple(ROLE_TREES) if cfg.per_role else ("policy",)
+
+
+def loss_and_grads(
+  config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
+) -> tuple[Any, dict[str, jax.Array]]:
+  """Gradient of the token-mean loss over all K micro-batches, accumulated exactly.
+
+  A ``lax.scan`` over the micro-batches sums each one's gradient of ``micro_batch_sums``' objective and its token
+  count; the result is (sum of gradients) / (sum of counts), the gradient of sum(objective) / sum(tokens), however
+  the rows are split. In per_role mode params is ``{"act": tree, "rehearse": tree}``; micro-batch k runs through
+  the tree of its role ``row_role[k, 0]`` (a per-leaf select, so the other tree's gradient is exactly 0), and each
+  tree's gradient is divided by its own token count.
+
+  Args:
+    config: model config (``scan_layers=True`` is the training layout; either works).
+    cfg: the GRPO config.
+    params: a tree, or the per_role dict.
+    batch: TrainBatch with [K, M, ...] fields.
+  Returns:
+    (grads like params (float32), metrics): float32[] scalars ``loss`` (= objective / tokens), ``pg_loss``, ``kl``,
+    ``entropy``, ``approx_kl`` (mean logp_old - logp_new), ``clip_frac_low`` / ``_high`` / ``_dual`` (fractions of
+    trained tokens), ``tokens`` and ``tokens/<role>``; per_role also ``loss/<tree>`` (each tree's own token mean).
+  """
+  names = _tree_names(cfg)
+  act = int(Role.ACT)
+
+  def body(carry, mb):
+    grads_acc, sums_acc = carry
+    if cfg.per_role:
+      is_act = mb.row_role[0] == act
+
+      def objective(p):
+        chosen = jax.tree.map(lambda a, r: jnp.where(is_act, a, r), p["act"], p["rehearse"])
+        return micro_batch_sums(config, cfg, chosen, mb)
+
+      tree_of = {"act": is_act, "rehearse": ~is_act}
+    else:
+      objective = lambda p: micro_batch_sums(config, cfg, p, mb)
+      tree_of = {"policy": jnp.bool_(True)}
+    (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    for name in names:  # per-tree denominators and objectives
+      sums[f"tree_tokens/{name}"] = jnp.where(tree_of[name], sums["tokens"], 0.0)
+      sums[f"tree_objective/{name}"] = jnp.where(tree_of[name], sums["objective"], 0.0)
+    grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+    return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
+
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+  first = jax.tree.map(lambda x: x[0], batch)
+  template = jax.eval_shape(functools.partial(_sums_shape, config, cfg), params, first)
+  sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+  (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), batch)
+
+  if cfg.per_role:
+    grads = {name: _scale(grads[name], sums[f"tree_tokens/{name}"]) for name in names}
+  else:
+    grads = _scale(grads, sums["tokens"])
+  return grads, _finalize(sums, names)
+
+
+def _sums_shape(config, cfg, params, mb):
+  """The structure of the per-micro-batch sums dict (abstract evaluation, for the scan carry)."""
+  p = params["act"] if cfg.per_role else params
+  sums = micro_batch_sums(config, cfg, p, mb)[1]
+  for name in _tree_names(cfg):
+    sums[f"tree_tokens/{name}"] = sums["tokens"]
+    sums[f"tree_objective/{name}"] = sums["objective"]
+  return sums
+
+
+def _scale(tree: Any, count: jax.Array) -> Any:
+  return jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), tree)
+
+
+def _finalize(sums: dict[str, jax.Array], names: Sequence[str]) -> dict[str, jax.Array]:
+  count = jnp.maximum(sums["tokens"], 1.0)
+  m = {
+    "loss": sums["objective"] / count,
+    "pg_loss": sums["pg_loss"] / count,
+    "kl": sums["kl"] / count,
+    "entropy": sums["entropy"] / count,
+    "approx_kl": sums["approx_kl"] / count,
+    "clip_frac_low": sums["clip_low"] / count,
+    "clip_frac_high": sums["clip_high"] / count,
+    "clip_frac_dual": sums["clip_dual"] / count,
+  }
+  m.update({k: v for k, v in sums.items() if k == "tokens" or k.startswith("tokens/")})
+  if len(names) > 1:
+    for name in names:
+      m[f"loss/{name}"] = sums[f"tree_objective/{name}"] / jnp.maximum(sums[f"tree_tokens/{name}"], 1.0)
+  return m
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The update step
+
+
+@struct.dataclass
+class TrainState:
+  """What the update step carries.
+
+  Attributes:
+    step: int32[] updates applied so far.
+    params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode.
+    opt_state: the optax state of ``make_optimizer(cfg)`` for params; per_role: ``{"act": ..., "rehearse": ...}``.
+  """
+
+  step: Any
+  params: Any
+  opt_state: Any
+
+
+def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``cfg.learning_rate``."""
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.max_grad_norm),
+    optax.adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+  )
+
+
+def _is_split(params: Any) -> bool:
+  return isinstance(params, Mapping) and set(params) == set(ROLE_TREES)
+
+
+def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
+  """Step 0: params and a fresh optimizer state.
+
+  Args:
+    cfg: the GRPO config.
+    params: one parameter tree. In per_role mode either that (both role trees start as copies of it, as the
+      paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
+  """
+  opt = make_optimizer(cfg)
+  if cfg.per_role:
+    if not _is_split(params):
+      params = {name: jax.tree.map(jnp.array, params) for name in ROLE_TREES}  # copies: each tree owns its buffers
+    opt_state = {name: opt.init(params[name]) for name in ROLE_TREES}
+  else:
+    opt_state = opt.init(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def _apply_updates(opt, grads, opt_state, params, has_tokens):
+  """One optimizer step on one tree; params and state are kept bitwise when the tree had no trained token."""
+  grad_norm = optax.tree.norm(grads)
+  updates, new_state = opt.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jnp.where(has_tokens, new, old)
+  return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state), grad_norm
+
+
+def update_step(
+  config: ModelConfig, cfg: GrpoConfig, state: TrainState, batch: TrainBatch
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One GRPO update (pure; ``make_update_step`` jits it): accumulated gradient, global-norm clip, AdamW.
+
+  A tree with no trained token in the batch is not stepped (AdamW's weight decay and momentum would otherwise
+  move it with no data).
+
+  Args:
+    config: model config of the params' layout (``scan_layers=True`` for training).
+    cfg: the GRPO config.
+    state: the TrainState.
+    batch: TrainBatch with [K, M, ...] fields.
+  Returns:
+    (the new state, metrics): those of ``loss_and_grads`` plus ``grad_norm`` (global norm before clipping; per_role
+    also ``grad_norm/<tree>``).
+  """
+  grads, metrics = loss_and_grads(config, cfg, state.params, batch)
+  opt = make_optimizer(cfg)
+  if cfg.per_role:
+    params, opt_state, norms = {}, {}, []
+    for name in ROLE_TREES:
+      has = metrics.get(f"tokens/{name}", jnp.zeros(())) > 0
+      params[name], opt_state[name], norm = _apply_updates(
+        opt, grads[name], state.opt_state[name], state.params[name], has
+      )
+      metrics[f"grad_norm/{name}"] = norm
+      norms.append(norm)
+    metrics["grad_norm"] = jnp.sqrt(sum(jnp.square(n) for n in norms))
+  else:
+    params, opt_state, metrics["grad_norm"] = _apply_updates(
+      opt, grads, state.opt_state, state.params, metrics["tokens"] > 0
+    )
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def train_state_shardings(
+  config: ModelConfig, cfg: GrpoConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_RULES
+) -> TrainState:
+  """A TrainState of ``NamedSharding``s: params by ``sharding.param_shardings``, AdamW moments like their params,
+  scalars (step, optimizer counts) replicated. Abstract shapes only: nothing is allocated."""
+  p_shardings = sharding.param_shardings(config, mesh, rules)
+  shapes = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
+  opt = make_optimizer(cfg)
+  rep = sharding.replicated(mesh)
+  o_shardings = optax.tree_map_params(
+    opt, lambda _, s: s, jax.eval_shape(opt.init, shapes), p_shardings, transform_non_params=lambda _: rep
+  )
+  if cfg.per_role:
+    p_shardings = {name: p_shardings for name in ROLE_TREES}
+    o_shardings = {name: o_shardings for name in ROLE_TREES}
+  return TrainState(step=rep, params=p_shardings, opt_state=o_shardings)
+
+
+def train_batch_shardings(mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_RULES) -> TrainBatch:
+  """A TrainBatch of ``NamedSharding``s for [K, M, ...] fields: rows (M) split over the batch axes, K and the
+  token axes replicated."""
+  rows = sharding.batch_sharding(mesh, 1, rules).spec[0]
+  per_row = NamedSharding(mesh, PartitionSpec(None, rows))
+  per_token = NamedSharding(mesh, PartitionSpec(None, rows, None))
+  fields = {f.name: per_token for f in dataclasses.fields(TrainBatch)}
+  fields.update(advantages=per_row, row_role=per_row)
+  return TrainBatch(**fields)
+
+
+def shard_train_state(state: TrainState, shardings: TrainState) -> TrainState:
+  """Places a TrainState per ``train_state_shardings`` (``jax.device_put``)."""
+  return jax.device_put(state, shardings)
+
+
+def _check_step_batch(batch: TrainBatch, cfg: GrpoConfig, shards: int) -> None:
+  if np.ndim(batch.tokens) != 3:
+    raise ValueError(
+      f"the update step takes [K, M, T] micro-batches, got tokens of shape {np.shape(batch.tokens)}; use "
+      "split_micro_batches (or build_batch)."
+    )
+  m = np.shape(batch.tokens)[1]
+  if m % shards:
+    raise ValueError(f"micro-batch of {m} rows is not divisible by the {shards} batch shards of the mesh.")
+  if cfg.per_role:
+    role = np.asarray(batch.row_role)
+    used = np.asarray(batch.target_mask).any(axis=-1)
+    if np.any(used & (role != role[:, :1])):
+      raise ValueError("per_role mode needs single-role micro-batches; use split_micro_batches(..., by_role=True).")
+
+
+def make_update_step(
+  config: ModelConfig,
+  cfg: GrpoConfig,
+  *,
+  mesh: Mesh | None = None,
+  rules: sharding.Rules = sharding.LOGICAL_RULES,
+  donate: bool = True,
+):
+  """``update_step`` under one ``jax.jit``; on a mesh with explicit in/out shardings.
+
+  Args:
+    config: model config of the params' layout.
+    cfg: the GRPO config.
+    mesh: optional mesh: the state is laid out per ``train_state_shardings`` (place it with ``shard_train_state``),
+      the batch per ``train_batch_shardings``, metrics replicated.
+    rules: logical-axis rules.
+    donate: donate the state's buffers (the old state is unusable after the call).
+  Returns:
+    ``step(state, batch) -> (state, metrics)``; ``step.jitted`` is the jitted function. One compile per batch shape.
+  Raises (when step is called):
+    ValueError: the batch is not [K, M, T], M is not a multiple of the batch shards, or per_role micro-batches
+      mix roles.
+  """
+  fn = functools.partial(update_step, config, cfg)
+  donate_argnums = (0,) if donate else ()
+  if mesh is None:
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    shards = 1
+  else:
+    state_shardings = train_state_shardings(config, cfg, mesh, rules)
+    jitted = jax.jit(
+      fn,
+      in_shardings=(state_shardings, train_batch_shardings(mesh, rules)),
+      out_shardings=(state_shardings, sharding.replicated(mesh)),
+      donate_argnums=donate_argnums,
+    )
+    shards = sharding.batch_size_multiple(mesh, rules)
+
+  def step(state: TrainState, batch: TrainBatch):
+    _check_step_batch(batch, cfg, shards)
+    return jitted(state, batch)
+
+  step.jitted = jitted
+  return step
