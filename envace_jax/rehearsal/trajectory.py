@@ -32,6 +32,7 @@ class Termination(str, enum.Enum):
   MAX_TURNS = "max_turns"  # the configured turn budget ran out
   CONTEXT_EXHAUSTED = "context_exhausted"  # a view's KV cache is full
   MALFORMED = "malformed"  # malformed output ended the trajectory (when configured to)
+  USER_ERROR = "user_error"  # an external user simulator failed (transport); not a model outcome: exclude it
 
 
 @dataclasses.dataclass

@@ -1,0 +1,394 @@
+"""One self-unfolded trajectory, host side: the rollout's configuration and what each generation means.
+
+`Episode` holds a trajectory in flight: its views (`views.View`, one per role that generates), the conversation
+(`Trajectory.messages`) and whose generation is next. It renders the task's opening, turns each generation into
+conversation (parse ACT output, check rehearsed JSON, read user stop markers, execute real tool calls in real mode),
+and records faults and terminations on the trajectory; it never raises on model output. The batched, lockstep device
+side lives in `unfold.py`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
+from envace_jax.model import tool_format
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import Message, Tokenizer
+from envace_jax.rehearsal import views
+from envace_jax.rehearsal.trajectory import Termination, Trajectory
+from envace_jax.rehearsal.users import ExternalUserConfig
+from envace_jax.sampling.sampler import SamplingParams
+from envace_jax.sampling.stopping import FinishReason
+
+USER_MODES = ("reference", "policy", "external")
+ENV_MODES = ("rehearse", "real")
+MALFORMED_POLICIES = ("continue", "end")
+INVALID_REHEARSAL_POLICIES = ("as_is", "error", "end")
+ROLE_NAMES = {Role.ACT: "act", Role.REHEARSE: "rehearse", Role.USER: "user"}
+
+
+class UnfoldConfigError(ValueError):
+  """The rollout is misconfigured (bad `UnfoldConfig` value, missing sampler or environments)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnfoldConfig:
+  """How a self-unfolded rollout runs. Validated at construction (`UnfoldConfigError`).
+
+  Attributes:
+    group_size: G, trajectories per task (the GRPO group).
+    max_turns: ACT generations per trajectory; one more needed ends it with ``MAX_TURNS``.
+    act_max_new_tokens, rehearse_max_new_tokens, user_max_new_tokens: per generation of each role.
+    act_sampling, rehearse_sampling, user_sampling: `SamplingParams` per role (equal ones share a sampler call).
+    act_capacity, rehearse_capacity, user_capacity: token budget of each view (its KV-cache row; the cache is sized
+      for the largest view it holds, at most the model's context). A view that cannot take the next prompt plus one
+      token, or that fills up while generating, ends the trajectory with ``CONTEXT_EXHAUSTED``. Openings in SmolLM2
+      tokens (policy + schemas): τ² mock ≈ 0.5k, airline ≈ 5.0k, retail ≈ 4.9k (REHEARSE adds its grounding);
+      SmolLM2's context is 8192. Memory: the policy cache holds (views per trajectory) x B*G rows of the largest
+      budget.
+    user_mode: who plays USER for tasks without logged user turns: "reference" (the frozen initial parameters, a
+      second sampler), "policy" (the policy's sampler, a third view in its cache) or "external" (`external_user`).
+    env_mode: "rehearse" (REHEARSE imagines tool results; no real tool runs) or "real" (a `ToolEnv` runs them).
+    on_malformed: malformed ACT output (a `tool_format.ParseError`, unknown tools included): "continue" (the agent
+      gets "Error: <message>" as a tool observation) or "end" (``MALFORMED``).
+    on_invalid_rehearsal: a rehearsed response that is not ``<tool_response>`` + JSON: "as_is" (the agent sees its
+      body), "error" (the agent sees an error observation) or "end" (``MALFORMED``, after the agent is shown it).
+    accept_error_text: a rehearsed body starting with "Error" is a valid error observation (τ²'s tools answer
+      refused calls with such text), not invalid JSON.
+    grounding_max_tokens: token budget of the reference interactions in the REHEARSE view's system message.
+    parallel_calls: ACT may write several ``<tool_call>`` blocks in one message (generation then stops at the end of
+      the message, not at ``</tool_call>``); each is answered in order.
+    rehearse_sees_dialogue: the REHEARSE view shows the user/agent messages ("User: ..." / "Agent: ...").
+    greeting: the agent's fixed first message (τ²'s orchestrator sends "Hi! How can I help you today?") for tasks
+      with a simulated user and no logged history; "" lets the user speak first.
+    agent_stop_markers: texts in an ACT reply that end the trajectory with ``AGENT_STOP``.
+    rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
+    user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
+    external_user: the endpoint for ``user_mode="external"`` (unless `unfold` is given a `UserSimulator`).
+  """
+
+  group_size: int = 4
+  max_turns: int = 8
+  act_max_new_tokens: int = 256
+  rehearse_max_new_tokens: int = 256
+  user_max_new_tokens: int = 128
+  act_sampling: SamplingParams = SamplingParams()
+  rehearse_sampling: SamplingParams = SamplingParams()
+  user_sampling: SamplingParams = SamplingParams()
+  act_capacity: int = 8192
+  rehearse_capacity: int = 8192
+  user_capacity: int = 2048
+  user_mode: str = "reference"
+  env_mode: str = "rehearse"
+  on_malformed: str = "continue"
+  on_invalid_rehearsal: str = "as_is"
+  accept_error_text: bool = True
+  grounding_max_tokens: int = 1024
+  parallel_calls: bool = False
+  rehearse_sees_dialogue: bool = True
+  greeting: str = "Hi! How can I help you today?"
+  agent_stop_markers: tuple[str, ...] = ()
+  rehearse_prompt: str = views.REHEARSE_PROMPT
+  user_prompt: str = views.USER_PROMPT
+  external_user: ExternalUserConfig | None = None
+
+  def __post_init__(self):
+    positive = ("group_size", "max_turns", "act_max_new_tokens", "rehearse_max_new_tokens", "user_max_new_tokens")
+    for name in (*positive, "act_capacity", "rehearse_capacity", "user_capacity"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise UnfoldConfigError(f"UnfoldConfig.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.grounding_max_tokens, int) or self.grounding_max_tokens < 0:
+      raise UnfoldConfigError(
+        f"UnfoldConfig.grounding_max_tokens must be an int >= 0, got {self.grounding_max_tokens!r}"
+      )
+    choices = {
+      "user_mode": USER_MODES,
+      "env_mode": ENV_MODES,
+      "on_malformed": MALFORMED_POLICIES,
+      "on_invalid_rehearsal": INVALID_REHEARSAL_POLICIES,
+    }
+    for name, valid in choices.items():
+      if getattr(self, name) not in valid:
+        raise UnfoldConfigError(f"UnfoldConfig.{name}={getattr(self, name)!r}; valid: {', '.join(valid)}")
+    for name in ("act_sampling", "rehearse_sampling", "user_sampling"):
+      if not isinstance(getattr(self, name), SamplingParams):
+        raise UnfoldConfigError(f"UnfoldConfig.{name} must be a SamplingParams, got {getattr(self, name)!r}")
+    try:
+      self.user_prompt.format(scenario="", stop_markers="")
+    except (KeyError, IndexError, ValueError) as e:
+      raise UnfoldConfigError(
+        f"UnfoldConfig.user_prompt must format with {{scenario}} and {{stop_markers}}: {e}"
+      ) from e
+    if not isinstance(self.agent_stop_markers, tuple) or not all(self.agent_stop_markers):
+      raise UnfoldConfigError("UnfoldConfig.agent_stop_markers must be a tuple of non-empty strings")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> UnfoldConfig:
+    """From plain data (e.g. ``ConfigDict.to_dict()``): sampling params and ``external_user`` as mappings.
+
+    Raises:
+      UnfoldConfigError: an unknown key or an invalid value.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise UnfoldConfigError(f"unknown UnfoldConfig keys {unknown}; valid: {', '.join(sorted(known))}")
+    kw = dict(d)
+    for name in ("act_sampling", "rehearse_sampling", "user_sampling"):
+      if isinstance(kw.get(name), Mapping):
+        kw[name] = SamplingParams(**kw[name])
+    if isinstance(kw.get("external_user"), Mapping):
+      kw["external_user"] = ExternalUserConfig(**kw["external_user"])
+    if "agent_stop_markers" in kw:
+      kw["agent_stop_markers"] = tuple(kw["agent_stop_markers"])
+    return cls(**kw)
+
+  def capacity(self, role: Role) -> int:
+    return {Role.ACT: self.act_capacity, Role.REHEARSE: self.rehearse_capacity, Role.USER: self.user_capacity}[role]
+
+  def max_new_tokens(self, role: Role) -> int:
+    return {Role.ACT: self.act_max_new_tokens, Role.REHEARSE: self.rehearse_max_new_tokens}.get(
+      role, self.user_max_new_tokens
+    )
+
+  def sampling(self, role: Role) -> SamplingParams:
+    return {Role.ACT: self.act_sampling, Role.REHEARSE: self.rehearse_sampling}.get(role, self.user_sampling)
+
+  def stop_strings(self, role: Role) -> tuple[str, ...]:
+    """Stop strings of a role's generations (besides the tokenizer's eos ids)."""
+    if role == Role.ACT:
+      return () if self.parallel_calls else (tool_format.TOOL_CALL_CLOSE,)
+    return (tool_format.TOOL_RESPONSE_CLOSE,) if role == Role.REHEARSE else ()
+
+
+def _initial_conversation(task: Task) -> tuple[ChatMessage, ...]:
+  """The logged conversation a task starts from (τ² mock tasks have one); imports the τ² adapter only for τ² tasks."""
+  if task.benchmark == "tau2" and task.criteria.get("tau2_task") is not None:
+    from envace_jax.envs import tau2  # heavy optional dependency
+
+    return tau2.initial_conversation(task)
+  return ()
+
+
+class Episode:
+  """One trajectory in flight.
+
+  Attributes:
+    index: the trajectory's index in the rollout batch (b*G + g).
+    traj: the `Trajectory` being filled.
+    views: the token views, by role (ACT; REHEARSE in rehearse mode; USER when a sampler plays the user).
+    user_chat: with an external user: the USER view's messages (no tokens); else None.
+    need: the role whose generation is next; None once ended.
+    calls: calls of the last ACT message still to be rehearsed, in order.
+    env: the real environment (real mode).
+  """
+
+  def __init__(self, config: UnfoldConfig, index: int, traj: Trajectory, act_view: views.View):
+    self.config, self.index, self.traj = config, index, traj
+    self.views: dict[Role, views.View] = {Role.ACT: act_view}
+    self.user_chat: list[Message] | None = None
+    self.need: Role | None = None
+    self.calls: collections.deque[ToolCall] = collections.deque()
+    self.next_user_turn = 0
+    self.env: ToolEnv | None = None
+    self.call_count = 0
+
+  @property
+  def live(self) -> bool:
+    return self.traj.termination is None
+
+  @classmethod
+  def opening(
+    cls,
+    config: UnfoldConfig,
+    task: Task,
+    group: int,
+    tokenizer: Tokenizer,
+    chat_format: views.ChatFormat,
+    user_view: bool,
+  ) -> Episode:
+    """The state every trajectory of ``task`` starts from: views rendered up to the first sampled token.
+
+    Args:
+      user_view: a sampler plays the user (a USER token view); otherwise an external user (``user_chat``).
+
+    Raises:
+      UnfoldConfigError: the task has neither logged user turns nor a user scenario.
+    """
+    if not task.user_turns and not task.user_scenario:
+      raise UnfoldConfigError(f"task {task.id!r} has neither logged user_turns nor a user_scenario to simulate")
+    history = list(_initial_conversation(task))
+    traj = Trajectory(task, group, 0, list(history))
+    act = views.View(tokenizer, chat_format, Role.ACT, task.tools)
+    act.append(Message("system", task.system_prompt), *[m for c in history for m in views.act_messages(c)])
+    ep = cls(config, 0, traj, act)
+    if config.env_mode == "rehearse":
+      grounding, kept, dropped = views.grounding_block(task, tokenizer, config.grounding_max_tokens)
+      traj.count("grounding_kept", kept)
+      traj.count("grounding_dropped", dropped)
+      rehearse = views.View(tokenizer, chat_format, Role.REHEARSE, None)
+      system = views.rehearse_system_prompt(task, config.rehearse_prompt, grounding)
+      rehearse.append(Message("system", system), *views.rehearse_history(history, config.rehearse_sees_dialogue))
+      ep.views[Role.REHEARSE] = rehearse
+    if task.user_turns:
+      ep.user_turn()
+      return ep
+    opening = [Message("system", views.user_system_prompt(task, config.user_prompt))]
+    opening += [m for c in history for m in views.user_messages(c)]
+    if user_view:
+      ep.views[Role.USER] = views.View(tokenizer, chat_format, Role.USER, None)
+      ep.views[Role.USER].append(*opening)
+    else:
+      ep.user_chat = opening
+    if history:
+      ep.need = Role.ACT if history[-1].role in ("user", "tool") else Role.USER
+    else:
+      if config.greeting:
+        ep.share(ChatMessage("assistant", config.greeting))
+      ep.need = Role.USER
+    return ep
+
+  def copy(self, index: int, sample: int) -> Episode:
+    """Trajectory ``sample`` of the group, starting from this opening (views copied, cache bookkeeping included)."""
+    t = self.traj
+    other = Episode(self.config, index, Trajectory(t.task, t.group, sample, list(t.messages)), self.views[Role.ACT])
+    other.traj.counts, other.traj.events, other.traj.termination = dict(t.counts), list(t.events), t.termination
+    other.views = {role: view.copy() for role, view in self.views.items()}
+    other.user_chat = list(self.user_chat) if self.user_chat is not None else None
+    other.need, other.next_user_turn = self.need, self.next_user_turn
+    return other
+
+  def share(self, message: ChatMessage, generated_by: Role | None = None) -> None:
+    """Appends a conversation message to the trajectory and to every view that shows it, except the view of
+    ``generated_by``, which holds it already (as generated)."""
+    self.traj.messages.append(message)
+    if generated_by != Role.ACT:
+      self.views[Role.ACT].append(*views.act_messages(message))
+    if Role.REHEARSE in self.views:
+      self.views[Role.REHEARSE].append(*views.rehearse_messages(message, self.config.rehearse_sees_dialogue))
+    user_side = views.user_messages(message) if not self.traj.task.user_turns else []
+    if Role.USER in self.views:
+      if generated_by != Role.USER:
+        self.views[Role.USER].append(*user_side)
+    elif self.user_chat is not None:
+      self.user_chat += user_side
+
+  def user_turn(self) -> None:
+    """Replays the next logged user turn, or ends the trajectory when none is left."""
+    turns = self.traj.task.user_turns
+    if self.next_user_turn >= len(turns):
+      self.end(Termination.USER_TURNS_DONE)
+      return
+    self.share(ChatMessage("user", turns[self.next_user_turn]))
+    self.next_user_turn += 1
+    self.traj.count("user_turns")
+    self.need = Role.ACT
+
+  def observe(self, call: ToolCall, text: str, is_error: bool) -> None:
+    """A tool result (rehearsed or real) for ``call``: in the conversation, and to the agent as an OBSERVATION."""
+    self.traj.messages.append(ChatMessage("tool", text, tool_call_id=call.id, name=call.name, is_error=is_error))
+    self.views[Role.ACT].append(Message("tool", text, author=Role.OBSERVATION))
+
+  def end(self, reason: Termination, **event: Any) -> None:
+    """Ends the trajectory with ``reason``; ``event`` is logged with it."""
+    self.traj.termination, self.need = reason, None
+    self.traj.events.append({"type": "end", "termination": reason.value, **event})
+
+  # ------------------------------------------------------------------------------------------------ outputs
+
+  def after_act(self, content: str) -> None:
+    """Parses an ACT message: a malformed one is recorded; calls go to REHEARSE or the real env; a reply to the user."""
+    traj, task = self.traj, self.traj.task
+    out = views.parse_act(content, task.tool_names, self.config.parallel_calls)
+    if out.error is not None:
+      traj.count("malformed_act")
+      if out.error.kind == tool_format.ParseErrorKind.UNKNOWN_TOOL:
+        traj.count("unknown_tool")
+      event = {"type": "malformed_act", "kind": out.error.kind.value, "message": out.error.message, "raw": content}
+      traj.events.append(event)
+      traj.messages.append(ChatMessage("assistant", content))
+      if self.config.on_malformed == "end":
+        self.end(Termination.MALFORMED, kind=out.error.kind.value)
+      else:
+        self.views[Role.ACT].append(Message("tool", f"Error: {out.error.message}", author=Role.OBSERVATION))
+        self.need = Role.ACT
+      return
+    if out.calls:
+      calls = []
+      for c in out.calls:
+        calls.append(ToolCall(c.name, c.arguments, id=f"call_{self.call_count}"))
+        self.call_count += 1
+      traj.count("tool_calls", len(calls))
+      self.share(ChatMessage("assistant", out.reply, tool_calls=tuple(calls)), generated_by=Role.ACT)
+      if self.config.env_mode == "real":
+        for call in calls:
+          obs = self.env.execute(call)
+          self.observe(call, obs.text, obs.is_error)
+        self.need = Role.ACT
+      else:
+        self.calls.extend(calls)
+        self.views[Role.REHEARSE].append(views.rehearse_call(calls[0].name, calls[0].arguments))
+        self.need = Role.REHEARSE
+      return
+    if not out.reply:
+      traj.count("empty_reply")
+    self.share(ChatMessage("assistant", out.reply), generated_by=Role.ACT)
+    if any(m in out.reply for m in self.config.agent_stop_markers):
+      self.end(Termination.AGENT_STOP)
+    elif task.user_turns:
+      self.user_turn()
+    else:
+      self.need = Role.USER
+
+  def after_rehearse(self, content: str) -> None:
+    """Checks a rehearsed response and shows it to the agent as the pending call's observation."""
+    call = self.calls.popleft()
+    response = views.parse_rehearsal(content, self.config.accept_error_text)
+    text, is_error = response.content, response.is_error
+    if not response.valid:
+      self.traj.count("invalid_rehearsed_json")
+      self.traj.events.append(
+        {"type": "invalid_rehearsal", "reason": response.reason, "raw": content, "call": call.name}
+      )
+      if self.config.on_invalid_rehearsal == "error":
+        text, is_error = f"Error: the tool returned an invalid response ({response.reason})", True
+    self.observe(call, text, is_error)
+    if not response.valid and self.config.on_invalid_rehearsal == "end":
+      self.end(Termination.MALFORMED, kind="invalid_rehearsal")
+    elif self.calls:
+      self.views[Role.REHEARSE].append(views.rehearse_call(self.calls[0].name, self.calls[0].arguments))
+    else:
+      self.need = Role.ACT
+
+  def after_user(self, content: str) -> None:
+    """Reads a user message (generated, or an external user's reply): a stop marker ends the trajectory."""
+    text = content.strip()
+    message = ChatMessage("user", text)
+    markers = self.traj.task.user_stop_markers or views.DEFAULT_STOP_MARKERS
+    if any(m in text for m in markers):
+      self.traj.messages.append(message)
+      self.end(Termination.USER_STOP)
+      return
+    self.share(message, generated_by=Role.USER)
+    self.need = Role.ACT
+
+  def record(self, role: Role, ids: list[int], logprobs, finish: FinishReason, eos_ids) -> None:
+    """Records a generation of ``role`` (int[T] ids and float[T] logprobs exactly as sampled) and moves on."""
+    name = ROLE_NAMES[role]
+    view = self.views[role]
+    content = view.record(ids, logprobs, eos_ids)
+    self.traj.count(f"generations_{name}")
+    self.traj.count(f"tokens_{name}", len(ids))
+    if finish == FinishReason.CONTEXT_EXHAUSTED or view.cached >= self.config.capacity(role):
+      if role == Role.ACT:
+        self.traj.messages.append(ChatMessage("assistant", content))  # unparsed: nothing of it is executed
+      self.end(Termination.CONTEXT_EXHAUSTED, view=name, detail="the view filled up while generating")
+      return
+    if finish == FinishReason.LENGTH:
+      self.traj.count(f"truncated_{name}")
+    {Role.ACT: self.after_act, Role.REHEARSE: self.after_rehearse, Role.USER: self.after_user}[role](content)

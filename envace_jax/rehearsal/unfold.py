@@ -1,0 +1,382 @@
+"""Self-unfolded rollout: B tasks x G trajectories stepped in lockstep, ACT / REHEARSE / USER (paper §3.1-3.2).
+
+One policy wears two hats (three with a policy-played user). At every step each live trajectory needs exactly one
+generation:
+
+  * ACT: the agent's next message (a reply or a tool call), parsed host side (`views.parse_act`);
+  * REHEARSE: the pending tool call's response, imagined by the policy (`views.parse_rehearsal` checks its JSON);
+    parallel calls of one ACT message are rehearsed one by one, in order. With ``env_mode="real"`` the calls run on
+    a `ToolEnv` instead (one per trajectory, host side) and there is no REHEARSE view: the same code path serves the
+    ``grpo_real_env`` baseline and evaluation's committed execution;
+  * USER: the user simulator's next message, played by the frozen reference parameters (a second sampler), the
+    policy, or an external endpoint (`users.ExternalUser`). Tasks with logged user turns (BFCL, checklist format)
+    replay them instead and end with ``USER_TURNS_DONE`` when they run out.
+
+All pending policy generations of a step, whatever their role, go into one batched ``Sampler.generate`` call: the
+ACT, REHEARSE (and policy-USER) views of all trajectories are rows of one KV cache, with a role id and an ``active``
+flag per row (one call per distinct ``SamplingParams``: one with the default, equal parameters). A call's stop
+strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_response>``): a row that writes the
+other role's closing tag stops there, with output that is malformed for its own role anyway. Views are
+append-only and keep their cache rows between turns: a generation prefills only the tokens added since the view's
+previous one. Group prefix sharing: each view's opening (everything before the first sampled token, identical across
+a task's G trajectories) is prefilled once per task and the cache is forked G ways.
+
+Row layout of the policy cache, N = B*G trajectories (task-major, n = b*G + g): row ``slot * N + n`` where ``slot``
+is the view's index in ``policy_roles`` (ACT first); the reference cache has the USER view of trajectory n in row n.
+
+Host-side faults (malformed ACT output, unknown tools, invalid rehearsed JSON) are counted on the trajectory, logged
+in its events, and end it or not as configured: never an exception. `Trajectory.messages` is the conversation in
+OpenAI layout for rewards and evaluators: it omits the error feedback shown to the agent after malformed output (a
+tool message without a call would not replay), and may end with an unanswered call when a trajectory ends while its
+call is being rehearsed.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from envace_jax.envs.base import Task, ToolEnv
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import Message, Tokenizer
+from envace_jax.rehearsal import views
+from envace_jax.rehearsal.episode import ROLE_NAMES, Episode, UnfoldConfig, UnfoldConfigError
+from envace_jax.rehearsal.trajectory import Termination, Trajectory
+from envace_jax.rehearsal.users import ExternalUser, UserSimulator, UserSimulatorError
+from envace_jax.sampling.sampler import SamplingParams
+
+__all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
+
+
+@dataclasses.dataclass
+class UnfoldOutput:
+  """What `unfold` returns.
+
+  Attributes:
+    trajectories: B*G trajectories, task-major (index b*G + g), each with its training rows (the views the policy
+      sampled: ACT, REHEARSE in rehearse mode, USER when the policy plays the user).
+    stats: numbers for metrics: ``steps``, ``policy_calls``, ``reference_calls``, ``external_requests``,
+      ``prefill_tokens_shared`` (the group-shared openings, once per task), ``prefill_tokens`` (continuations),
+      ``generated_tokens_{act,rehearse,user}``, ``time_{setup,policy,reference,external,host,total}_s``,
+      ``terminated_<reason>``.
+    views: per trajectory, its token views by role (`views.View`: the messages each role saw, and its tokens
+      including the not-yet-cached tail), for inspection and tests.
+    caches: with ``return_caches``: {"policy": KVCache, "reference": KVCache} (rows as in the module docstring).
+    policy_roles: the views held by the policy cache, in slot order.
+  """
+
+  trajectories: list[Trajectory]
+  stats: dict[str, float]
+  views: list[dict[Role, views.View]] = dataclasses.field(default_factory=list)
+  caches: dict[str, Any] | None = None
+  policy_roles: tuple[Role, ...] = ()
+
+
+@dataclasses.dataclass
+class _Job:
+  """One pending generation: the trajectory, the role, its prompt (ids, roles) and its new-token budget."""
+
+  episode: Episode
+  role: Role
+  ids: list[int]
+  roles: list[int]
+  max_new: int
+
+
+class _Unfolder:
+  """The lockstep loop's state: samplers, caches, trajectories in flight, statistics."""
+
+  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user):
+    self.tasks, self.policy, self.tokenizer, self.cfg = list(tasks), policy, tokenizer, config
+    self.reference, self.envs, self.user = reference, envs, user
+    self.format = views.ChatFormat.of(tokenizer)
+    self.eos = tuple(tokenizer.eos_ids)
+    self.n = len(self.tasks) * config.group_size
+    simulated = any(not t.user_turns for t in self.tasks)
+    roles = [Role.ACT] + ([Role.REHEARSE] if config.env_mode == "rehearse" else [])
+    self.user_on = {"policy": "policy", "reference": "reference"}.get(config.user_mode) if simulated else None
+    if self.user_on == "policy":
+      roles.append(Role.USER)
+    self.policy_roles = tuple(roles)
+    self.stops = tuple(sorted({s for r in self.policy_roles for s in config.stop_strings(r)}))
+    self.caches: dict[str, Any] = {}
+    self.stats: collections.Counter = collections.Counter()
+
+  # ------------------------------------------------------------------------------------------------ setup
+
+  def setup(self) -> list[Episode]:
+    """Renders each task's opening once, prefills it once per task, forks the caches G ways."""
+    g = self.cfg.group_size
+    user_view = self.user_on is not None
+    openings = [
+      Episode.opening(self.cfg, task, b, self.tokenizer, self.format, user_view) for b, task in enumerate(self.tasks)
+    ]
+    if self.policy_roles:
+      self.caches["policy"] = self._prefill_openings(self.policy, openings, self.policy_roles)
+    if self.user_on == "reference":
+      self.caches["reference"] = self._prefill_openings(self.reference, openings, (Role.USER,))
+    episodes = [o.copy(b * g + s, s) for b, o in enumerate(openings) for s in range(g)]
+    for b, o in enumerate(openings):
+      for role, view in o.views.items():
+        if view.cached == 0 and o.live:
+          logging.warning(
+            "task %s: the %s view's opening is %d tokens, over %s_capacity=%d; its trajectories end with "
+            "context_exhausted",
+            self.tasks[b].id, ROLE_NAMES[role], len(view), ROLE_NAMES[role], self.cfg.capacity(role),
+          )  # fmt: skip
+    for ep in episodes:
+      for role, view in ep.views.items():
+        if view.cached == 0 and ep.live:  # the opening did not fit: never prefilled
+          ep.end(Termination.CONTEXT_EXHAUSTED, view=ROLE_NAMES[role], detail="the opening does not fit the view")
+      if self.cfg.env_mode == "real" and ep.traj.termination is None:
+        ep.env = self.envs[ep.index]
+        ep.env.reset(ep.traj.task)
+    return episodes
+
+  def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role]):
+    """One prefill of every task's view openings (all but their last token), then ``fork`` G ways."""
+    prompts, prompt_roles = [], []
+    for role in roles:
+      for o in openings:
+        view = o.views.get(role)
+        fits = view is not None and len(view) + 1 <= self.cfg.capacity(role)
+        prompts.append(view.tokens[:-1] if fits else [])
+        prompt_roles.append(view.roles[:-1] if fits else [])
+    capacity = max(self.cfg.capacity(r) for r in roles)
+    cache = sampler.init_cache(batch=len(prompts), capacity=capacity)
+    cache, _, fitted, count = sampler.prefill(cache, prompts, prompt_roles)
+    self.stats["prefill_tokens_shared"] += count
+    for row, ok in enumerate(np.asarray(fitted)):
+      if ok:
+        openings[row % len(openings)].views[roles[row // len(openings)]].cached = len(prompts[row])
+    return sampler.fork(cache, self.cfg.group_size)
+
+  # ------------------------------------------------------------------------------------------------ the loop
+
+  def _schedule(self, episodes: list[Episode]) -> tuple[list[_Job], list[_Job], list[Episode]]:
+    """(policy jobs, reference jobs, trajectories waiting for the external user) of this step."""
+    policy, reference, external = [], [], []
+    for ep in episodes:
+      role = ep.need
+      if ep.traj.termination is not None:
+        continue
+      if role == Role.ACT and ep.views[Role.ACT].generations >= self.cfg.max_turns:
+        ep.end(Termination.MAX_TURNS)
+        continue
+      if role == Role.USER and ep.user_chat is not None:
+        external.append(ep)
+        continue
+      view = ep.views[role]
+      ids, roles = view.prompt()
+      room = self.cfg.capacity(role) - view.cached - len(ids)
+      if room < 1:
+        ep.end(Termination.CONTEXT_EXHAUSTED, view=ROLE_NAMES[role], detail="the next prompt does not fit")
+        continue
+      job = _Job(ep, role, ids, roles, min(self.cfg.max_new_tokens(role), room))
+      (reference if role == Role.USER and self.user_on == "reference" else policy).append(job)
+    return policy, reference, external
+
+  def _generate(self, name: str, sampler, roles: Sequence[Role], jobs: list[_Job], key) -> list[tuple]:
+    """Runs ``jobs`` as rows of the ``name`` cache: one ``generate`` per distinct sampling params."""
+    by_params: dict[SamplingParams, list[_Job]] = {}
+    for job in jobs:
+      by_params.setdefault(self.cfg.sampling(job.role), []).append(job)
+    slot = {role: i for i, role in enumerate(roles)}
+    rows = len(roles) * self.n
+    results = []
+    for k, (sampling, group) in enumerate(by_params.items()):
+      prompts, prompt_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
+      gen_roles, max_new, active = np.full(rows, int(roles[0]), np.int32), np.ones(rows, np.int32), np.zeros(rows, bool)
+      placed = []
+      for job in group:
+        row = slot[job.role] * self.n + job.episode.index
+        prompts[row], prompt_roles[row], gen_roles[row], max_new[row], active[row] = (
+          job.ids,
+          job.roles,
+          int(job.role),
+          job.max_new,
+          True,
+        )
+        placed.append((job, row))
+      start = time.perf_counter()
+      out, self.caches[name] = sampler.generate(
+        self.caches[name],
+        prompts,
+        prompt_roles,
+        role=gen_roles,
+        key=jax.random.fold_in(key, k),
+        max_new_tokens=max_new,
+        sampling=sampling,
+        stop_strings=self.stops if name == "policy" else self.cfg.stop_strings(Role.USER),
+        active=active,
+      )
+      self.stats[f"time_{name}_s"] += time.perf_counter() - start
+      self.stats[f"{name}_calls"] += 1
+      self.stats["prefill_tokens"] += out.prefill_tokens
+      for job, row in placed:
+        n = int(out.lengths[row])
+        results.append((job, out.tokens[row, :n].tolist(), out.logprobs[row, :n].tolist(), out.finish_reasons[row]))
+    return results
+
+  def run(self, key) -> list[Episode]:
+    start = time.perf_counter()
+    episodes = self.setup()
+    self.stats["time_setup_s"] += time.perf_counter() - start
+    workers = self.cfg.external_user.max_concurrency if self.cfg.external_user else 8
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="user") if self.user else None
+    try:
+      step = 0
+      while True:
+        host = time.perf_counter()
+        policy_jobs, reference_jobs, external = self._schedule(episodes)
+        if not (policy_jobs or reference_jobs or external):
+          break
+        # External users are asked first, so their requests overlap the device work.
+        futures = [(ep, pool.submit(self.user.reply, _chat(ep.user_chat))) for ep in external]
+        self.stats["external_requests"] += len(futures)
+        self.stats["time_host_s"] += time.perf_counter() - host
+        step_key = jax.random.fold_in(key, step)
+        results = []
+        if policy_jobs:
+          results += self._generate(
+            "policy", self.policy, self.policy_roles, policy_jobs, jax.random.fold_in(step_key, 0)
+          )
+        if reference_jobs:
+          results += self._generate(
+            "reference", self.reference, (Role.USER,), reference_jobs, jax.random.fold_in(step_key, 1)
+          )
+        wait = time.perf_counter()
+        replies = []
+        for ep, future in futures:
+          try:
+            replies.append((ep, future.result(), None))
+          except UserSimulatorError as e:
+            replies.append((ep, None, e))
+        self.stats["time_external_s"] += time.perf_counter() - wait
+        host = time.perf_counter()
+        for job, ids, logprobs, finish in results:
+          job.episode.record(job.role, ids, logprobs, finish, self.eos)
+          self.stats[f"generated_tokens_{ROLE_NAMES[job.role]}"] += len(ids)
+        for ep, text, error in replies:
+          if error is not None:
+            ep.traj.count("user_error")
+            ep.end(Termination.USER_ERROR, detail=str(error))
+          else:
+            ep.traj.count("generations_user")
+            ep.after_user(text)
+        self.stats["time_host_s"] += time.perf_counter() - host
+        step += 1
+    finally:
+      if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    self.stats["steps"] = step
+    self._check_caches(episodes)
+    return episodes
+
+  def _check_caches(self, episodes: list[Episode]) -> None:
+    """Every view's bookkeeping must match its cache row's length (a rollout bug otherwise)."""
+    for name, cache in self.caches.items():
+      roles = self.policy_roles if name == "policy" else (Role.USER,)
+      lengths = np.asarray(jax.device_get(cache.lengths))
+      for ep in episodes:
+        for slot, role in enumerate(roles):
+          view = ep.views.get(role)
+          held = view.cached if view is not None else 0
+          if int(lengths[slot * self.n + ep.index]) != held:
+            raise RuntimeError(
+              f"rollout bookkeeping bug: trajectory {ep.index} {ROLE_NAMES[role]} view holds {held} tokens, its "
+              f"cache row {int(lengths[slot * self.n + ep.index])}"
+            )
+
+
+def _chat(messages: Sequence[Message]) -> list[dict[str, str]]:
+  return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def unfold(
+  tasks: Sequence[Task],
+  policy_sampler,
+  tokenizer: Tokenizer,
+  config: UnfoldConfig,
+  key: jax.Array,
+  *,
+  reference_sampler=None,
+  envs: Sequence[ToolEnv] | None = None,
+  user_simulator: UserSimulator | None = None,
+  return_caches: bool = False,
+) -> UnfoldOutput:
+  """Self-unfolds ``config.group_size`` trajectories of each task in lockstep (see the module docstring).
+
+  Args:
+    tasks: the B tasks of the batch.
+    policy_sampler: a `Sampler` with the policy's parameters (ACT, REHEARSE and a policy-played USER).
+    tokenizer: the policy's tokenizer (chat template, eos ids); its vocabulary must be the model's.
+    config: an `UnfoldConfig`.
+    key: a ``jax.random.key``; step s uses ``fold_in(key, s)``.
+    reference_sampler: a `Sampler` with the frozen reference parameters; needed for ``user_mode="reference"`` when a
+      task has no logged user turns.
+    envs: B*G `ToolEnv`s (task-major), needed for ``env_mode="real"``; each is ``reset`` with its task. Ignored in
+      rehearse mode: nothing real is called.
+    user_simulator: for ``user_mode="external"``: the user (default ``ExternalUser(config.external_user)``).
+    return_caches: keep the final KV caches in the output (tests, inspection).
+
+  Returns:
+    `UnfoldOutput`: B*G trajectories (task-major) with termination, messages, counts, events and one training row
+    per view the policy generated in (int32[T] tokens exactly as in the view's cache row, roles, loss mask on the
+    view role's generated tokens, the sampler's logprobs), and stats. A view without generations has no row.
+
+  Raises:
+    UnfoldConfigError: no tasks, a missing reference sampler, environments or external user, a task with neither
+      user turns nor a user scenario.
+    users.UserEndpointError: the external user's endpoint is misconfigured.
+    tokenizer.ChatTemplateError: the chat template cannot keep views append-only.
+  """
+  if not tasks:
+    raise UnfoldConfigError("unfold needs at least one task")
+  if not isinstance(config, UnfoldConfig):
+    raise UnfoldConfigError(f"config must be an UnfoldConfig, got {type(config).__name__}")
+  n = len(tasks) * config.group_size
+  simulated = any(not t.user_turns for t in tasks)
+  if simulated and config.user_mode == "reference" and reference_sampler is None:
+    raise UnfoldConfigError(
+      "user_mode='reference' needs reference_sampler (a Sampler with the frozen initial parameters); or set "
+      "user_mode='policy' / 'external'"
+    )
+  if config.env_mode == "real" and (envs is None or len(envs) != n):
+    got = "none" if envs is None else len(envs)
+    raise UnfoldConfigError(f"env_mode='real' needs one ToolEnv per trajectory: {n} (B*G), got {got}")
+  owned = None
+  if simulated and config.user_mode == "external" and user_simulator is None:
+    if config.external_user is None:
+      raise UnfoldConfigError(
+        "user_mode='external' needs UnfoldConfig.external_user (an ExternalUserConfig) or a user_simulator"
+      )
+    user_simulator = owned = ExternalUser(config.external_user)
+  user = user_simulator if simulated and config.user_mode == "external" else None
+  start = time.perf_counter()
+  runner = _Unfolder(tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user)
+  try:
+    episodes = runner.run(key)
+  finally:
+    if owned is not None:
+      owned.close()
+  trajectories = []
+  for ep in episodes:
+    traj = ep.traj
+    traj.counts["turns"] = ep.views[Role.ACT].generations
+    sampled = [role for role in runner.policy_roles if role in ep.views and ep.views[role].generations]
+    traj.rows = {int(role): ep.views[role].training_row(ep.index) for role in sampled}
+    trajectories.append(traj)
+    runner.stats[f"terminated_{traj.termination.value}"] += 1
+  runner.stats["time_total_s"] = time.perf_counter() - start
+  stats = {k: float(v) for k, v in runner.stats.items()}
+  caches = runner.caches if return_caches else None
+  return UnfoldOutput(trajectories, stats, [ep.views for ep in episodes], caches, runner.policy_roles)

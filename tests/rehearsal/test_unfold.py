@@ -1,0 +1,776 @@
+"""The self-unfolded rollout: token bookkeeping, batching, continuation, prefix sharing, faults, modes.
+
+Two stand-ins for the policy sampler:
+  * `ForcingSampler` wraps the real `Sampler` (a tiny random model with SmolLM2's vocabulary): ACT generations are
+    scripted (so trajectories call tools and REHEARSE runs) and written into the real KV cache with ``prefill``; every
+    other row is sampled by the real sampler. The bookkeeping tests run on it and compare rows with the real caches.
+  * `ScriptedSampler` has no model at all: its "cache" holds token lists, generations are scripted texts encoded
+    canonically. Behaviour tests (faults, modes, replay, external user) run on it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import http.server
+import json
+import pathlib
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from envace_jax.envs import bfcl, checklist, tau2
+from envace_jax.model import tool_format, transformer
+from envace_jax.model.config import get_model_config
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import IM_END, ChatTemplateError, Message, Tokenizer
+from envace_jax.rehearsal import views
+from envace_jax.rehearsal.trajectory import Termination
+from envace_jax.rehearsal.unfold import UnfoldConfig, UnfoldConfigError, unfold
+from envace_jax.rehearsal.users import ExternalUserConfig, UserEndpointError, UserSimulator
+from envace_jax.sampling.sampler import SampleOutput, Sampler, SamplingParams
+from envace_jax.sampling.stopping import FinishReason
+from tests.conftest import jit_apply
+
+CHECKLIST_FIXTURE = pathlib.Path(__file__).parents[1] / "envs" / "data" / "checklist_fixture.jsonl"
+CALL_GET_USERS = tool_format.render_tool_call("get_users", {})
+CALL_CREATE = tool_format.render_tool_call("create_task", {"user_id": "user_1", "title": "Important Meeting"})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2) -> Tokenizer:
+  return Tokenizer.from_hf_dir(smollm2.path)
+
+
+@pytest.fixture(scope="module")
+def mock_tasks():
+  return tau2.load_tasks("mock", "base")
+
+
+def _task(tasks, task_id):
+  return next(t for t in tasks if t.id == task_id)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stand-ins for the sampler.
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+  """A scripted generation: the text's canonical ids, plus the eos unless it ends with a stop string or the eos."""
+  ids = tokenizer.encode(text)
+  if not text.endswith((tool_format.TOOL_CALL_CLOSE, tool_format.TOOL_RESPONSE_CLOSE, IM_END)):
+    ids.append(tokenizer.eos_ids[0])
+  return ids
+
+
+def _finish(tokenizer, ids, max_new, stops) -> tuple[list[int], FinishReason]:
+  """Cuts scripted ids where a sampler would stop: at an eos, at a completed stop string, or at max_new."""
+  for i in range(len(ids)):
+    if i == max_new:
+      return ids[:i], FinishReason.LENGTH
+    if ids[i] in tokenizer.eos_ids or any(tokenizer.decode(ids[: i + 1]).endswith(s) for s in stops):
+      return ids[: i + 1], FinishReason.STOP
+  return ids, FinishReason.LENGTH
+
+
+class _Recorder:
+  """Records every generate call: {row: (role, prompt length, ids, logprobs)} plus the prefills."""
+
+  def __init__(self, tokenizer, script, n_rows_hint=None):
+    self.tokenizer, self.script = tokenizer, script
+    self.calls, self.prefills = [], []
+    self.generation_index = collections.Counter()
+
+  def scripted(self, role, row, n):
+    """The script's ids for this row's next generation of ``role`` (trajectory index = row % n)."""
+    k = self.generation_index[(row, role)]
+    self.generation_index[(row, role)] += 1
+    text = self.script(Role(role), row % n, k)
+    return None if text is None else _encode(self.tokenizer, text)
+
+
+@dataclasses.dataclass
+class FakeCache:
+  tokens: list
+  roles: list
+  capacity: int
+
+  @property
+  def lengths(self):
+    return np.asarray([len(t) for t in self.tokens], np.int32)
+
+
+class ScriptedSampler(_Recorder):
+  """No model: caches are token lists; every generation comes from ``script(role, trajectory, k) -> text``."""
+
+  def __init__(self, tokenizer, script, n):
+    super().__init__(tokenizer, script)
+    self.n = n
+
+  def init_cache(self, batch, capacity):
+    return FakeCache([[] for _ in range(batch)], [[] for _ in range(batch)], capacity)
+
+  @staticmethod
+  def fork(cache, g):
+    rep = lambda rows: [list(r) for r in rows for _ in range(g)]
+    return FakeCache(rep(cache.tokens), rep(cache.roles), cache.capacity)
+
+  def prefill(self, cache, prompts, prompt_roles, active=None):
+    self.prefills.append([len(p) for p in prompts])
+    fitted = np.zeros(len(prompts), bool)
+    count = 0
+    for b, (p, r) in enumerate(zip(prompts, prompt_roles, strict=True)):
+      if len(p) and len(cache.tokens[b]) + len(p) <= cache.capacity and (active is None or active[b]):
+        cache.tokens[b] += list(p)
+        cache.roles[b] += list(r)
+        fitted[b], count = True, count + len(p)
+    return cache, None, fitted, count
+
+  def generate(self, cache, prompts, prompt_roles, *, role, key, max_new_tokens, sampling, stop_strings, active):
+    del key, sampling
+    role, active = np.asarray(role), np.asarray(active)
+    max_new = np.broadcast_to(np.asarray(max_new_tokens), active.shape)
+    cache, _, fitted, count = self.prefill(cache, prompts, prompt_roles, active)
+    outs, call = {}, {}
+    for b in np.flatnonzero(active & fitted):
+      room = cache.capacity - len(cache.tokens[b])
+      ids, finish = _finish(self.tokenizer, self.scripted(role[b], b, self.n), min(int(max_new[b]), room), stop_strings)
+      if finish == FinishReason.LENGTH and len(ids) == room < max_new[b]:
+        finish = FinishReason.CONTEXT_EXHAUSTED
+      logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
+      cache.tokens[b] += ids
+      cache.roles[b] += [int(role[b])] * len(ids)
+      outs[b] = (ids, logprobs, finish)
+      call[int(b)] = (Role(int(role[b])), len(prompts[b]), ids, logprobs)
+    self.calls.append(call)
+    return _output(outs, len(prompts), count), cache
+
+
+def _output(outs, rows, prefill_tokens) -> SampleOutput:
+  width = max([1] + [len(ids) for ids, _, _ in outs.values()])
+  tokens, logprobs = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.float32)
+  lengths, finish = np.zeros(rows, np.int32), [FinishReason.NONE] * rows
+  for b, (ids, lps, reason) in outs.items():
+    tokens[b, : len(ids)], logprobs[b, : len(ids)], lengths[b], finish[b] = ids, lps, len(ids), reason
+  return SampleOutput(tokens, logprobs, lengths, finish, prefill_tokens)
+
+
+class ForcingSampler(_Recorder):
+  """The real Sampler; ACT rows whose script gives a text are forced: prompt + scripted ids are prefilled into the
+  real cache (with the ACT role, logprob 0), exactly where sampled ids would have gone."""
+
+  def __init__(self, sampler: Sampler, tokenizer, script, n):
+    super().__init__(tokenizer, script)
+    self.sampler, self.n = sampler, n
+
+  def init_cache(self, batch, capacity):
+    return self.sampler.init_cache(batch, capacity)
+
+  def fork(self, cache, g):
+    return self.sampler.fork(cache, g)
+
+  def prefill(self, cache, prompts, prompt_roles, active=None):
+    self.prefills.append([len(p) for p in prompts])
+    return self.sampler.prefill(cache, prompts, prompt_roles, active)
+
+  def generate(self, cache, prompts, prompt_roles, *, role, active, max_new_tokens, stop_strings, **kw):
+    role, active = np.asarray(role), np.asarray(active)
+    max_new = np.broadcast_to(np.asarray(max_new_tokens), active.shape)
+    forced = {}
+    for b in np.flatnonzero(active & (role == int(Role.ACT))):
+      ids = self.scripted(role[b], b, self.n)
+      if ids is not None:
+        forced[b] = _finish(self.tokenizer, ids, int(max_new[b]), stop_strings)
+    sampled = active.copy()
+    sampled[list(forced)] = False
+    outs, count = {}, 0
+    if sampled.any():
+      keep = lambda xs: [x if s else [] for x, s in zip(xs, sampled, strict=True)]
+      out, cache = self.sampler.generate(
+        cache, keep(prompts), keep(prompt_roles), role=role, active=sampled, max_new_tokens=max_new,
+        stop_strings=stop_strings, **kw,
+      )  # fmt: skip
+      count += out.prefill_tokens
+      for b in np.flatnonzero(sampled):
+        outs[b] = (out.row(b), out.logprobs[b, : out.lengths[b]].tolist(), out.finish_reasons[b])
+    if forced:
+      fp = [list(prompts[b]) + forced[b][0] if b in forced else [] for b in range(len(prompts))]
+      fr = [list(prompt_roles[b]) + [int(Role.ACT)] * len(forced[b][0]) if b in forced else [] for b in range(len(fp))]
+      cache, _, fitted, _ = self.sampler.prefill(cache, fp, fr)
+      assert all(fitted[b] for b in forced)
+      for b, (ids, finish) in forced.items():
+        outs[b] = (ids, [0.0] * len(ids), finish)
+        count += len(prompts[b])
+    self.calls.append({int(b): (Role(int(role[b])), len(prompts[b]), o[0], o[1]) for b, o in outs.items()})
+    return _output(outs, len(prompts), count), cache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real-sampler bookkeeping.
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+  """A tiny random model over SmolLM2's vocabulary (generations are noise; the bookkeeping is real)."""
+  config = get_model_config("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=4096)
+  return config, transformer.init_params(config, jax.random.key(0))
+
+
+def _sampler(tiny_model, tokenizer) -> Sampler:
+  config, params = tiny_model
+  return Sampler(
+    config, params, eos_ids=tokenizer.eos_ids, token_bytes=tokenizer.token_bytes(), pad_id=tokenizer.pad_id
+  )
+
+
+REAL = UnfoldConfig(
+  group_size=2,
+  max_turns=3,
+  act_max_new_tokens=48,
+  rehearse_max_new_tokens=12,
+  user_max_new_tokens=8,
+  act_capacity=1024,
+  rehearse_capacity=1024,
+  user_capacity=512,
+)
+
+
+def _act_script(row, k):
+  """Trajectory 0 calls a tool, then replies; trajectory 1 writes a malformed call first (so at step 2 one row
+  needs ACT and another REHEARSE: one batched call must serve both), then calls, then replies."""
+  plans = {0: [CALL_GET_USERS, "Here you go.", "Bye."], 1: ["<tool_call>\n{oops\n</tool_call>", CALL_CREATE, "Done."]}
+  plan = plans[row % 2]
+  return plan[min(k, len(plan) - 1)]
+
+
+@pytest.fixture(scope="module")
+def real_run(tiny_model, tokenizer, mock_tasks):
+  tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
+  n = len(tasks) * REAL.group_size
+  policy = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: _act_script(i, k), n)
+  reference = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: None, n)
+  out = unfold(tasks, policy, tokenizer, REAL, jax.random.key(0), reference_sampler=reference, return_caches=True)
+  return out, policy, reference, tasks
+
+
+def _fresh_kv(tiny_model, tokens, roles):
+  """Keys of layer 0 after prefilling ``tokens`` into an empty cache: [K, H, T]."""
+  config, params = tiny_model
+  cache = transformer.init_cache(config.replace(scan_layers=False), 1, len(tokens))
+  unrolled = config.replace(scan_layers=False)
+  _, cache = jit_apply(
+    unrolled, transformer.unstack_layers(params), np.asarray([tokens]), np.asarray([roles]), cache=cache
+  )
+  return np.asarray(cache.k[0][0])
+
+
+def test_training_rows_are_exactly_the_kv_cache_rows(real_run, tiny_model):
+  out, _, _, _ = real_run
+  n = len(out.trajectories)
+  caches = {"policy": (out.caches["policy"], out.policy_roles), "reference": (out.caches["reference"], (Role.USER,))}
+  policy_lengths = np.asarray(out.caches["policy"].lengths)
+  checked = collections.Counter()
+  for traj in out.trajectories:
+    i = traj.group * REAL.group_size + traj.sample
+    for role, row in traj.rows.items():
+      slot = out.policy_roles.index(Role(role))
+      assert len(row.tokens) == policy_lengths[slot * n + i], (i, role)
+      if traj.sample == 0:  # the real keys of this cache row equal those of a fresh prefill of the row's ids and roles
+        got = np.asarray(caches["policy"][0].k[0][slot * n + i])[..., : len(row.tokens)]
+        np.testing.assert_allclose(got, _fresh_kv(tiny_model, row.tokens, row.roles), atol=2e-4)
+        checked[role] += 1
+  assert checked[int(Role.ACT)] == 2 and checked[int(Role.REHEARSE)] == 2
+  assert all(Role.USER not in t.rows for t in out.trajectories)  # the reference plays the user: no policy row
+
+
+def test_loss_mask_roles_and_logprobs_are_the_samplers(real_run):
+  out, policy, _, _ = real_run
+  n = len(out.trajectories)
+  for traj in out.trajectories:
+    i = traj.group * REAL.group_size + traj.sample
+    for role, row in traj.rows.items():
+      slot = out.policy_roles.index(Role(role))
+      gens = [c[slot * n + i] for c in policy.calls if slot * n + i in c]
+      assert row.num_generations == len(gens) == traj.generations(role)
+      np.testing.assert_array_equal(row.tokens[row.loss_mask], [t for g in gens for t in g[2]])
+      np.testing.assert_array_equal(row.logprobs[row.loss_mask], np.float32([x for g in gens for x in g[3]]))
+      assert np.all(row.logprobs[~row.loss_mask] == 0)
+      assert np.all(row.roles[row.loss_mask] == role)  # generated tokens carry the generating role
+      assert row.roles[0] == Role.SYSTEM
+  act = out.trajectories[0].rows[int(Role.ACT)]
+  rehearse = out.trajectories[0].rows[int(Role.REHEARSE)]
+  # The rehearsed response reaches the agent as an OBSERVATION, like a real tool's output; no REHEARSE id in its view.
+  assert Role.OBSERVATION in set(act.roles[~act.loss_mask]) and Role.REHEARSE not in set(act.roles)
+  # The environment's view shows the agent's call (ACT, not trained there) and its own generated response.
+  assert Role.ACT in set(rehearse.roles[~rehearse.loss_mask]) and Role.USER in set(rehearse.roles)
+
+
+def test_one_batched_policy_call_per_step_serves_act_and_rehearse(real_run):
+  out, policy, reference, _ = real_run
+  assert out.stats["policy_calls"] == len(policy.calls) <= out.stats["steps"]
+  assert out.stats["reference_calls"] == len(reference.calls)
+  roles_per_call = [{r for r, *_ in c.values()} for c in policy.calls]
+  assert {Role.ACT, Role.REHEARSE} in roles_per_call  # one call, rows of both roles
+  assert all(r <= {Role.ACT, Role.REHEARSE} for r in roles_per_call)
+  assert all({r for r, *_ in c.values()} == {Role.USER} for c in reference.calls)
+
+
+def test_continuation_prefills_only_new_tokens_and_openings_once_per_task(real_run):
+  out, policy, reference, tasks = real_run
+  g, b = REAL.group_size, len(tasks)
+  for sampler, name, roles in ((policy, "policy", out.policy_roles), (reference, "reference", (Role.USER,))):
+    shared = sampler.prefills[0]  # the first prefill: every view's opening, one row per task (not per trajectory)
+    assert len(shared) == len(roles) * b and all(n > 0 for n in shared)
+    generated = sum(len(x[2]) for c in sampler.calls for x in c.values())
+    continued = sum(x[1] for c in sampler.calls for x in c.values())
+    # Every token in the caches was prefilled once: the shared opening (forked G ways), then only new prompt tokens.
+    assert int(np.sum(out.caches[name].lengths)) == g * sum(shared) + continued + generated
+  assert out.stats["prefill_tokens_shared"] == sum(policy.prefills[0]) + sum(reference.prefills[0])
+  assert out.stats["prefill_tokens"] == sum(x[1] for s in (policy, reference) for c in s.calls for x in c.values())
+  for t in range(b):  # the G rows of a task start with the same opening
+    rows = [out.trajectories[t * g + s].rows[int(Role.ACT)].tokens for s in range(g)]
+    assert all(np.array_equal(rows[0][: policy.prefills[0][t]], r[: policy.prefills[0][t]]) for r in rows)
+
+
+def test_faults_are_recorded_and_history_is_shown(real_run, tokenizer):
+  out, _, _, tasks = real_run
+  t1 = out.trajectories[1]
+  assert t1.counts["malformed_act"] == 1 and t1.events[0]["kind"] == "bad_json"
+  assert [t.termination for t in out.trajectories[:2]] == [Termination.MAX_TURNS] * 2
+  # The task with a logged history has a long ACT view: its second trajectory runs out of its 1024-token budget.
+  assert {t.termination for t in out.trajectories[2:]} <= {Termination.MAX_TURNS, Termination.CONTEXT_EXHAUSTED}
+  history = tau2.initial_conversation(tasks[1])
+  assert [m.role for m in out.trajectories[2].messages[: len(history)]] == [m.role for m in history]
+  for traj, view_set in zip(out.trajectories, out.views, strict=True):
+    for view in view_set.values():  # random generations: texts agree (tokens differ where BPE is non-canonical)
+      assert tokenizer.decode(view.tokens) == tokenizer.render_text(view.messages, tools=view.tools)
+      assert view.cached == len(traj.rows[int(view.role)].tokens) if int(view.role) in traj.rows else True
+
+
+def test_context_exhausted_ends_cleanly(tiny_model, tokenizer, mock_tasks):
+  """A small ACT budget on the real sampler: the view fills up while generating; the trajectory ends cleanly with its
+  row exactly the cache row. A budget below the opening ends it before anything is sampled."""
+  task = _task(mock_tasks, "create_task_1")
+  policy = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: None, 2)
+  opening = views.View(tokenizer, views.ChatFormat.of(tokenizer), Role.ACT, task.tools)
+  opening.append(Message("system", task.system_prompt), Message("assistant", REAL.greeting))
+  config = dataclasses.replace(
+    REAL, user_mode="policy", act_capacity=len(opening) + 80, user_max_new_tokens=8, act_max_new_tokens=200
+  )
+  out = unfold([task], policy, tokenizer, config, jax.random.key(3), return_caches=True)
+  lengths = np.asarray(out.caches["policy"].lengths)
+  for i, traj in enumerate(out.trajectories):
+    assert traj.termination == Termination.CONTEXT_EXHAUSTED
+    assert traj.events[-1] == {
+      "type": "end",
+      "termination": "context_exhausted",
+      "view": "act",
+      "detail": "the view filled up while generating",
+    }
+    act = traj.rows[int(Role.ACT)]
+    assert len(act.tokens) == config.act_capacity == lengths[i] and act.num_generations == 1
+    assert traj.messages[-1].role == "assistant" and not traj.messages[-1].tool_calls
+  tiny = dataclasses.replace(config, act_capacity=len(opening) // 2)  # the opening itself does not fit
+  out = unfold([task], policy, tokenizer, tiny, jax.random.key(3))
+  assert all(t.termination == Termination.CONTEXT_EXHAUSTED and not t.rows for t in out.trajectories)
+  assert out.stats.get("policy_calls", 0) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scripted behaviour (no model).
+
+FAST = UnfoldConfig(group_size=2, max_turns=4, act_capacity=8192, rehearse_capacity=8192, user_capacity=8192)
+RESPONSE = '<tool_response>\n{"task_id": "task_2", "title": "Important Meeting", "status": "pending"}\n</tool_response>'
+
+
+def _scripted(tokenizer, tasks, config, plans, **kwargs):
+  """unfold with `ScriptedSampler`s: ``plans[role]`` is a list of texts by generation index (the last repeats) or a
+  callable ``(trajectory, k) -> text``."""
+  n = len(tasks) * config.group_size
+
+  def script(role, i, k):
+    plan = plans[role]
+    return plan(i, k) if callable(plan) else plan[min(k, len(plan) - 1)]
+
+  policy, reference = ScriptedSampler(tokenizer, script, n), ScriptedSampler(tokenizer, script, n)
+  kwargs.setdefault("reference_sampler", reference)
+  out = unfold(tasks, policy, tokenizer, config, jax.random.key(0), return_caches=True, **kwargs)
+  return out, policy, reference
+
+
+def test_finished_views_equal_rendering_their_messages(tokenizer, mock_tasks):
+  """With canonical generations a view's ids and roles are exactly the template's rendering of its messages, and the
+  training row is exactly its cache row (here the fake cache keeps ids and roles)."""
+  tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
+  plans = {
+    Role.ACT: [CALL_CREATE, "I created the task 'Important Meeting'.", "Anything else?"],
+    Role.REHEARSE: [RESPONSE],
+    Role.USER: ["Please create a task 'Important Meeting' for user_1.", "Great, thanks!", "###STOP###"],
+  }
+  out, policy, _ = _scripted(tokenizer, tasks, dataclasses.replace(FAST, user_mode="policy"), plans)
+  assert out.policy_roles == (Role.ACT, Role.REHEARSE, Role.USER)
+  assert any(Role.USER in {r for r, *_ in c.values()} for c in policy.calls)  # the policy plays the user too
+  cache, n = out.caches["policy"], len(out.trajectories)
+  for i, (traj, view_set) in enumerate(zip(out.trajectories, out.views, strict=True)):
+    assert traj.termination == Termination.USER_STOP and traj.messages[-1].content == "###STOP###"
+    for role, view in view_set.items():
+      ids, roles = tokenizer.render(view.messages, tools=view.tools)
+      assert view.tokens == ids.tolist() and view.roles == roles.tolist(), (i, role)
+      row = traj.rows[int(role)]
+      slot = out.policy_roles.index(role)
+      assert row.tokens.tolist() == cache.tokens[slot * n + i] and row.roles.tolist() == cache.roles[slot * n + i]
+      assert view.tokens[: len(row.tokens)] == row.tokens.tolist()
+      if role != Role.REHEARSE:  # ended by their own generation: the uncached tail is the template's closing "\n"
+        assert tokenizer.decode(view.tokens[len(row.tokens) :]) == "\n"
+  first = out.trajectories[0]
+  assert [m.role for m in first.messages] == ["assistant", "user", "assistant", "tool"] + ["assistant", "user"] * 2
+  assert (
+    first.messages[3].content == json.dumps({"task_id": "task_2", "title": "Important Meeting", "status": "pending"})
+    and first.messages[3].tool_call_id == first.messages[2].tool_calls[0].id
+  )
+
+
+@pytest.mark.parametrize("on_malformed", ["continue", "end"])
+def test_malformed_act_output_is_recorded_not_raised(tokenizer, mock_tasks, on_malformed):
+  plans = {
+    Role.ACT: [
+      '<tool_call>\n{"name": "get_users"' + IM_END,
+      tool_format.render_tool_call("fly_to_the_moon", {}),
+      "<tool_call>\n[1, 2]\n</tool_call>",
+      "Sorry about that.",
+    ],
+    Role.USER: ["Hi, create a task please.", "###STOP###"],
+  }
+  config = dataclasses.replace(FAST, on_malformed=on_malformed)
+  out, _, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], config, plans)
+  for traj, view_set in zip(out.trajectories, out.views, strict=True):
+    kinds = [e["kind"] for e in traj.events if e["type"] == "malformed_act"]
+    if on_malformed == "end":
+      assert traj.termination == Termination.MALFORMED and kinds == ["unterminated"]
+      continue
+    assert kinds == ["unterminated", "unknown_tool", "bad_json"] and traj.termination == Termination.USER_STOP
+    assert traj.counts["malformed_act"] == 3 and traj.counts["unknown_tool"] == 1
+    feedback = [m.content for m in view_set[Role.ACT].messages if m.role == "tool"]
+    assert len(feedback) == 3 and all(f.startswith("Error: ") for f in feedback)
+    assert not any(m.role == "tool" for m in traj.messages)  # no tool message without a call in the conversation
+
+
+@pytest.mark.parametrize("policy", ["as_is", "error", "end"])
+def test_invalid_rehearsed_json_is_recorded(tokenizer, mock_tasks, policy):
+  plans = {
+    Role.ACT: [CALL_GET_USERS, "Done."],
+    Role.REHEARSE: ["<tool_response>\nthe users are alice and bob\n</tool_response>"],
+    Role.USER: ["List the users.", "###STOP###"],
+  }
+  config = dataclasses.replace(FAST, on_invalid_rehearsal=policy)
+  out, _, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], config, plans)
+  for traj, view_set in zip(out.trajectories, out.views, strict=True):
+    assert traj.counts["invalid_rehearsed_json"] == 1
+    tool = next(m for m in traj.messages if m.role == "tool")
+    assert tool.content == view_set[Role.ACT].messages[-1 if policy == "end" else -2].content
+    if policy == "as_is":
+      assert tool.content == "the users are alice and bob" and not tool.is_error
+    else:
+      assert tool.is_error == (policy == "error")
+    assert traj.termination == (Termination.MALFORMED if policy == "end" else Termination.USER_STOP)
+
+
+def test_rehearsed_error_text_is_a_valid_error_observation(tokenizer, mock_tasks):
+  plans = {
+    Role.ACT: [CALL_GET_USERS, "Done."],
+    Role.REHEARSE: ["<tool_response>\nError: the database is read-only\n</tool_response>"],
+    Role.USER: ["List the users.", "###STOP###"],
+  }
+  out, _, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], FAST, plans)
+  tool = next(m for m in out.trajectories[0].messages if m.role == "tool")
+  assert tool.is_error and "invalid_rehearsed_json" not in out.trajectories[0].counts
+
+
+def test_parallel_calls_are_rehearsed_one_by_one_in_order(tokenizer, mock_tasks):
+  responses = {0: '<tool_response>\n{"users": ["user_1"]}\n</tool_response>', 1: RESPONSE}
+  plans = {
+    Role.ACT: ["Let me look.\n" + CALL_GET_USERS + "\n" + CALL_CREATE + IM_END, "All done."],
+    Role.REHEARSE: lambda i, k: responses[k % 2],
+    Role.USER: ["Create it.", "###STOP###"],
+  }
+  config = dataclasses.replace(FAST, parallel_calls=True)
+  out, policy, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], config, plans)
+  traj, view_set = out.trajectories[0], out.views[0]
+  call_message = next(m for m in traj.messages if m.tool_calls)
+  assert [c.name for c in call_message.tool_calls] == ["get_users", "create_task"] and call_message.content
+  tools = [m for m in traj.messages if m.role == "tool"]
+  assert [m.tool_call_id for m in tools] == [c.id for c in call_message.tool_calls]
+  assert "user_1" in tools[0].content and "task_2" in tools[1].content
+  env_view = view_set[Role.REHEARSE].messages
+  first = next(i for i, m in enumerate(env_view) if m.content == CALL_GET_USERS)
+  tail = [(m.role, m.author, m.content[:16]) for m in env_view[first : first + 4]]
+  assert tail == [
+    ("user", Role.ACT, CALL_GET_USERS[:16]),
+    ("assistant", Role.REHEARSE, responses[0][:16]),
+    ("user", Role.ACT, CALL_CREATE[:16]),
+    ("assistant", Role.REHEARSE, responses[1][:16]),
+  ]
+  assert env_view[first - 1].content == "Agent: Let me look." and env_view[first + 4].content == "Agent: All done."
+  assert traj.rows[int(Role.REHEARSE)].num_generations == 2 and traj.counts["tool_calls"] == 2
+
+
+class CountingTau2Env(tau2.Tau2Env):
+  def __init__(self, domain):
+    super().__init__(domain)
+    self.executed, self.resets = 0, 0
+
+  def reset(self, task):
+    self.resets += 1
+    super().reset(task)
+
+  def execute(self, call):
+    self.executed += 1
+    return super().execute(call)
+
+
+def test_rehearse_mode_never_touches_the_real_environment(tokenizer, mock_tasks, monkeypatch):
+  task = _task(mock_tasks, "create_task_1")
+  env = CountingTau2Env("mock")
+  env.reset(task)
+  before = env.state_hash()
+  executed = []
+  original = tau2.Tau2Env.execute
+  monkeypatch.setattr(tau2.Tau2Env, "execute", lambda self, call: executed.append(call) or original(self, call))
+  plans = {Role.ACT: [CALL_CREATE, "Created."], Role.REHEARSE: [RESPONSE], Role.USER: ["Create it.", "###STOP###"]}
+  out, _, _ = _scripted(tokenizer, [task], FAST, plans, envs=[env, env])
+  assert all(t.counts["tool_calls"] == 1 and t.generations(Role.REHEARSE) == 1 for t in out.trajectories)
+  assert env.executed == 0 and env.resets == 1 and executed == [] and env.state_hash() == before
+
+
+def test_real_mode_executes_calls_on_the_environment(tokenizer, mock_tasks):
+  task = _task(mock_tasks, "create_task_1")
+  envs = [CountingTau2Env("mock") for _ in range(FAST.group_size)]
+  plans = {
+    Role.ACT: [CALL_CREATE, "I created the task 'Important Meeting' for user_1."],
+    Role.USER: ["Please create a task 'Important Meeting' for user_1.", "###STOP###"],
+  }
+  config = dataclasses.replace(FAST, env_mode="real")
+  out, policy, _ = _scripted(tokenizer, [task], config, plans, envs=envs)
+  assert out.policy_roles == (Role.ACT,)
+  assert all({r for r, *_ in c.values()} == {Role.ACT} for c in policy.calls)
+  for traj, env, view_set in zip(out.trajectories, envs, out.views, strict=True):
+    assert env.resets == 1 and env.executed == 1 and set(traj.rows) == {int(Role.ACT)}
+    observation = next(m for m in view_set[Role.ACT].messages if m.role == "tool")
+    assert observation.author == Role.OBSERVATION and '"task_id"' in observation.content
+    assert env.evaluate(traj.messages).reward == 1.0  # the benchmark's own evaluator replays the conversation
+
+
+def test_logged_user_turns_are_replayed_checklist(tokenizer):
+  tasks = checklist.load_tasks(CHECKLIST_FIXTURE)
+  weather = tool_format.render_tool_call("get_weather", {"city": "Paris", "unit": "C"})
+  plans = {
+    Role.ACT: lambda i, k: weather if i == 0 and k == 0 else "Here is what I found.",
+    Role.REHEARSE: ['<tool_response>\n{"city": "Paris", "temp": 12}\n</tool_response>'],
+  }
+  out, policy, _ = _scripted(tokenizer, tasks, dataclasses.replace(FAST, group_size=1), plans, reference_sampler=None)
+  assert out.policy_roles == (Role.ACT, Role.REHEARSE)  # no user generation at all
+  for traj, task in zip(out.trajectories, tasks, strict=True):
+    assert traj.termination == Termination.USER_TURNS_DONE
+    assert [m.content for m in traj.messages if m.role == "user"] == list(task.user_turns)
+    assert traj.counts["user_turns"] == len(task.user_turns) and traj.generations(Role.USER) == 0
+    assert traj.messages[0].role == "user"  # no greeting: the logged conversation opens with the user
+  env_system = out.views[0][Role.REHEARSE].messages[0].content
+  assert views.GROUNDING_HEADER in env_system and '"temp": 12, "sky": "cloudy"' in env_system  # the logged result
+  assert views.TOOLS_HEADER in env_system and "You may call one function" not in env_system  # not the agent's block
+
+
+def test_logged_user_turns_are_replayed_bfcl_real_env(tokenizer):
+  task = bfcl.load_tasks("multi_turn_base")[0]
+  plans = {Role.ACT: lambda i, k: tool_format.render_tool_call("ls", {}) if k % 2 == 0 else "Done."}
+  config = dataclasses.replace(FAST, group_size=1, env_mode="real", max_turns=20)
+  out, _, _ = _scripted(tokenizer, [task], config, plans, envs=[bfcl.BfclEnv()], reference_sampler=None)
+  traj = out.trajectories[0]
+  assert traj.termination == Termination.USER_TURNS_DONE and traj.counts["user_turns"] == len(task.user_turns)
+  observations = [m for m in traj.messages if m.role == "tool"]
+  assert len(observations) == len(task.user_turns) and "current_directory_content" in observations[0].content
+
+
+def test_agent_stop_marker_max_turns_and_grounding_budget(tokenizer, mock_tasks):
+  task = _task(mock_tasks, "create_task_1")
+  plans = {Role.ACT: ["Goodbye ###DONE###"], Role.USER: ["Hello."]}
+  config = dataclasses.replace(FAST, agent_stop_markers=("###DONE###",), grounding_max_tokens=0)
+  out, _, _ = _scripted(tokenizer, [task], config, plans)
+  traj = out.trajectories[0]
+  assert traj.termination == Termination.AGENT_STOP and traj.counts["grounding_dropped"] == 1
+  assert views.GROUNDING_HEADER not in out.views[0][Role.REHEARSE].messages[0].content
+  out, _, _ = _scripted(
+    tokenizer, [task], dataclasses.replace(FAST, max_turns=2), {Role.ACT: ["Hm."], Role.USER: ["Hi"]}
+  )
+  assert all(t.termination == Termination.MAX_TURNS and t.counts["turns"] == 2 for t in out.trajectories)
+
+
+def test_context_exhausted_before_prefill_scripted(tokenizer, mock_tasks):
+  task = _task(mock_tasks, "create_task_1")
+  plans = {Role.ACT: ["word " * 30], Role.USER: ["Hello."]}
+  out, policy, _ = _scripted(tokenizer, [task], dataclasses.replace(FAST, act_capacity=700), plans)
+  for traj in out.trajectories:
+    assert traj.termination == Termination.CONTEXT_EXHAUSTED
+    assert traj.events[-1]["view"] == "act"
+    assert len(traj.rows.get(int(Role.ACT), np.zeros(0)).tokens if traj.rows else []) <= 700
+
+
+def test_config_validation_and_from_dict():
+  with pytest.raises(UnfoldConfigError, match="group_size"):
+    UnfoldConfig(group_size=0)
+  with pytest.raises(UnfoldConfigError, match="user_mode"):
+    UnfoldConfig(user_mode="oracle")
+  with pytest.raises(UnfoldConfigError, match="on_invalid_rehearsal"):
+    UnfoldConfig(on_invalid_rehearsal="ignore")
+  with pytest.raises(UnfoldConfigError, match="scenario"):
+    UnfoldConfig(user_prompt="{user}")
+  with pytest.raises(UnfoldConfigError, match="unknown UnfoldConfig keys"):
+    UnfoldConfig.from_dict({"groups": 2})
+  config = UnfoldConfig.from_dict(
+    {"group_size": 3, "act_sampling": {"temperature": 0.7, "top_p": 0.9}, "agent_stop_markers": ["###END###"]}
+  )
+  assert config.act_sampling == SamplingParams(0.7, 0.9) and config.agent_stop_markers == ("###END###",)
+
+
+def test_unfold_refuses_missing_samplers_and_envs(tokenizer, mock_tasks):
+  task = _task(mock_tasks, "create_task_1")
+  policy = ScriptedSampler(tokenizer, lambda *a: "x", 2)
+  with pytest.raises(UnfoldConfigError, match="reference_sampler"):
+    unfold([task], policy, tokenizer, FAST, jax.random.key(0))
+  with pytest.raises(UnfoldConfigError, match="external_user"):
+    unfold([task], policy, tokenizer, dataclasses.replace(FAST, user_mode="external"), jax.random.key(0))
+  with pytest.raises(UnfoldConfigError, match="one ToolEnv per trajectory"):
+    unfold([task], policy, tokenizer, dataclasses.replace(FAST, env_mode="real", user_mode="policy"), jax.random.key(0))
+
+
+def test_parse_act_and_rehearsal():
+  out = views.parse_act("a\n" + CALL_GET_USERS + "\nb\n" + CALL_CREATE, ["get_users", "create_task"], parallel=True)
+  assert [c.name for c in out.calls] == ["get_users", "create_task"] and out.reply == "a\nb" and out.error is None
+  out = views.parse_act(CALL_GET_USERS + CALL_CREATE, ["get_users", "create_task"], parallel=False)
+  assert out.error.kind == tool_format.ParseErrorKind.MULTIPLE_CALLS and not out.calls
+  out = views.parse_act(CALL_GET_USERS + "<tool_call>\n{", ["get_users"], parallel=True)
+  assert out.error.kind == tool_format.ParseErrorKind.UNTERMINATED and out.error.message.startswith("call 2")
+  assert views.parse_rehearsal('<tool_response>\n{"a": 1}\n</tool_response>') == views.RehearsedResponse(
+    '{"a": 1}', True
+  )
+  assert not views.parse_rehearsal('{"a": 1}').valid  # no tags
+  assert views.parse_rehearsal("<tool_response>\n[1,").reason.startswith("no </tool_response>")
+  assert views.parse_rehearsal("<tool_response>Error: no</tool_response>", accept_error_text=False).reason.startswith(
+    "not JSON"
+  )
+
+
+def test_external_user_over_http(tokenizer, mock_tasks):
+  requests = []
+  replies = ["Hi, I need a task created.", "###STOP###"]
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      requests.append((self.path, body))
+      if "fail" in body["model"]:
+        self.send_response(503)
+        self.end_headers()
+        return
+      text = replies[sum(1 for m in body["messages"] if m["role"] == "assistant")]
+      payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+      self.send_response(200)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(payload)))
+      self.end_headers()
+      self.wfile.write(payload)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    task = _task(mock_tasks, "create_task_1")
+    config = dataclasses.replace(
+      FAST, user_mode="external", external_user=ExternalUserConfig(base_url=base, model="sim", max_retries=0)
+    )
+    out, policy, _ = _scripted(tokenizer, [task], config, {Role.ACT: ["Sure, which title?"]}, reference_sampler=None)
+    assert out.stats["external_requests"] == 4 and out.policy_roles == (Role.ACT, Role.REHEARSE)
+    for traj in out.trajectories:
+      assert traj.termination == Termination.USER_STOP and Role.USER not in traj.rows
+      assert [m.content for m in traj.messages if m.role == "user"] == replies
+    path, last = requests[-1]
+    assert path == "/v1/chat/completions" and last["model"] == "sim"
+    assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "user"]
+    assert task.user_scenario in last["messages"][0]["content"]
+    assert last["messages"][1]["content"] == FAST.greeting and last["messages"][3]["content"] == "Sure, which title?"
+
+    failing = dataclasses.replace(config, external_user=dataclasses.replace(config.external_user, model="fail"))
+    out, _, _ = _scripted(tokenizer, [task], failing, {Role.ACT: ["Sure."]}, reference_sampler=None)
+    assert all(t.termination == Termination.USER_ERROR and t.counts["user_error"] == 1 for t in out.trajectories)
+  finally:
+    server.shutdown()
+    server.server_close()
+  with pytest.raises(UserEndpointError, match="base_url"):
+    _scripted(tokenizer, [task], dataclasses.replace(config, external_user=ExternalUserConfig()), {Role.ACT: ["x"]})
+
+
+@pytest.mark.slow
+def test_smoke_with_smollm2_weights(smollm2, tokenizer, mock_tasks):
+  """Real SmolLM2-135M-Instruct plays every role on one mock task, B=1, G=2, two agent turns."""
+  sampler = Sampler(
+    smollm2.config, smollm2.params, eos_ids=tokenizer.eos_ids, token_bytes=tokenizer.token_bytes(),
+    pad_id=tokenizer.pad_id,
+  )  # fmt: skip
+  config = UnfoldConfig(
+    group_size=2,
+    max_turns=2,
+    act_max_new_tokens=64,
+    rehearse_max_new_tokens=64,
+    user_max_new_tokens=48,
+    act_sampling=SamplingParams(0.7, 0.95),
+    rehearse_sampling=SamplingParams(0.7, 0.95),
+    user_sampling=SamplingParams(0.7, 0.95),
+    act_capacity=1536,
+    rehearse_capacity=1536,
+    user_capacity=1024,
+  )
+  task = _task(mock_tasks, "create_task_1")
+  # At step 0 the frozen reference parameters are the policy's: the same sampler serves as the reference.
+  out = unfold([task], sampler, tokenizer, config, jax.random.key(0), reference_sampler=sampler, return_caches=True)
+  assert out.stats["policy_calls"] >= 1 and out.stats["reference_calls"] >= 1
+  lengths = np.asarray(out.caches["policy"].lengths)
+  for i, traj in enumerate(out.trajectories):
+    assert traj.termination is not None and traj.counts["turns"] >= 1
+    user = next(m for m in traj.messages if m.role == "user")
+    assert user.content.strip()  # the user simulator said something
+    for role, row in traj.rows.items():
+      assert len(row.tokens) == lengths[out.policy_roles.index(Role(role)) * 2 + i]
+      assert row.num_trained_tokens > 0 and np.all(row.logprobs[row.loss_mask] <= 0)
+
+
+def test_any_user_simulator_can_play_the_user(tokenizer, mock_tasks):
+  class Scripted(UserSimulator):
+    def __init__(self):
+      self.seen = []
+
+    def reply(self, messages):
+      self.seen.append(messages)
+      return "Create 'Important Meeting' for user_1." if len(self.seen) <= 2 else "Thanks! ###STOP###"
+
+  user = Scripted()
+  config = dataclasses.replace(FAST, user_mode="external")
+  plans = {Role.ACT: ["On it."]}
+  out, _, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], config, plans, user_simulator=user)
+  assert all(t.termination == Termination.USER_STOP for t in out.trajectories) and len(user.seen) == 4
+  assert user.seen[-1][-1] == {"role": "user", "content": "On it."}
+
+
+def test_chat_format_refuses_templates_that_rewrite_content(tokenizer):
+  fmt = views.ChatFormat.of(tokenizer)
+  assert tokenizer.decode(fmt.header) == "<|im_start|>assistant\n" and fmt.trailer == "<|im_end|>\n"
+  assert fmt.close_after_eos == {tokenizer.eos_ids[0]: tuple(tokenizer.encode("\n"))}
+  rewriting = tokenizer.with_chat_template(
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+  )
+  with pytest.raises(ChatTemplateError, match="verbatim"):
+    views.ChatFormat.of(rewriting)
