@@ -116,11 +116,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ACT and REHEARSE need temperature > 0 (G greedy rollouts would be copies); equal settings share a sampler call.
   for role in ("act", "rehearse", "user"):
     c.rollout[f"{role}_sampling"] = ml_collections.ConfigDict({"temperature": 1.0, "top_p": 1.0, "top_k": 0})
-  # Who plays the user in tasks without logged user turns (τ²; BFCL and checklist data replay theirs): "policy"
-  # (the policy itself, a USER view batched with ACT and REHEARSE: cheapest on CPU), "reference" (the frozen
-  # initial weights in a second sampler: a user that does not drift with training) or "external" (an
-  # OpenAI-compatible endpoint, like τ²'s own user simulator: set external_user).
-  c.rollout.user_mode = "policy"
+  # Who plays the user in tasks without logged user turns (τ²; BFCL and checklist data replay theirs):
+  # "reference" (the frozen initial weights in a second sampler: a user that does not drift with training; the
+  # default), "policy" (the policy itself, a USER view batched with ACT and REHEARSE: one sampler call fewer per
+  # step; add "user" to grpo.trained_roles to train it) or "external" (an OpenAI-compatible endpoint, like τ²'s own
+  # user simulator: set external_user).
+  c.rollout.user_mode = "reference"
   c.rollout.external_user = ml_collections.ConfigDict(
     {
       "base_url": "",  # API root, e.g. "http://127.0.0.1:30000/v1"

@@ -14,26 +14,18 @@ import jax
 import numpy as np
 from absl import logging
 
-from envace_jax.model import config as config_lib
-from envace_jax.model import tool_format, transformer, weights
+from envace_jax import runtime
+from envace_jax.model import tool_format, transformer
 from envace_jax.model.roles import Role
-from envace_jax.model.tokenizer import Message, Tokenizer
+from envace_jax.model.tokenizer import Message
 from envace_jax.sampling import sharding
 from envace_jax.sampling.sampler import Sampler, SamplingParams
 
 
 def load_model(cfg):
-  """(ModelConfig, params, Tokenizer or None) for ``cfg.model``: a random preset, or real weights offline."""
-  if cfg.model in config_lib.PRESETS and cfg.model != "smollm2-135m":
-    if cfg.model != "tiny":
-      raise ValueError(
-        f"model={cfg.model!r} is a shape preset with no bundled weights; set model to a local Hugging Face "
-        "directory of that model (or 'tiny' for random weights)."
-      )
-    model_config = config_lib.get_model_config(cfg.model, dtype=cfg.dtype)
-    return model_config, transformer.init_params(model_config, jax.random.key(cfg.seed)), None
-  pretrained = weights.load_pretrained(cfg.model, dtype=cfg.dtype)
-  return pretrained.config, pretrained.params, Tokenizer.from_hf_dir(pretrained.path)
+  """(ModelConfig, params, Tokenizer or None) for the config's model (``runtime.load_model``), offline."""
+  model = runtime.load_model(cfg)
+  return model.config, model.params, model.tokenizer
 
 
 def run(cfg, workdir: str | None = None) -> list[dict]:

@@ -1,7 +1,7 @@
-"""Entry point: python -m envace_jax.main --config=configs/base.py --mode=demo
+"""Entry point: python -m envace_jax.main --config=configs/tau2.py --workdir=DIR [--mode=train|demo]
 
-Parses flags and hands over; nothing else lives here. Modes arrive with the issues that build them: ``demo`` (the
-sampler on real weights) today; ``train`` and ``eval`` with role-wise GRPO and committed execution.
+Parses flags and hands over; nothing else lives here. ``train`` (the default) runs world-rehearsal training and a
+held-out evaluation (``train.train_and_evaluate``); ``demo`` samples one ACT turn on real weights.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/base.py (or file.py:arg).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
-_MODE = flags.DEFINE_enum("mode", "demo", ["demo"], "What to run.")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail)."
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs (a checkpoint resumes).")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "demo"], "What to run.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -22,6 +24,12 @@ def main(argv: list[str]) -> None:
     from envace_jax import demo
 
     demo.run(_CONFIG.value, _WORKDIR.value)
+  elif _MODE.value == "train":
+    if not _WORKDIR.value:
+      raise app.UsageError("--mode=train needs --workdir=DIR (checkpoints, metrics.jsonl, TensorBoard events)")
+    from envace_jax import train
+
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -142,7 +142,10 @@ class _Unfolder:
     return episodes
 
   def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role]):
-    """One prefill of every task's view openings (all but their last token), then ``fork`` G ways."""
+    """One prefill of every task's view openings (all but their last token), then ``fork`` G ways.
+
+    With one sampler per role (per_role parameters) each sampler prefills its own roles' rows of the shared cache.
+    """
     prompts, prompt_roles = [], []
     for role in roles:
       for o in openings:
@@ -151,13 +154,21 @@ class _Unfolder:
         prompts.append(view.tokens[:-1] if fits else [])
         prompt_roles.append(view.roles[:-1] if fits else [])
     capacity = max(self.cfg.capacity(r) for r in roles)
-    cache = sampler.init_cache(batch=len(prompts), capacity=capacity)
-    cache, _, fitted, count = sampler.prefill(cache, prompts, prompt_roles)
-    self.stats["prefill_tokens_shared"] += count
-    for row, ok in enumerate(np.asarray(fitted)):
-      if ok:
-        openings[row % len(openings)].views[roles[row // len(openings)]].cached = len(prompts[row])
-    return sampler.fork(cache, self.cfg.group_size)
+    by_sampler: dict[int, tuple[Any, list[int]]] = {}
+    for row in range(len(prompts)):
+      s = _sampler_for(sampler, roles[row // len(openings)])
+      by_sampler.setdefault(id(s), (s, []))[1].append(row)
+    first = next(iter(by_sampler.values()))[0]
+    cache = first.init_cache(batch=len(prompts), capacity=capacity)
+    for s, rows in by_sampler.values():
+      mine = set(rows)
+      own = lambda xs, mine=mine: [x if i in mine else [] for i, x in enumerate(xs)]
+      cache, _, fitted, count = s.prefill(cache, own(prompts), own(prompt_roles))
+      self.stats["prefill_tokens_shared"] += count
+      for row in rows:
+        if bool(np.asarray(fitted)[row]):
+          openings[row % len(openings)].views[roles[row // len(openings)]].cached = len(prompts[row])
+    return first.fork(cache, self.cfg.group_size)
 
   # ------------------------------------------------------------------------------------------------ the loop
 
@@ -185,14 +196,18 @@ class _Unfolder:
     return policy, reference, external
 
   def _generate(self, name: str, sampler, roles: Sequence[Role], jobs: list[_Job], key) -> list[tuple]:
-    """Runs ``jobs`` as rows of the ``name`` cache: one ``generate`` per distinct sampling params."""
-    by_params: dict[SamplingParams, list[_Job]] = {}
+    """Runs ``jobs`` as rows of the ``name`` cache: one ``generate`` per distinct (sampler, sampling params)."""
+    by_params: dict[tuple[int, SamplingParams], list[_Job]] = {}
+    samplers = {}
     for job in jobs:
-      by_params.setdefault(self.cfg.sampling(job.role), []).append(job)
+      s = _sampler_for(sampler, job.role)
+      samplers[id(s)] = s
+      by_params.setdefault((id(s), self.cfg.sampling(job.role)), []).append(job)
     slot = {role: i for i, role in enumerate(roles)}
     rows = len(roles) * self.n
     results = []
-    for k, (sampling, group) in enumerate(by_params.items()):
+    for k, ((sampler_id, sampling), group) in enumerate(by_params.items()):
+      sampler = samplers[sampler_id]
       prompts, prompt_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
       gen_roles, max_new, active = np.full(rows, int(roles[0]), np.int32), np.ones(rows, np.int32), np.zeros(rows, bool)
       placed = []
@@ -297,6 +312,15 @@ class _Unfolder:
             )
 
 
+def _sampler_for(sampler, role: Role):
+  """The sampler generating ``role``: ``sampler`` itself, or its entry for ``role`` when it is a per-role mapping."""
+  if isinstance(sampler, Mapping):
+    if role not in sampler:
+      raise UnfoldConfigError(f"no sampler for role {ROLE_NAMES[role]}: the per-role samplers cover {list(sampler)}")
+    return sampler[role]
+  return sampler
+
+
 def _chat(messages: Sequence[Message]) -> list[dict[str, str]]:
   return [{"role": m.role, "content": m.content} for m in messages]
 
@@ -317,7 +341,9 @@ def unfold(
 
   Args:
     tasks: the B tasks of the batch.
-    policy_sampler: a `Sampler` with the policy's parameters (ACT, REHEARSE and a policy-played USER).
+    policy_sampler: a `Sampler` with the policy's parameters (ACT, REHEARSE and a policy-played USER), or a
+      mapping role -> `Sampler` when the roles have separate parameters (the per_role ablation): all of them share
+      one cache (same model shape), each generating its own roles' rows.
     tokenizer: the policy's tokenizer (chat template, eos ids); its vocabulary must be the model's.
     config: an `UnfoldConfig`.
     key: a ``jax.random.key``; step s uses ``fold_in(key, s)``.

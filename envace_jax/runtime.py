@@ -1,0 +1,89 @@
+"""What every job builds from a config before it runs: the model, its tokenizer, the mesh, the samplers.
+
+Shared by the demo, training and evaluation so that ``--config.model=qwen3-8b --config.model_path=DIR`` means the
+same thing everywhere (see ``config_check.weights_source``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from absl import logging
+
+from envace_jax import config_check
+from envace_jax.model import config as config_lib
+from envace_jax.model import transformer, weights
+from envace_jax.model.tokenizer import Tokenizer
+from envace_jax.sampling import sharding
+from envace_jax.sampling.sampler import Sampler
+
+
+@dataclasses.dataclass
+class Model:
+  """A loaded model.
+
+  Attributes:
+    config: its ModelConfig, training layout (``scan_layers=True``: layers stacked on a leading axis).
+    params: the parameter tree in that layout (float32 on CPU).
+    tokenizer: the tokenizer rendering its chats, or None (a random preset without ``config.tokenizer``).
+    source: where the weights came from ("random init (seed s)" or the weights path), for logs.
+  """
+
+  config: config_lib.ModelConfig
+  params: Any
+  tokenizer: Tokenizer | None
+  source: str
+
+
+def load_model(config) -> Model:
+  """The configured model, offline: a preset's bundled weights, a local directory or GGUF, or a random preset.
+
+  A random preset ("tiny") with ``config.tokenizer`` set takes that tokenizer's vocabulary size, so it can render
+  real chats (tests and smoke runs).
+
+  Raises:
+    weights.WeightsError, config_lib.ConfigError: the weights cannot be read.
+  """
+  source = config_check.weights_source(config)
+  tok_source = config_check.tokenizer_source(config)
+  tokenizer = None
+  if tok_source is not None:
+    tokenizer = Tokenizer.from_hf_dir(weights.resolve(tok_source)) if tok_source != source else None
+  if source is None:
+    overrides = {"dtype": config.dtype, "param_dtype": config.get("param_dtype", "float32"), "scan_layers": True}
+    if tokenizer is not None:
+      overrides["vocab_size"] = tokenizer.vocab_size
+    model_config = config_lib.get_model_config(config.model, **overrides)
+    params = transformer.init_params(model_config, jax.random.key(config.seed))
+    return Model(model_config, params, tokenizer, f"random init (seed {config.seed})")
+  pretrained = weights.load_pretrained(source, dtype=config.dtype)
+  if tokenizer is None:
+    tokenizer = Tokenizer.from_hf_dir(pretrained.path)
+  return Model(pretrained.config.replace(scan_layers=True), pretrained.params, tokenizer, str(pretrained.path))
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+  """The (data, fsdp, tensor) mesh of ``config.mesh`` over all devices."""
+  return sharding.mesh_from_config(config.mesh)
+
+
+def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | None, rows: int) -> Sampler:
+  """A Sampler over ``params``; on ``mesh`` only when ``rows`` (the cache's batch) splits evenly over its batch
+  shards, else on one device (logged)."""
+  use_mesh = mesh if mesh is not None and rows % sharding.batch_size_multiple(mesh) == 0 else None
+  if mesh is not None and use_mesh is None and mesh.size > 1:
+    logging.info(
+      "sampler on one device: %d rows do not split over the %d batch shards", rows, sharding.batch_size_multiple(mesh)
+    )
+  tok = model.tokenizer
+  return Sampler(
+    model.config,
+    params,
+    eos_ids=tok.eos_ids if tok else (),
+    token_bytes=tok.token_bytes() if tok else None,
+    pad_id=(tok.pad_id or 0) if tok else 0,
+    prefill_chunk=config.sampler.prefill_chunk,
+    mesh=use_mesh,
+  )

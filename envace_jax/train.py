@@ -1,0 +1,326 @@
+"""The training loop: self-unfolded rollouts → rewards → role-wise advantages → GRPO update → checkpoint, metrics.
+
+    python -m envace_jax.main --config=configs/tau2.py --workdir=DIR
+
+One step, as data flows (DESIGN.md, "One training step"; paper §3):
+  1. B tasks from the prepared dataset (``TaskStream``: a per-epoch permutation; its position is checkpointed).
+  2. ``unfold``: B×G trajectories in lockstep; ACT and REHEARSE (and a policy-played USER) share one batched sampler
+     call per step; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
+  3. Rewards: rehearsed trajectories have no real DB, so the rule checklist (or the LLM judge) scores them; real
+     ones get the benchmark's own evaluator.
+  4. Role-wise advantages, the packed batch, one jitted update (AdamW, global-norm clip, exact accumulation).
+  5. Metrics (TensorBoard + JSONL + a progress bar) and an orbax checkpoint (params, optimizer state, RNG, data
+     position, config). A workdir with a checkpoint resumes from it: the run continues bit for bit.
+The run ends with a held-out evaluation: committed execution against the real tools, scored by the benchmark.
+
+Determinism: step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored stream position, so a
+resumed run repeats exactly what the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import config_check, evaluate, metrics, runtime
+from envace_jax.envs import datasets
+from envace_jax.envs.base import RewardInfo, Task
+from envace_jax.model.roles import Role
+from envace_jax.rehearsal.episode import UnfoldConfig
+from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rl import advantages as advantages_lib
+from envace_jax.rl import grpo, logprobs, rewards
+from envace_jax.sampling import sharding
+
+
+def dataset_config(config) -> str:
+  """The prepared-dataset config of ``config.env``: the τ² domain, the BFCL category or the checklist data path."""
+  return config.env.data_path if config.env.benchmark == "checklist" else config.env.domain
+
+
+def load_split(config, split: str) -> datasets.TaskSource:
+  """Prepares (once, cached under ``config.env.data_dir``) and opens one split of the configured benchmark."""
+  name = dataset_config(config)
+  datasets.prepare(config.env.benchmark, name, config.env.data_dir)
+  return datasets.load(config.env.benchmark, name, split, config.env.data_dir)
+
+
+def score(config, trajectory: Trajectory, env=None, judge=None) -> RewardInfo:
+  """The reward of one trajectory.
+
+  Real-environment trajectories (``env`` given: the env the trajectory ran in) get the benchmark's own evaluator.
+  Rehearsed ones have no real state to check: the rule checklist over the task's gold actions and required
+  information (``config.reward.kind="rule"``) or the LLM checklist judge (``"judge"``).
+  """
+  if trajectory.termination is not None and trajectory.termination.value == "user_error":
+    return RewardInfo(reward=float("nan"), valid=False, info={"reason": "the external user failed"})
+  if env is not None:
+    return env.evaluate(trajectory.messages)
+  if judge is not None:
+    return judge(trajectory.task, trajectory.messages)
+  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  return rewards.rule_checklist(
+    trajectory.task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
+  )
+
+
+def make_judge(config):
+  """The LLM checklist judge of ``config.reward``, or None for the rule checklist."""
+  if config.reward.kind != "judge":
+    return None
+  from envace_jax.rl import judge as judge_lib
+
+  return judge_lib.ChecklistJudge(
+    judge_lib.JudgeConfig(
+      base_url=config.reward.judge_url, model=config.reward.judge_model, api_key_env=config.reward.judge_api_key_env
+    )
+  )
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float]) -> dict[str, float]:
+  """Per-step rollout scalars: reward per role's rows, validity rates, turns, termination reasons, throughput."""
+  out: dict[str, float] = {}
+  valid = [t for t in trajectories if t.reward is not None and t.reward.valid]
+  r = np.array([t.reward.reward for t in valid], np.float64)
+  out["reward/mean"] = float(r.mean()) if len(r) else float("nan")
+  out["reward/std"] = float(r.std()) if len(r) else float("nan")
+  out["reward/invalid"] = float(len(trajectories) - len(valid))
+  for role in (Role.ACT, Role.REHEARSE, Role.USER):
+    name = role.name.lower()
+    had = [t.reward.reward for t in valid if int(role) in t.rows]
+    if had:  # the reward as seen by this role's rows: each trajectory that has the role once
+      out[f"reward/{name}/mean"], out[f"reward/{name}/std"] = float(np.mean(had)), float(np.std(had))
+  totals = collections.Counter()
+  for t in trajectories:
+    totals.update(t.counts)
+    totals[f"termination/{t.termination.value if t.termination else 'none'}"] += 1
+  calls, malformed = totals["tool_calls"], totals["malformed_act"]
+  acts = totals["generations_act"]
+  out["rollout/tool_call_validity"] = 1.0 - malformed / acts if acts else float("nan")
+  out["rollout/tool_calls_per_trajectory"] = calls / len(trajectories)
+  rehearsed = totals["generations_rehearse"]
+  out["rollout/rehearsed_json_validity"] = (
+    1.0 - totals["invalid_rehearsed_json"] / rehearsed if rehearsed else float("nan")
+  )
+  out["rollout/turns"] = acts / len(trajectories)
+  for k, v in totals.items():
+    if k.startswith("termination/"):
+      out[k] = float(v)
+  generated = sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
+  seconds = stats.get("time_total_s", 0.0)
+  out["rollout/generated_tokens"] = float(generated)
+  out["rollout/prefill_tokens"] = float(stats.get("prefill_tokens", 0) + stats.get("prefill_tokens_shared", 0))
+  out["rollout/tokens_per_s"] = (generated + out["rollout/prefill_tokens"]) / seconds if seconds else float("nan")
+  out["time/rollout_s"] = float(seconds)
+  return out
+
+
+class Trainer:
+  """Holds a run's state between steps. Built from a validated config; ``run()`` trains and evaluates.
+
+  Attributes:
+    model: the loaded model (``runtime.Model``); its params are the reference policy (frozen).
+    state: the ``grpo.TrainState`` (params, optimizer state, step).
+    stream: the ``datasets.TaskStream`` of training tasks.
+  """
+
+  def __init__(self, config, workdir: str):
+    config_check.validate(config)
+    self.config, self.workdir = config, workdir
+    self.model = runtime.load_model(config)
+    if self.model.tokenizer is None:
+      raise config_check.ConfigError(
+        [f"model={config.model!r} has no tokenizer; set config.tokenizer (e.g. smollm2-135m)"]
+      )
+    self.grpo_cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
+    self.unfold_cfg = UnfoldConfig.from_dict(config_check.unfold_fields(config))
+    self.mesh = runtime.make_mesh(config)
+    shards = sharding.batch_size_multiple(self.mesh)
+    update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
+    self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
+    self.update_mesh = update_mesh
+    # The reference policy: the initial weights, a copy (the update donates the train state's buffers).
+    self.ref_params = self.model.params
+    state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
+    if update_mesh is not None:
+      state = grpo.shard_train_state(state, grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh))
+    self.state = state
+    self.key = jax.random.key(config.seed)
+    self.train_source = load_split(config, config.env.split)
+    self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)
+    self.ckpt = checkpoint_lib.Checkpointer.from_config(workdir, config)
+    self.start_step = 0
+    latest = self.ckpt.latest_step()
+    if latest is not None:
+      abstract = {"params": self.state.params, "opt_state": self.state.opt_state}
+      restored = self.ckpt.restore(latest, abstract_state=abstract)
+      self.state = grpo.TrainState(
+        step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
+      )
+      self.key = restored.rng
+      if restored.data_state is not None:
+        self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
+      self.start_step = restored.step
+      logging.info("resumed from step %d in %s", latest, self.ckpt.directory)
+    rows = config.train.tasks_per_step * config.train.group_size
+    self.samplers = self._samplers(rows)
+    self.judge = make_judge(config)
+
+  # -- rollouts ----------------------------------------------------------------------------------------------------
+
+  def _samplers(self, rows: int) -> dict[str, Any]:
+    cfg = self.config
+    out = {"policy": runtime.make_sampler(cfg, self.model, self.model.params, self.mesh, rows)}
+    if self.grpo_cfg.per_role:
+      out["rehearse"] = runtime.make_sampler(cfg, self.model, self.model.params, self.mesh, rows)
+    if self.unfold_cfg.user_mode == "reference":
+      out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, self.mesh, rows)
+    return out
+
+  def _sync_samplers(self) -> None:
+    """The policy samplers sample the current parameters (per_role: the ACT tree; the REHEARSE tree separately)."""
+    params = self.state.params
+    if self.grpo_cfg.per_role:
+      self.samplers["policy"].params = params["act"]
+      self.samplers["rehearse"].params = params["rehearse"]
+    else:
+      self.samplers["policy"].params = params
+
+  def policy_samplers(self):
+    """What ``unfold`` samples the policy with: one sampler, or per_role a sampler per role (a policy-played user
+    uses the ACT tree)."""
+    if not self.grpo_cfg.per_role:
+      return self.samplers["policy"]
+    act = self.samplers["policy"]
+    return {Role.ACT: act, Role.REHEARSE: self.samplers["rehearse"], Role.USER: act}
+
+  def envs_for(self, tasks: Sequence[Task], group_size: int):
+    """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
+    return [evaluate.make_env(self.config, task) for task in tasks for _ in range(group_size)]
+
+  def rollout(self, tasks: Sequence[Task], key: jax.Array) -> tuple[list[Trajectory], dict[str, float]]:
+    """B×G scored trajectories of ``tasks`` with the current policy."""
+    self._sync_samplers()
+    real = self.unfold_cfg.env_mode == "real"
+    envs = self.envs_for(tasks, self.unfold_cfg.group_size) if real else None
+    out = unfold(
+      tasks,
+      self.policy_samplers(),
+      self.model.tokenizer,
+      self.unfold_cfg,
+      key,
+      reference_sampler=self.samplers.get("reference"),
+      envs=envs,
+    )
+    for i, traj in enumerate(out.trajectories):
+      traj.reward = score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
+    return out.trajectories, out.stats
+
+  # -- one step ----------------------------------------------------------------------------------------------------
+
+  def step(self, step: int) -> dict[str, float]:
+    """Runs training step ``step`` (1-based: the step-th update) and returns its metrics."""
+    start = time.perf_counter()
+    tasks = self.stream.next_batch()
+    trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))
+    scalars = rollout_metrics(trajectories, stats)
+    rewards_n, groups, generations, valid = advantages_lib.trajectory_arrays(trajectories)
+    adv, adv_stats = advantages_lib.role_advantages(
+      rewards_n,
+      groups,
+      generations,
+      valid,
+      trained_roles=self.grpo_cfg.trained_roles,
+      weighting=self.grpo_cfg.weighting,
+      std_normalize=self.grpo_cfg.std_normalize,
+      eps=self.grpo_cfg.adv_eps,
+    )
+    scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
+    update_start = time.perf_counter()
+    try:
+      batch = grpo.build_batch(trajectories, adv, self.grpo_cfg, pad_id=self.model.tokenizer.pad_id or 0)
+    except ValueError as e:  # nothing trainable this step (e.g. every trajectory invalid): log it, do not crash
+      logging.warning("step %d: no update: %s", step, e)
+      scalars["update/skipped"] = 1.0
+      batch = None
+    if batch is not None:
+      if self.grpo_cfg.use_kl:
+        batch = logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
+      self.state, update_metrics = self.update(self.state, batch)
+      update_metrics = jax.device_get(update_metrics)
+      scalars.update({f"update/{k}": float(np.asarray(v)) for k, v in update_metrics.items()})
+      trained = float(np.asarray(update_metrics.get("tokens", 0)))
+      scalars["update/tokens_per_s"] = trained / max(time.perf_counter() - update_start, 1e-9)
+      scalars["update/row_tokens"] = float(np.asarray(batch.valid).sum())
+    scalars["time/update_s"] = time.perf_counter() - update_start
+    scalars["time/step_s"] = time.perf_counter() - start
+    return scalars
+
+  def run(self) -> dict[str, Any]:
+    """Trains ``config.train.steps`` steps (from the resumed step), then evaluates on held-out tasks.
+
+    Returns:
+      {"steps": last step, "last": its metrics, "eval": the evaluation summary or None}.
+    """
+    cfg = self.config
+    total = cfg.train.steps
+    last: dict[str, float] = {}
+    writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
+    try:
+      for step in range(self.start_step + 1, total + 1):
+        last = self.step(step)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
+          last.update(self.evaluate(step))
+        writer.write(step, last)
+        self.ckpt.save(
+          step,
+          params=self.state.params,
+          opt_state=self.state.opt_state,
+          rng=self.key,
+          data_state=self.stream.state(),
+          metrics=last,
+          force=step == total,
+        )
+      self.ckpt.wait()
+      summary = None
+      if cfg.train.eval_tasks != 0 or cfg.train.eval_every:
+        summary = self.evaluate(total)
+        logging.info("held-out evaluation after step %d: %s", total, summary)
+        evaluate.write_summary(self.workdir, total, summary)
+    finally:
+      writer.close()
+      self.ckpt.close()
+    return {"steps": total, "last": last, "eval": summary}
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
+    self._sync_samplers()
+    source = load_split(self.config, self.config.env.eval_split)
+    n = len(source) if self.config.train.eval_tasks == 0 else min(self.config.train.eval_tasks, len(source))
+    tasks = [source[i] for i in range(n)]
+    return evaluate.committed_execution(
+      self.config,
+      tasks,
+      self.samplers,
+      self.model.tokenizer,
+      jax.random.fold_in(jax.random.fold_in(self.key, step), 0x5EED),
+      num_trials=self.config.eval.num_trials,
+    )
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+  """Validates ``config`` (before any compute), trains, checkpoints into ``workdir`` and evaluates.
+
+  Raises:
+    config_check.ConfigError: a bad config value (the message names the key and the valid values).
+  """
+  return Trainer(config, workdir).run()

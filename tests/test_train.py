@@ -1,0 +1,139 @@
+"""The training loop end to end on the tiny config (random tiny model, SmolLM2's tokenizer, τ² mock tasks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import config_check, metrics, runtime, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(data_dir, **overrides):
+  spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.env.data_dir = str(data_dir)
+  c.train.eval_tasks = 1
+  for dotted, value in overrides.items():
+    *path, leaf = dotted.split(".")
+    node = c
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tfds")
+
+
+def _params(workdir, step):
+  restored = checkpoint_lib.Checkpointer(workdir).restore(step)
+  return restored.params
+
+
+@pytest.mark.slow
+def test_tiny_run_end_to_end(tmp_path, data_dir):
+  """Rollouts, updates, checkpoints, metrics and the held-out evaluation against the real τ² tools."""
+  result = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+  records = metrics.read_jsonl(tmp_path)
+  assert [r["step"] for r in records] == [1, 2]
+  for key in ("reward/mean", "update/loss", "update/clip_frac_low", "update/entropy", "rollout/tool_call_validity"):
+    assert key in records[-1], key
+  assert records[-1]["update/tokens"] > 0
+  assert checkpoint_lib.Checkpointer(tmp_path).all_steps() == [1, 2]
+  assert result["eval"]["eval/tasks"] == 1 and 0.0 <= result["eval"]["eval/reward"] <= 1.0
+  assert (tmp_path / "eval.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_bit_for_bit(tmp_path, data_dir):
+  """Kill the run (SIGKILL) after its first checkpoint, resume: step-3 parameters equal an uninterrupted run's."""
+  steps = {"train.steps": 3, "train.eval_tasks": 0}
+  whole = tmp_path / "whole"
+  train.train_and_evaluate(tiny_config(data_dir, **steps), str(whole))
+
+  killed = tmp_path / "killed"
+  cmd = [
+    sys.executable,
+    "-m",
+    "envace_jax.main",
+    f"--config={ROOT / 'configs' / 'tiny.py'}",
+    f"--workdir={killed}",
+    f"--config.env.data_dir={data_dir}",
+    "--config.train.steps=3",
+    "--config.train.eval_tasks=0",
+  ]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 600
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if (killed / "checkpoints" / "1").is_dir():
+        break
+      time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.wait()
+  done = checkpoint_lib.Checkpointer(killed).all_steps()
+  assert done and max(done) < 3, done
+
+  train.train_and_evaluate(tiny_config(data_dir, **steps), str(killed))
+  a, b = _params(whole, 3), _params(killed, 3)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert [r["step"] for r in metrics.read_jsonl(killed)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"grpo.mode": "per_role"},
+    {"grpo.mode": "grpo_real_env", "rollout.env_mode": "real", "grpo.trained_roles": ("act",)},
+  ],
+  ids=["per_role", "grpo_real_env"],
+)
+def test_ablation_modes_run(tmp_path, data_dir, overrides):
+  """The paper's ablations run through the same loop: two parameter trees, or ACT against the real tools."""
+  config = tiny_config(data_dir, **{"train.steps": 1, "train.eval_tasks": 0, **overrides})
+  train.train_and_evaluate(config, str(tmp_path))
+  params = _params(tmp_path, 1)
+  (record,) = metrics.read_jsonl(tmp_path)
+  assert record["update/tokens"] > 0
+  if overrides["grpo.mode"] == "per_role":
+    assert set(params) == {"act", "rehearse"}
+  else:  # nothing is rehearsed: every tool call went to the real tools
+    assert "embed" in params
+    assert record["rollout/generated_tokens"] > 0 and record.get("adv/rehearse/generations", 0.0) == 0.0
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"grpo.mode": "ppo"}, "grpo.mode"),
+    ({"train.group_size": 1}, "group_size"),
+    ({"model": "qwen3-8b", "model_path": "/nonexistent/qwen3"}, "model_path"),
+  ],
+)
+def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, overrides, message):
+  def no_compute(*args, **kwargs):
+    raise AssertionError("a model was loaded before the config was validated")
+
+  monkeypatch.setattr(runtime, "load_model", no_compute)
+  with pytest.raises(config_check.ConfigError, match=message):
+    train.train_and_evaluate(tiny_config(data_dir, **overrides), str(tmp_path))
+  assert not os.listdir(tmp_path)
