@@ -774,3 +774,34 @@ def test_chat_format_refuses_templates_that_rewrite_content(tokenizer):
   )
   with pytest.raises(ChatTemplateError, match="verbatim"):
     views.ChatFormat.of(rewriting)
+
+
+def _recomputed_logprobs(config, params, row) -> np.ndarray:
+  """log p(token t | tokens < t) of a row under ``params`` (a full forward), at the row's generated tokens."""
+  logits, _ = jit_apply(config, params, np.asarray([row.tokens]), np.asarray([row.roles]))
+  logp = jax.nn.log_softmax(np.asarray(logits[0], np.float32), axis=-1)
+  positions = np.flatnonzero(row.loss_mask)
+  return np.asarray(logp[positions - 1, row.tokens[positions]])
+
+
+def test_per_role_samplers_generate_each_role_with_its_own_parameters(tiny_model, tokenizer, mock_tasks):
+  """The per_role ablation: ACT rows come from the ACT parameters, REHEARSE rows from the REHEARSE parameters, in one
+  shared cache."""
+  config, act_params = tiny_model
+  rehearse_params = transformer.init_params(config, jax.random.key(1))
+  tasks = [_task(mock_tasks, "create_task_1")]
+  n = len(tasks) * REAL.group_size
+  act = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: _act_script(i, k), n)
+  rehearse = ForcingSampler(_sampler((config, rehearse_params), tokenizer), tokenizer, lambda role, i, k: None, n)
+  reference = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: None, n)
+  policy = {Role.ACT: act, Role.REHEARSE: rehearse}
+  out = unfold(tasks, policy, tokenizer, REAL, jax.random.key(0), reference_sampler=reference)
+  assert rehearse.calls and all(r == Role.REHEARSE for c in rehearse.calls for r, *_ in c.values())
+  assert all(r == Role.ACT for c in act.calls for r, *_ in c.values())
+  rows = [t.rows[int(Role.REHEARSE)] for t in out.trajectories if int(Role.REHEARSE) in t.rows]
+  assert rows
+  for row in rows:
+    np.testing.assert_allclose(
+      row.logprobs[row.loss_mask], _recomputed_logprobs(config, rehearse_params, row), atol=1e-4
+    )
+    assert not np.allclose(row.logprobs[row.loss_mask], _recomputed_logprobs(config, act_params, row), atol=1e-2)
