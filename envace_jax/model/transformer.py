@@ -208,6 +208,9 @@ class Attention(nn.Module):
         k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
       k_bkhs, v_bksh = k_cache.astype(dtype), v_cache.astype(dtype)
+      attend = mask.shape[-1]  # the caller may attend over a prefix of the slots that holds every filled one
+      if attend < k_bkhs.shape[-1]:
+        k_bkhs, v_bksh = k_bkhs[..., :attend], v_bksh[:, :, :attend]
     else:
       k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
 
@@ -267,7 +270,16 @@ class Transformer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, roles=None, positions=None, cache: KVCache | None = None, valid=None, logits_index=None):
+  def __call__(
+    self,
+    tokens,
+    roles=None,
+    positions=None,
+    cache: KVCache | None = None,
+    valid=None,
+    logits_index=None,
+    attend_len=None,
+  ):
     cfg = self.config
     b, t = tokens.shape
     dtype = jnp.dtype(cfg.dtype)
@@ -279,7 +291,7 @@ class Transformer(nn.Module):
     if cache is not None:
       write_slots = jnp.where(valid, cache.lengths[:, None] + rank, cache.capacity)  # S: dropped on write
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
-      slots = jnp.arange(cache.capacity)
+      slots = jnp.arange(cache.capacity if attend_len is None else min(attend_len, cache.capacity))
       mask = (slots[None, None, :] <= write_slots[:, :, None]) & (slots[None, None, :] < new_lengths[:, None, None])
       default_positions = cache.lengths[:, None] + rank
       layer_cache = (cache.k, cache.v)
@@ -382,6 +394,7 @@ def apply(
   cache: KVCache | None = None,
   valid: jax.Array | None = None,
   logits_index: jax.Array | None = None,
+  attend_len: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
   """One forward pass. See the module docstring for shapes and masking.
 
@@ -396,10 +409,13 @@ def apply(
     valid: bool[B, T], False for padding; default all True.
     logits_index: int32[B, I] chunk indices to compute logits at (the head costs T*D*V: prefill wants one per
       row); default all T.
+    attend_len: with a cache: attend over slots [0, attend_len) only (a static int that must cover every row's
+      filled slots after this call: the sampler passes a bucketed bound), so attention costs what the history
+      holds, not the cache's capacity. Default: every slot.
   Returns:
     (logits float32[B, T or I, V], the updated cache or None). Logits at padding positions are meaningless.
   """
-  return Transformer(config).apply({"params": params}, tokens, roles, positions, cache, valid, logits_index)
+  return Transformer(config).apply({"params": params}, tokens, roles, positions, cache, valid, logits_index, attend_len)
 
 
 def param_count(params: Params) -> int:

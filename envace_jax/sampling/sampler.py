@@ -202,7 +202,7 @@ class Sampler:
     key = (kind, (cache.lengths.shape[0], cache.capacity) if self.mesh is not None else None)
     if key in self._jitted:
       return self._jitted[key]
-    fn, static = (self._prefill_chunk, ()) if kind == "prefill" else (self._decode_loop, (7, 8, 9))
+    fn, static = (self._prefill_chunk, (8,)) if kind == "prefill" else (self._decode_loop, (7, 8, 9, 10))
     kwargs = {}
     if self.mesh is not None:
       c = sharding.cache_shardings(self.config, self.mesh, cache, self.rules)
@@ -240,23 +240,34 @@ class Sampler:
 
   # ------------------------------------------------------------------------------------------------ jitted parts
 
-  def _prefill_chunk(self, params, cache, last_logits, tokens, roles, valid, last_index, is_last):
+  def _prefill_chunk(self, params, cache, last_logits, tokens, roles, valid, last_index, is_last, attend):
     """Writes one bucketed chunk of prompt tokens and keeps the logits after each row's final prompt token.
 
     tokens/roles: int32[B, P]; valid: bool[B, P]; last_index: int32[B] chunk index of the row's final prompt
     token; is_last: bool[B] whether that token is in this chunk. last_logits: float32[B, V], carried.
+    Static: attend, the cache slots attended over (``_attend_bucket``).
     """
     self.compile_counts["prefill"] += 1  # runs once per trace
     logits, cache = transformer.apply(
-      self.config, params, tokens, roles, cache=cache, valid=valid, logits_index=last_index[:, None]
+      self.config,
+      params,
+      tokens,
+      roles,
+      cache=cache,
+      valid=valid,
+      logits_index=last_index[:, None],
+      attend_len=attend,
     )
     return cache, jnp.where(is_last[:, None], logits[:, 0], last_logits)
 
-  def _decode_loop(self, params, cache, logits, active, max_new, row_keys, gen_roles, num_new, sampling, stop_strings):
+  def _decode_loop(
+    self, params, cache, logits, active, max_new, row_keys, gen_roles, num_new, sampling, stop_strings, attend
+  ):
     """The decode ``while_loop``: runs until every row is done (at most N steps).
 
     active: bool[B] rows to generate for; max_new: int32[B]; row_keys: key[B]; gen_roles: int32[B] role id given
-    to each row's generated tokens. Static: num_new (N), sampling, stop_strings.
+    to each row's generated tokens. Static: num_new (N), sampling, stop_strings, attend (cache slots attended over:
+    covers every live row's history plus N new tokens).
     Returns (tokens int32[B, N], logprobs float32[B, N], lengths int32[B], finish int32[B], cache).
     """
     self.compile_counts["decode"] += 1  # runs once per trace
@@ -291,7 +302,7 @@ class Sampler:
       # Every sampled token is written to the cache, so a later turn continues right after it; the logits it
       # yields matter only to rows still live.
       new_logits, cache = transformer.apply(
-        self.config, params, token[:, None], gen_roles[:, None], cache=s.cache, valid=can[:, None]
+        self.config, params, token[:, None], gen_roles[:, None], cache=s.cache, valid=can[:, None], attend_len=attend
       )
       return _DecodeState(
         step=s.step + 1,
@@ -320,6 +331,12 @@ class Sampler:
     return state.tokens, state.logprobs, state.lengths, state.finish, state.cache
 
   # ------------------------------------------------------------------------------------------------ host side
+
+  def _attend_bucket(self, n: int) -> int:
+    """Cache slots a call attends over: ``n`` (the most slots any row of the call fills) rounded up to a power of
+    two, at least ``prefill_chunk``; the caller caps it at the capacity. Attention then costs what the histories
+    hold, not the cache's capacity, with O(log capacity) compiled variants."""
+    return _next_pow2(n, self.prefill_chunk)
 
   def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], prompt_roles, active=None):
     """Appends each row's new prompt tokens to its cache, in bucketed chunks.
@@ -373,8 +390,18 @@ class Sampler:
       valid = np.arange(size)[None, :] < (lengths - start)[:, None]
       last = lengths - 1 - start
       is_last = (lengths > 0) & (last >= 0) & (last < size)
+      writing = lengths > start
+      attend = self._attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
       cache, last_logits = self._jit("prefill", cache)(
-        self.params, cache, last_logits, tokens, roles, valid, np.clip(last, 0, size - 1).astype(np.int32), is_last
+        self.params,
+        cache,
+        last_logits,
+        tokens,
+        roles,
+        valid,
+        np.clip(last, 0, size - 1).astype(np.int32),
+        is_last,
+        min(attend, cache.capacity),
       )
     return cache, last_logits, fitted, int(lengths.sum())
 
@@ -423,8 +450,10 @@ class Sampler:
     row_ids = np.arange(b) if row_ids is None else np.asarray(row_ids)
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(row_ids, jnp.uint32))
     stops = tuple(s.encode("utf-8") for s in stop_strings)
+    filled = np.asarray(jax.device_get(cache.lengths))
+    attend = min(self._attend_bucket(int(np.max(filled + num_new, where=fitted, initial=1))), cache.capacity)
     tokens, logprobs, lengths, finish, cache = self._jit("decode", cache)(
-      self.params, cache, logits, fitted, max_new, row_keys, gen_roles, num_new, sampling, stops
+      self.params, cache, logits, fitted, max_new, row_keys, gen_roles, num_new, sampling, stops, attend
     )
     tokens, logprobs, lengths, finish = jax.device_get((tokens, logprobs, lengths, finish))
     finish = np.where(active & ~fitted, int(FinishReason.CONTEXT_EXHAUSTED), finish)

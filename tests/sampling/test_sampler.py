@@ -182,8 +182,26 @@ def test_prompt_buckets_bound_compilations(tiny_with_roles):
     cache = sampler.init_cache(batch=2, capacity=128)
     prompts = [list(range(1, length + 1)), [7]]
     sampler.generate(cache, prompts, Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=3)
-  # Chunk buckets {8, 16, 32} (longer prompts run several 32-token chunks) and one new-token bucket (4).
-  assert sampler.compile_counts == {"prefill": 3, "decode": 1}
+  # Prefill: (chunk bucket, attended slots) pairs (8|16|32, 32) for the first chunk, then (8, 64), (32, 64) and
+  # (8, 128) for later chunks of the long prompts. Decode: one new-token bucket (4) x attended slots 32, 64, 128.
+  assert sampler.compile_counts == {"prefill": 6, "decode": 3}
+
+
+def test_attention_over_a_bucket_of_the_cache_equals_the_whole_cache(tiny_with_roles):
+  """Calls attend over a power-of-two prefix of the slots that covers every row's history: the same tokens and
+  logprobs as a cache 16x larger, whose other slots are never read."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params, prefill_chunk=16, min_bucket=8)
+  kw = dict(role=Role.ACT, key=jax.random.key(1), max_new_tokens=12, sampling=SamplingParams(temperature=1.0))
+  prompts = [PROMPTS[0], PROMPTS[1][:5]]
+  outs = []
+  for capacity in (64, 1024):
+    out, cache = sampler.generate(sampler.init_cache(2, capacity), prompts, Role.USER, **kw)
+    out2, _ = sampler.generate(cache, [PROMPTS[2][:7], [3]], Role.USER, **kw)  # a continuation turn
+    outs.append((out, out2))
+  for small, large in zip(*outs, strict=True):
+    np.testing.assert_array_equal(small.tokens, large.tokens)
+    np.testing.assert_allclose(small.logprobs, large.logprobs, atol=1e-5)
 
 
 def _unstopped_run(config, params):
