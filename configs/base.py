@@ -184,6 +184,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grpo.length_bucket = 512  # rows are padded to a power of two up to this, then to multiples of it (a power of 2)
   c.grpo.remat = True  # recompute each layer in the backward (memory: one [B, T, D] per layer)
   c.grpo.head_chunk = 512  # trained positions per logits block [B, c, V] (a power of 2)
+  # Shared-prefix packing: the G rows of one (task, role) fork one prefilled opening (the tau2 airline ACT system
+  # prompt is ~4.9k tokens), so they train as one row, prefix + suffix_1 + ... + suffix_G, with a segment mask
+  # (rl/batch.py). Exact (same logprobs, loss and gradients); tokens per step G x (P + S) -> P + G x S.
+  c.grpo.pack_shared_prefix = True
+  c.grpo.min_shared_prefix = 64  # a shorter shared prefix leaves the rows unpacked (tokens)
 
   # --- evaluation (evaluate.py) ---------------------------------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()

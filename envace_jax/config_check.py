@@ -417,6 +417,8 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
     if ck.integer(f"grpo.{key}", 1) is not _MISSING and not _power_of_two(ck.config.grpo[key]):
       ck.add(f"grpo.{key}={ck.config.grpo[key]} must be a power of 2")
   ck.boolean("grpo.remat")
+  ck.boolean("grpo.pack_shared_prefix")
+  ck.integer("grpo.min_shared_prefix", 1)
   # How the pieces fit together.
   if mode == "grpo_real_env":
     if env_mode in ENV_MODES and env_mode != "real":

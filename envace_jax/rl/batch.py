@@ -5,10 +5,16 @@ with the role of every token, a loss mask and the sampler's logprobs. ``collate`
 T and lists each row's trained positions (I of them, bucketed) so only those reach the vocabulary head;
 ``split_micro_batches`` cuts the rows into K micro-batches of exactly M rows, so the update's shapes stay static.
 Frozen roles keep their tokens as context and get loss mask 0.
+
+Shared-prefix packing (``collate(..., pack_groups=...)``, on by default in ``grpo.build_batch``): the G rows of one
+(task, role) fork one prefilled opening (the ACT system prompt alone is ~4.9k tokens on tau2 airline), so they are
+trained as one row, prefix + suffix_1 + ... + suffix_G, with a segment mask that keeps the suffixes apart. The
+logprobs, the loss and its gradient are exact; the forward and backward see P + G x S tokens instead of G x (P + S).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,31 +29,45 @@ from envace_jax.rehearsal.trajectory import TrainingRow
 class TrainBatch:
   """Padded training rows. ``collate`` gives [B, ...] arrays; ``split_micro_batches`` adds a leading K axis.
 
+  A row is either one ``TrainingRow`` or several rows of one (group, role) packed around their shared prefix
+  (``collate``'s ``pack_groups``): prefix + suffix_1 + ... + suffix_G, where suffix s attends to the prefix and to
+  itself only, at the rotary positions it has in its own row.
+
   Attributes (per row; B rows, T tokens, I trained-token slots):
     tokens: int32[B, T] ids, padded with pad_id.
     roles: int32[B, T] role id of every token.
     valid: bool[B, T] False on padding (and on every token of a padding row).
+    positions: int32[B, T] rotary position of every token (a plain row: its index; packed: a suffix continues at
+      P, P + 1, ... after a prefix of P tokens, as in its own row; padding: 0).
+    segments: int32[B, T] 0 for a plain row and a packed row's shared prefix, s >= 1 for suffix s. Query q sees key
+      k <= q iff valid[k] and (segments[k] == 0 or segments[k] == segments[q]).
     loss_mask: bool[B, T] trained tokens: the row's generated tokens, of a trained role, of a valid trajectory
-      (position 0 is never trained: nothing predicts it).
+      (position 0, and a packed row's prefix, are never trained).
     old_logprobs: float32[B, T] the sampler's logprob of each token (meaningful where loss_mask).
     ref_logprobs: float32[B, T] the reference policy's logprobs (0 unless ``with_ref_logprobs`` filled them).
-    advantages: float32[B] the row's advantage (0 for padding rows and frozen roles).
     row_role: int32[B] the role that generated in the row (padding rows: the micro-batch's role, or -1).
-    target_index: int32[B, I] positions t of the trained tokens, ascending (padding: 0). The logits at t - 1
-      predict token t, so only these I positions reach the vocabulary head.
+    target_index: int32[B, I] positions t of the trained tokens, ascending (padding: 0). Only the hidden states at
+      ``source_index`` reach the vocabulary head.
+    source_index: int32[B, I] the position whose hidden state predicts token target_index: target_index - 1, but
+      P - 1 (the prefix's last token) for the first token of a packed suffix (padding: 0).
     target_mask: bool[B, I] True on real entries of target_index.
+    target_advantages: float32[B, I] the advantage of each trained token: that of the row (of a packed suffix: of
+      the row it came from); 0 on padding, frozen roles and invalid rows.
   """
 
   tokens: Any
   roles: Any
   valid: Any
+  positions: Any
+  segments: Any
   loss_mask: Any
   old_logprobs: Any
   ref_logprobs: Any
-  advantages: Any
   row_role: Any
   target_index: Any
+  source_index: Any
   target_mask: Any
+  target_advantages: Any
 
   @property
   def num_tokens(self) -> int:
@@ -62,6 +82,93 @@ def bucket_length(n: int, step: int, minimum: int = 16) -> int:
   return -(-int(n) // step) * step
 
 
+@dataclasses.dataclass
+class _Packed:
+  """One output row before padding (n tokens): a plain row, or a (group, role)'s rows packed on their prefix."""
+
+  tokens: np.ndarray  # int32[n]
+  roles: np.ndarray  # int32[n]
+  positions: np.ndarray  # int32[n]
+  segments: np.ndarray  # int32[n]
+  loss_mask: np.ndarray  # bool[n]
+  logprobs: np.ndarray  # float32[n]
+  source: np.ndarray  # int32[n]: the position whose hidden state predicts each token
+  advantages: np.ndarray  # float32[n]: each token's advantage
+  role: int
+
+
+def _plain(row: TrainingRow, loss_mask: np.ndarray, advantage: float) -> _Packed:
+  n = len(row.tokens)
+  return _Packed(
+    tokens=np.asarray(row.tokens, np.int32),
+    roles=np.asarray(row.roles, np.int32),
+    positions=np.arange(n, dtype=np.int32),
+    segments=np.zeros(n, np.int32),
+    loss_mask=loss_mask,
+    logprobs=np.asarray(row.logprobs, np.float32),
+    source=np.maximum(np.arange(n, dtype=np.int32) - 1, 0),
+    advantages=np.full(n, advantage, np.float32),
+    role=int(row.role),
+  )
+
+
+def shared_prefix_length(rows: Sequence[TrainingRow], loss_masks: Sequence[np.ndarray]) -> int:
+  """The packable prefix P of rows: their longest common prefix of token ids and role ids, cut before the first
+  trained token of any row (``loss_masks``: bool[n_i] each), so every trained token lies in a suffix."""
+  first, p = rows[0], len(rows[0].tokens)
+  ids0 = np.stack([np.asarray(first.tokens, np.int64), np.asarray(first.roles, np.int64)])
+  for row in rows[1:]:
+    m = min(p, len(row.tokens))
+    ids = np.stack([np.asarray(row.tokens[:m], np.int64), np.asarray(row.roles[:m], np.int64)])
+    differ = np.flatnonzero((ids != ids0[:, :m]).any(axis=0))
+    p = int(differ[0]) if differ.size else m
+  for mask in loss_masks:
+    trained = np.flatnonzero(mask[:p])
+    if trained.size:
+      p = int(trained[0])
+  return p
+
+
+def _pack(rows: Sequence[TrainingRow], loss_masks: Sequence[np.ndarray], advantages: Sequence[float], p: int):
+  """Rows sharing their first p tokens as one row: prefix + suffix_1 + ... (segment s, positions p, p + 1, ...)."""
+  first = rows[0]
+  parts = [
+    _Packed(
+      tokens=np.asarray(first.tokens[:p], np.int32),
+      roles=np.asarray(first.roles[:p], np.int32),
+      positions=np.arange(p, dtype=np.int32),
+      segments=np.zeros(p, np.int32),
+      loss_mask=np.zeros(p, bool),
+      logprobs=np.asarray(first.logprobs[:p], np.float32),
+      source=np.maximum(np.arange(p, dtype=np.int32) - 1, 0),
+      advantages=np.zeros(p, np.float32),
+      role=int(first.role),
+    )
+  ]
+  start = p
+  for s, (row, mask, adv) in enumerate(zip(rows, loss_masks, advantages, strict=True), start=1):
+    n = len(row.tokens) - p
+    source = start + np.arange(n, dtype=np.int32) - 1
+    source[0] = p - 1  # the suffix's first token is predicted by the prefix's last
+    parts.append(
+      _Packed(
+        tokens=np.asarray(row.tokens[p:], np.int32),
+        roles=np.asarray(row.roles[p:], np.int32),
+        positions=np.arange(p, p + n, dtype=np.int32),
+        segments=np.full(n, s, np.int32),
+        loss_mask=mask[p:],
+        logprobs=np.asarray(row.logprobs[p:], np.float32),
+        source=source,
+        advantages=np.full(n, adv, np.float32),
+        role=int(row.role),
+      )
+    )
+    start += n
+  cat = lambda name: np.concatenate([getattr(x, name) for x in parts])
+  fields = [f.name for f in dataclasses.fields(_Packed) if f.name != "role"]
+  return _Packed(**{name: cat(name) for name in fields}, role=int(first.role))
+
+
 def collate(
   rows: Sequence[TrainingRow],
   advantages: Sequence[float] | np.ndarray,
@@ -70,22 +177,34 @@ def collate(
   row_valid: Sequence[bool] | np.ndarray | None = None,
   length_bucket: int = 512,
   pad_id: int = 0,
+  pack_groups: Sequence[Any] | None = None,
+  min_shared_prefix: int = 64,
 ) -> TrainBatch:
-  """Pads rows into a ``TrainBatch`` of host numpy arrays [B, T].
+  """Pads rows into a ``TrainBatch`` of host numpy arrays [B', T], packing rows that share a prefix if asked.
+
+  Shared-prefix packing (``pack_groups``): rows with the same group key and the same ``role`` that have trained
+  tokens (the G rollouts of a task fork one prefilled opening, so their rows start with the same tokens) become one
+  row: the shared prefix of P tokens (``shared_prefix_length``) once, then each row's remaining tokens as its own
+  segment. Each suffix attends to the prefix and to itself at its own rotary positions, and its first token is
+  predicted from the prefix's last hidden state, so every trained token's logprob, the loss and the gradients are
+  those of the unpacked rows (up to float summation order), for G x (P + S) -> P + G x S tokens. A group of one
+  row, or with P < ``min_shared_prefix``, stays unpacked; a packed row takes the place of its group's first row.
 
   T is ``bucket_length(max row length, length_bucket)`` and I (at most T) ``bucket_length(most trained tokens in a
   row, length_bucket)``.
 
   Args:
-    rows: B training rows (``TrainingRow``: one packed view of one trajectory).
+    rows: B training rows (``TrainingRow``: one view of one trajectory).
     advantages: float[B], each row's advantage (``advantages_nr[row.trajectory, row.role]``).
     trained_roles: role ids that are trained; a row of another role, and any token whose role id is not trained,
       keeps its tokens (they are context) but gets loss_mask 0: frozen roles contribute nothing to the loss.
     row_valid: bool[B]; False rows (e.g. of an invalid trajectory) are kept as fully masked rows. Default all True.
     length_bucket: see ``bucket_length``.
     pad_id: the id written into padding.
+    pack_groups: B hashable group keys (e.g. the trajectory's task index), or None: no packing.
+    min_shared_prefix: the shortest prefix worth packing (tokens, >= 1).
   Raises:
-    ValueError: no rows, or advantages / row_valid not of length B.
+    ValueError: no rows, advantages / row_valid / pack_groups not of length B, or min_shared_prefix < 1.
   """
   b = len(rows)
   if b == 0:
@@ -94,39 +213,79 @@ def collate(
   row_valid = np.ones(b, bool) if row_valid is None else np.asarray(row_valid, bool).reshape(-1)
   if adv.shape != (b,) or row_valid.shape != (b,):
     raise ValueError(f"collate: {b} rows need {b} advantages and row_valid; got {adv.shape} and {row_valid.shape}.")
-  t = bucket_length(max(len(r.tokens) for r in rows), length_bucket)
+  if pack_groups is not None and len(pack_groups) != b:
+    raise ValueError(f"collate: {b} rows need {b} pack_groups; got {len(pack_groups)}.")
+  if min_shared_prefix < 1:
+    raise ValueError(f"collate: min_shared_prefix={min_shared_prefix}; it must be >= 1.")
   trained = np.asarray(sorted(int(r) for r in trained_roles), np.int32)
+  masks = []
+  for i, row in enumerate(rows):
+    mask = np.zeros(len(row.tokens), bool)
+    if row_valid[i] and row.role in trained:
+      mask = np.asarray(row.loss_mask, bool) & np.isin(np.asarray(row.roles), trained)
+    mask[:1] = False  # nothing predicts position 0
+    masks.append(mask)
+  adv = np.where([m.any() for m in masks], adv, 0.0).astype(np.float32)
+
+  members: dict[Any, list[int]] = {}
+  if pack_groups is not None:
+    for i, row in enumerate(rows):
+      if masks[i].any():
+        members.setdefault((pack_groups[i], int(row.role)), []).append(i)
+  packed_at: dict[int, tuple[list[int], int]] = {}  # first member -> (members, P)
+  for idx in members.values():
+    if len(idx) > 1:
+      p = shared_prefix_length([rows[i] for i in idx], [masks[i] for i in idx])
+      if p >= min_shared_prefix:
+        packed_at[idx[0]] = (idx, p)
+  skip = {i for idx, _ in packed_at.values() for i in idx[1:]}
+  out: list[_Packed] = []
+  for i, row in enumerate(rows):
+    if i in packed_at:
+      idx, p = packed_at[i]
+      out.append(_pack([rows[j] for j in idx], [masks[j] for j in idx], [adv[j] for j in idx], p))
+    elif i not in skip:
+      out.append(_plain(row, masks[i], adv[i]))
+
+  b = len(out)
+  t = bucket_length(max(len(r.tokens) for r in out), length_bucket)
   tokens = np.full((b, t), pad_id, np.int32)
   roles = np.zeros((b, t), np.int32)
   valid = np.zeros((b, t), bool)
+  positions = np.zeros((b, t), np.int32)
+  segments = np.zeros((b, t), np.int32)
   loss_mask = np.zeros((b, t), bool)
   old = np.zeros((b, t), np.float32)
-  row_role = np.asarray([int(r.role) for r in rows], np.int32)
-  for i, row in enumerate(rows):
+  for i, row in enumerate(out):
     n = len(row.tokens)
     tokens[i, :n], roles[i, :n], valid[i, :n] = row.tokens, row.roles, True
-    old[i, :n] = row.logprobs
-    if row_valid[i] and row.role in trained:
-      loss_mask[i, :n] = np.asarray(row.loss_mask, bool) & np.isin(roles[i, :n], trained)
-  loss_mask[:, 0] = False
-  adv = np.where(loss_mask.any(axis=1), adv, 0.0).astype(np.float32)
+    positions[i, :n], segments[i, :n] = row.positions, row.segments
+    loss_mask[i, :n], old[i, :n] = row.loss_mask, row.logprobs
   counts = loss_mask.sum(axis=1)
   width = min(bucket_length(int(counts.max()), length_bucket), t)
   target_index = np.zeros((b, width), np.int32)
+  source_index = np.zeros((b, width), np.int32)
+  target_adv = np.zeros((b, width), np.float32)
   target_mask = np.arange(width)[None, :] < counts[:, None]
-  for i in range(b):
-    target_index[i, : counts[i]] = np.flatnonzero(loss_mask[i])
+  for i, row in enumerate(out):
+    where = np.flatnonzero(loss_mask[i])
+    target_index[i, : counts[i]] = where
+    source_index[i, : counts[i]] = row.source[where]
+    target_adv[i, : counts[i]] = row.advantages[where]
   return TrainBatch(
     tokens=tokens,
     roles=roles,
     valid=valid,
+    positions=positions,
+    segments=segments,
     loss_mask=loss_mask,
     old_logprobs=old,
     ref_logprobs=np.zeros((b, t), np.float32),
-    advantages=adv,
-    row_role=row_role,
+    row_role=np.asarray([r.role for r in out], np.int32),
     target_index=target_index,
+    source_index=source_index,
     target_mask=target_mask,
+    target_advantages=target_adv,
   )
 
 
@@ -136,7 +295,7 @@ def split_micro_batches(
   """Splits a [B, ...] batch into K micro-batches of exactly ``micro_batch_size`` rows: [K, M, ...] host arrays.
 
   The last micro-batch (of each role, with ``by_role``) is filled with padding rows: valid and loss_mask all False,
-  advantage 0, so they add nothing to any sum. Row order is kept within a role.
+  advantages 0, so they add nothing to any sum. Row order is kept within a role.
 
   Args:
     batch: from ``collate``.
@@ -181,8 +340,11 @@ def split_micro_batches(
     loss_mask=take(host.loss_mask, False),
     old_logprobs=take(host.old_logprobs, 0.0),
     ref_logprobs=take(host.ref_logprobs, 0.0),
-    advantages=take(host.advantages, 0.0),
+    positions=take(host.positions, 0),
+    segments=take(host.segments, 0),
     row_role=np.where(pad, chunk_role, host.row_role[safe]).astype(np.int32),
     target_index=take(host.target_index, 0),
+    source_index=take(host.source_index, 0),
     target_mask=take(host.target_mask, False),
+    target_advantages=take(host.target_advantages, 0.0),
   )

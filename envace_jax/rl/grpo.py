@@ -25,7 +25,8 @@ Modes (one code path; ``GrpoConfig.mode``):
                      are frozen).
 
 Shapes: N trajectories, R role ids (``roles.NUM_ROLES``), K micro-batches, M rows per micro-batch, T tokens per row
-(bucketed), I trained-token slots per row (bucketed), V vocabulary.
+(bucketed), I trained-token slots per row (bucketed), V vocabulary. A row may pack the G rows of one (task, role)
+around their shared opening (``GrpoConfig.pack_shared_prefix``; see rl/batch.py): advantages are per trained token.
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ class GrpoConfig:
       plus one layer's working set, at the cost of a second forward. Off: every layer's attention probabilities
       [B, N, T, T] stay alive until the backward.
     head_chunk: trained positions per [B, c, V] logits block (a power of 2): bounds the head's memory for large V.
+    pack_shared_prefix: ``build_batch`` trains the rows of one (task, role), which share their opening, as one row
+      holding the shared prefix once (``batch.collate``'s ``pack_groups``): exact, and G x (P + S) tokens become
+      P + G x S.
+    min_shared_prefix: the shortest shared prefix (tokens) worth packing; shorter ones leave the rows unpacked.
   """
 
   mode: str = "envace"
@@ -129,6 +134,8 @@ class GrpoConfig:
   length_bucket: int = 512
   remat: bool = True
   head_chunk: int = 512
+  pack_shared_prefix: bool = True
+  min_shared_prefix: int = 64
 
   def __post_init__(self):
     for name, valid in (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS)):
@@ -168,6 +175,7 @@ class GrpoConfig:
       ("micro_batch_size", self.micro_batch_size >= 1, ">= 1"),
       ("length_bucket", self.length_bucket >= 1 and not self.length_bucket & (self.length_bucket - 1), "a power of 2"),
       ("head_chunk", self.head_chunk >= 1 and not self.head_chunk & (self.head_chunk - 1), "a power of 2"),
+      ("min_shared_prefix", self.min_shared_prefix >= 1, ">= 1"),
     )
     for name, ok, need in checks:
       if not ok:
@@ -208,15 +216,20 @@ def build_batch(
 ) -> TrainBatch:
   """The [K, M, ...] batch of one step: rows of trained roles from valid trajectories, with their advantages.
 
+  With ``cfg.pack_shared_prefix`` the rows of one task (``Trajectory.group``) and one role are packed on their
+  shared opening (``collate``'s ``pack_groups``): one packed row per (task, role) when that prefix has at least
+  ``cfg.min_shared_prefix`` tokens.
+
   Args:
     trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
     advantages: float32[N, R'] from ``role_advantages``.
-    cfg: trained_roles, length_bucket, micro_batch_size and mode (per_role splits micro-batches by role).
+    cfg: trained_roles, length_bucket, micro_batch_size, mode (per_role splits micro-batches by role) and the
+      packing switches.
     num_micro_batches, pad_id: see ``split_micro_batches`` and ``collate``.
   Raises:
     ValueError: no trainable row (every trajectory invalid or no trained role present), or see ``collate``.
   """
-  rows, adv = [], []
+  rows, adv, groups = [], [], []
   for i, traj in enumerate(trajectories):
     if traj.reward is None or not traj.reward.valid:
       continue
@@ -224,9 +237,18 @@ def build_batch(
       if role in cfg.trained_roles and row.num_trained_tokens:
         rows.append(row)
         adv.append(float(advantages[i, role]))
+        groups.append(traj.group)
   if not rows:
     raise ValueError("build_batch: no trainable rows (every trajectory invalid, or no row of a trained role).")
-  batch = collate(rows, adv, trained_roles=cfg.trained_roles, length_bucket=cfg.length_bucket, pad_id=pad_id)
+  batch = collate(
+    rows,
+    adv,
+    trained_roles=cfg.trained_roles,
+    length_bucket=cfg.length_bucket,
+    pad_id=pad_id,
+    pack_groups=groups if cfg.pack_shared_prefix else None,
+    min_shared_prefix=cfg.min_shared_prefix,
+  )
   return split_micro_batches(batch, cfg.micro_batch_size, by_role=cfg.per_role, num_micro_batches=num_micro_batches)
 
 
@@ -309,7 +331,7 @@ def micro_batch_sums(
   old = jnp.take_along_axis(batch.old_logprobs, batch.target_index, axis=1)
   log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   pg, low, high, dual = clipped_policy_loss(
-    log_ratio, batch.advantages[:, None], cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_ratio_c
+    log_ratio, batch.target_advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_ratio_c
   )
   objective = pg
   msum = lambda x: jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32))
@@ -544,12 +566,12 @@ def train_state_shardings(
 
 def train_batch_shardings(mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_RULES) -> TrainBatch:
   """A TrainBatch of ``NamedSharding``s for [K, M, ...] fields: rows (M) split over the batch axes, K and the
-  token axes replicated."""
+  token axes ([K, M, T] and [K, M, I] fields) replicated."""
   rows = sharding.batch_sharding(mesh, 1, rules).spec[0]
   per_row = NamedSharding(mesh, PartitionSpec(None, rows))
   per_token = NamedSharding(mesh, PartitionSpec(None, rows, None))
   fields = {f.name: per_token for f in dataclasses.fields(TrainBatch)}
-  fields.update(advantages=per_row, row_role=per_row)
+  fields.update(row_role=per_row)
   return TrainBatch(**fields)
 
 

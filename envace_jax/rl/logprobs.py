@@ -25,7 +25,15 @@ from envace_jax.rl.batch import TrainBatch
 
 
 def training_hidden(
-  config: ModelConfig, params: Any, tokens: jax.Array, roles: jax.Array, valid: jax.Array, index: jax.Array, remat: bool
+  config: ModelConfig,
+  params: Any,
+  tokens: jax.Array,
+  roles: jax.Array,
+  valid: jax.Array,
+  index: jax.Array,
+  remat: bool,
+  positions: jax.Array | None = None,
+  segments: jax.Array | None = None,
 ) -> jax.Array:
   """The decoder's final-normed hidden states at chosen positions, with per-layer rematerialisation.
 
@@ -42,15 +50,22 @@ def training_hidden(
     tokens, roles: int32[B, T]; valid: bool[B, T].
     index: int32[B, I] positions whose hidden states are wanted.
     remat: checkpoint each layer.
+    positions: int32[B, T] rotary positions; default: each valid token's index.
+    segments: int32[B, T] packed-row segments (``TrainBatch.segments``): query q sees key k <= q iff valid[k] and
+      (segments[k] == 0 or segments[k] == segments[q]). Still lower-triangular, so the block-wise causal attention
+      of long rows stays exact. Default (None): plain causal rows.
   Returns:
     dtype[B, I, D] (``config.dtype``).
   """
   dtype = jnp.dtype(config.dtype)
   t = tokens.shape[1]
   valid = valid.astype(bool)
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+  if positions is None:
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
   idx = jnp.arange(t)
-  mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]
+  mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]  # [B, T(query), T(key)]
+  if segments is not None:
+    mask = mask & ((segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None]))
   x_btd = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
   x_btd = x_btd + jnp.take(params["role_embed"], roles, axis=0).astype(dtype)
   layer = transformer.DecoderLayer(config)
@@ -104,8 +119,9 @@ def target_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
   """Logprobs and policy entropies at the trained tokens of a [B, ...] batch.
 
-  Only the I target positions reach the vocabulary head: the hidden state at t - 1 predicts token t
-  (``training_hidden`` at ``target_index - 1``). Logits and their logsumexp are float32.
+  Only the I target positions reach the vocabulary head: the hidden state at ``source_index`` (t - 1, or a packed
+  prefix's last token for the first token of a suffix) predicts token t = ``target_index``. Logits and their
+  logsumexp are float32.
 
   Args:
     config: the model config.
@@ -117,45 +133,53 @@ def target_logprobs(
     (logp float32[B, I], entropy float32[B, I]); both meaningless where ``target_mask`` is False. The entropy
     H = logsumexp(z) - sum softmax(z) * z of the full next-token distribution carries no gradient.
   """
-  index = jnp.maximum(batch.target_index - 1, 0)
-  x_bid = training_hidden(config, params, batch.tokens, batch.roles, batch.valid, index, remat)
+  x_bid = training_hidden(
+    config,
+    params,
+    batch.tokens,
+    batch.roles,
+    batch.valid,
+    batch.source_index,
+    remat,
+    positions=batch.positions,
+    segments=batch.segments,
+  )
   targets = jnp.take_along_axis(batch.tokens, batch.target_index, axis=1)
   return _head_logprobs(config, params, x_bid, targets, head_chunk, remat)
 
 
+_RECOMPUTE_FIELDS = ("tokens", "roles", "valid", "positions", "segments", "target_index", "source_index", "target_mask")
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _recompute(config, params, tokens, roles, valid, target_index, target_mask):
-  batch = TrainBatch(tokens, roles, valid, None, None, None, None, None, target_index, target_mask)
+def _recompute(config, params, fields):
+  batch = TrainBatch(
+    **fields, loss_mask=None, old_logprobs=None, ref_logprobs=None, row_role=None, target_advantages=None
+  )
   logp, _ = target_logprobs(config, params, batch)
-  b = tokens.shape[0]
+  b = batch.tokens.shape[0]
   rows = jnp.arange(b)[:, None]
-  return jnp.zeros(tokens.shape, jnp.float32).at[rows, target_index].add(jnp.where(target_mask, logp, 0.0))
+  values = jnp.where(batch.target_mask, logp, 0.0)
+  return jnp.zeros(batch.tokens.shape, jnp.float32).at[rows, batch.target_index].add(values)
 
 
 def recompute_logprobs(config: ModelConfig, params: Any, batch: TrainBatch) -> jax.Array:
   """Logprobs of the trained tokens under ``params``, in the row layout of ``batch.old_logprobs`` (jitted).
 
-  Used for the step-0 check (equal to the sampler's logprobs) and for the reference policy.
+  Used for the step-0 check (equal to the sampler's logprobs) and for the reference policy. Packed rows stay packed:
+  the result lines up with their ``old_logprobs`` and ``loss_mask``.
 
   Args:
     config: the model config (either layer layout of params works).
     params: one parameter tree (in per_role mode pass one role's tree).
     batch: [B, ...] or [K, M, ...] TrainBatch.
   Returns:
-    float32[..., T] with the same leading shape as ``batch.tokens``: logp of token t given tokens < t where
-    ``loss_mask``, 0 elsewhere.
+    float32[..., T] with the same leading shape as ``batch.tokens``: logp of token t given what it attends to
+    (tokens < t; in a packed suffix, the prefix and the suffix's earlier tokens) where ``loss_mask``, 0 elsewhere.
   """
   lead, t = batch.tokens.shape[:-1], batch.tokens.shape[-1]
   flat = lambda x: jnp.asarray(x).reshape(-1, x.shape[-1])
-  out = _recompute(
-    config,
-    params,
-    flat(batch.tokens),
-    flat(batch.roles),
-    flat(batch.valid),
-    flat(batch.target_index),
-    flat(batch.target_mask),
-  )
+  out = _recompute(config, params, {name: flat(getattr(batch, name)) for name in _RECOMPUTE_FIELDS})
   return out.reshape(*lead, t)
 
 
