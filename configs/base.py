@@ -3,7 +3,7 @@
 Run: python -m envace_jax.main --config=configs/base.py --mode=demo
 
 Defaults are sized for a CPU run of SmolLM2-135M on τ² airline (2 cores: prefill ≈ 400 tok/s, decode ≈ 30 tok/s,
-a training forward+backward ≈ 3 forwards): one task per step, two rollouts, a few short turns, three steps. The
+a training forward+backward ≈ 3 forwards): one task per step, two rollouts, a few short turns, two steps. The
 paper's full-size values (Qwen3-8B on accelerators) are given next to each field as "paper:"; where a value is ours
 and not the paper's it says "full size:". Every field is checked at start-up by ``envace_jax.config_check.validate``.
 
@@ -88,13 +88,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- training loop --------------------------------------------------------------------------------------------------
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 3  # updates in the run. full size: a few hundred
+  c.train.steps = 2  # updates in the run (≈ 8 min each on 2 CPU cores for airline). full size: a few hundred
   c.train.tasks_per_step = 1  # B, tasks per step (GRPO groups). paper: 16
   c.train.group_size = 2  # G, rollouts per task (>= 2: advantages are relative to the group). paper: 4
   c.train.checkpoint_every = 1  # save every this many steps; the last step is always saved
   c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
   c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
-  c.train.eval_tasks = 4  # tasks of eval_split an evaluation runs (0: all)
+  c.train.eval_tasks = 2  # tasks of eval_split the final evaluation runs (0: all; airline test has 20)
   c.train.sft_warmup_steps = 0  # supervised steps on reference trajectories before RL; 0: none
 
   # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---

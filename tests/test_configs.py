@@ -142,7 +142,9 @@ def test_documented_overrides():
   # Per-role ablation.
   config_check.validate(load("tau2.py", "--config.grpo.mode=per_role"))
   # Training the policy-played user too.
-  config_check.validate(load("tau2.py", "--config.grpo.trained_roles=act,rehearse,user"))
+  config_check.validate(
+    load("tau2.py", "--config.grpo.trained_roles=act,rehearse,user", "--config.rollout.user_mode=policy")
+  )
 
 
 def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
@@ -216,7 +218,7 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
       "grpo.mode='envace' rehearses the environment, but rollout.env_mode='real'",
     ),
     (
-      ["--config.grpo.mode=per_role", "--config.grpo.trained_roles=act,user"],
+      ["--config.grpo.mode=per_role", "--config.grpo.trained_roles=act,user", "--config.rollout.user_mode=policy"],
       "grpo.mode='per_role' keeps parameter trees for 'act' and 'rehearse' only",
     ),
     (
@@ -228,7 +230,7 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
       "rollout.external_user.base_url='': rollout.user_mode='external' needs an http(s) API root",
     ),
     (["--config.reward.kind=judge", "--config.reward.judge_url=http://x/v1"], "reward.judge_model is empty"),
-    (["--config.train.sft_warmup_steps=9"], "train.sft_warmup_steps=9 must be <= train.steps=3"),
+    (["--config.train.sft_warmup_steps=9"], "train.sft_warmup_steps=9 must be <= train.steps=2"),
     (["--config.train.checkpoint_every=0"], "train.checkpoint_every=0 must be >= 1"),
     (["--config.eval.rehearsal=both"], "eval.rehearsal='both' is not valid; choose one of 'off', 'parallel'"),
     (["--config.dtype=fp8"], "dtype='fp8' is not valid; choose one of 'float32', 'bfloat16', 'float16'"),
