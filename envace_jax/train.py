@@ -135,6 +135,13 @@ class Trainer:
 
   def __init__(self, config, workdir: str):
     config_check.validate(config)
+    if config.train.sft_warmup_steps:
+      raise config_check.ConfigError(
+        [
+          f"train.sft_warmup_steps={config.train.sft_warmup_steps}: the supervised warm-up is not implemented yet; "
+          "set it to 0 (RL from the pretrained weights, as the paper's main runs)"
+        ]
+      )
     self.config, self.workdir = config, workdir
     self.model = runtime.load_model(config)
     if self.model.tokenizer is None:
