@@ -17,9 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from envace_jax import config_check
-from envace_jax.envs.base import Task, ToolEnv
+from envace_jax.envs.base import RewardInfo, Task, ToolEnv
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.unfold import unfold
 
@@ -86,7 +87,10 @@ def committed_execution(
   rewards, invalid = [], 0
   successes = [0] * len(tasks)
   for i, traj in enumerate(out.trajectories):
-    info = envs[i].evaluate(traj.messages)
+    try:
+      info = envs[i].evaluate(traj.messages)
+    except Exception as e:  # noqa: BLE001 — see scoring_failure
+      info = scoring_failure(traj, e)
     traj.reward = info
     if not info.valid:
       invalid += 1
@@ -103,6 +107,16 @@ def committed_execution(
   for k in range(1, num_trials + 1):
     summary[f"eval/pass^{k}"] = pass_hat_k(successes, num_trials, k)
   return summary
+
+
+def scoring_failure(trajectory, error: Exception) -> RewardInfo:
+  """The reward of a trajectory its scorer raised on (e.g. arguments nested too deep for the benchmark's checker):
+  0, recorded on the trajectory (``counts["scoring_error"]``, ``events``) and logged, so one bad model output never
+  stops a training step or an evaluation."""
+  trajectory.count("scoring_error")
+  trajectory.events.append({"scoring_error": f"{type(error).__name__}: {error}"[:2000]})
+  logging.warning("task %s: scoring failed (%s: %s); reward 0", trajectory.task.id, type(error).__name__, error)
+  return RewardInfo(reward=0.0, info={"scoring_error": f"{type(error).__name__}: {error}"[:2000]})
 
 
 def write_summary(workdir: str, step: int, summary: Mapping[str, float]) -> str:

@@ -63,14 +63,19 @@ def score(config, trajectory: Trajectory, env=None, judge=None) -> RewardInfo:
   """
   if trajectory.termination is not None and trajectory.termination.value == "user_error":
     return RewardInfo(reward=float("nan"), valid=False, info={"reason": "the external user failed"})
-  if env is not None:
-    return env.evaluate(trajectory.messages)
-  if judge is not None:
-    return judge(trajectory.task, trajectory.messages)
-  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
-  return rewards.rule_checklist(
-    trajectory.task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
-  )
+  try:
+    if env is not None:
+      return env.evaluate(trajectory.messages)
+    if judge is not None:
+      return judge(trajectory.task, trajectory.messages)
+    rule = rewards.RuleChecklistConfig(
+      arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty
+    )
+    return rewards.rule_checklist(
+      trajectory.task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
+    )
+  except Exception as e:  # noqa: BLE001 — a model output the scorer chokes on is a failed trajectory, not a crash
+    return evaluate.scoring_failure(trajectory, e)
 
 
 def make_judge(config):

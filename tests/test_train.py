@@ -138,3 +138,26 @@ def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, ov
   with pytest.raises(config_check.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(data_dir, **overrides), str(tmp_path))
   assert not os.listdir(tmp_path)
+
+
+def test_a_scorer_that_raises_scores_zero_and_is_recorded():
+  """Arguments nested deeper than the benchmark's checker can recurse (a looping model output) must not crash the
+  step: the trajectory scores 0 and the error is recorded."""
+  from envace_jax.envs import bfcl
+  from envace_jax.envs.base import ChatMessage, ToolCall
+  from envace_jax.rehearsal.trajectory import Trajectory
+
+  task = bfcl.load_tasks("multi_turn_base")[0]
+  nested = 1
+  for _ in range(400):
+    nested = [nested]
+  conv = [
+    ChatMessage("user", task.user_turns[0]),
+    ChatMessage("assistant", tool_calls=(ToolCall("cd", {"folder": nested}),)),
+  ]
+  traj = Trajectory(task=task, group=0, sample=0, messages=conv)
+  env = bfcl.BfclEnv()
+  env.reset(task)
+  info = train.score(tiny_config("/unused"), traj, env=env)
+  assert info.reward == 0.0 and info.valid and "RecursionError" in info.info["scoring_error"]
+  assert traj.counts["scoring_error"] == 1 and "RecursionError" in traj.events[-1]["scoring_error"]
