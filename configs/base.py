@@ -94,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 1  # save every this many steps; the last step is always saved
   c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
   c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
-  c.train.eval_tasks = 2  # tasks of eval_split the final evaluation runs (0: all; airline test has 20)
+  c.train.eval_tasks = 2  # tasks of eval_split each evaluation runs (-1: all, airline test has 20; 0: none)
   c.train.sft_warmup_steps = 0  # supervised steps on reference trajectories before RL; 0: none
 
   # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---

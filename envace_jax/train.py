@@ -290,7 +290,7 @@ class Trainer:
     try:
       for step in range(self.start_step + 1, total + 1):
         last = self.step(step)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
+        if cfg.train.eval_tasks and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           last.update(self.evaluate(step))
         writer.write(step, last)
         self.ckpt.save(
@@ -304,7 +304,7 @@ class Trainer:
         )
       self.ckpt.wait()
       summary = None
-      if cfg.train.eval_tasks != 0 or cfg.train.eval_every:
+      if cfg.train.eval_tasks != 0:
         summary = self.evaluate(total)
         logging.info("held-out evaluation after step %d: %s", total, summary)
         evaluate.write_summary(self.workdir, total, summary)
@@ -317,7 +317,7 @@ class Trainer:
     """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
     self._sync_samplers()
     source = load_split(self.config, self.config.env.eval_split)
-    n = len(source) if self.config.train.eval_tasks == 0 else min(self.config.train.eval_tasks, len(source))
+    n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
     tasks = [source[i] for i in range(n)]
     return evaluate.committed_execution(
       self.config,

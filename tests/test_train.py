@@ -128,6 +128,7 @@ def test_ablation_modes_run(tmp_path, data_dir, overrides):
     ({"train.group_size": 1}, "group_size"),
     ({"model": "qwen3-8b", "model_path": "/nonexistent/qwen3"}, "model_path"),
     ({"train.sft_warmup_steps": 1}, "sft_warmup_steps=1: the supervised warm-up is not implemented"),
+    ({"train.eval_tasks": -2}, r"train.eval_tasks=-2 must be >= -1 \(-1: every task of eval_split, 0: no evaluation\)"),
   ],
 )
 def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, overrides, message):
