@@ -466,7 +466,7 @@ class BfclEnv(ToolEnv):
     text ("Error during execution: ..."); a backend's own error result (a dict with an "error" key) is passed through
     as text, with `is_error=True`. Raises `EnvError` only when `reset` was not called."""
     self._require_task()
-    method = self._methods.get(call.name)
+    method = self._methods.get(call.name) if isinstance(call.name, str) else None
     if method is None:
       return Observation(f"Error during execution: name {call.name!r} is not defined", is_error=True)
     if not isinstance(call.arguments, Mapping):

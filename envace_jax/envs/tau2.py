@@ -301,6 +301,8 @@ def _to_tau(m: ChatMessage) -> tau_msg.Message | None:
       except (TypeError, ValueError) as e:
         raise EnvError(f"tool call {c.name!r} has arguments that are not a JSON object: {e}") from None
       calls.append(tau_msg.ToolCall(id=c.id, name=c.name, arguments=arguments, requestor="assistant"))
+  if m.role not in ("user", "assistant"):
+    raise EnvError(f"message role {m.role!r} is not one of system, user, assistant, tool (envs.base.ChatMessage)")
   cls = tau_msg.UserMessage if m.role == "user" else tau_msg.AssistantMessage
   return cls(role=m.role, content=m.content or None, tool_calls=calls)
 

@@ -83,8 +83,8 @@ def action_matches(gold: GoldAction, call: ToolCall, arg_keys: Literal["strict",
     call: the predicted call.
     arg_keys: "strict" or "tau2".
   """
-  if gold.name != call.name:
-    return False
+  if gold.name != call.name or not isinstance(call.arguments, Mapping):
+    return False  # a call whose arguments are not an object matches no gold action
   call_args, gold_args = _json_layout(call.arguments), _json_layout(gold.arguments)
   if gold.compare_args is not None:
     keys = set(gold.compare_args)

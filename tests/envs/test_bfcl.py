@@ -345,3 +345,10 @@ def test_oracle_cli(capsys):
   assert bfcl._main(["--category=multi_turn_base", "--oracle", "--limit=3"]) == 0
   out = capsys.readouterr().out
   assert "multi_turn_base_2" in out and "oracle reward: 3/3" in out
+
+
+def test_a_non_string_tool_name_is_an_error_observation(base_tasks):
+  env = bfcl.BfclEnv()
+  env.reset(base_tasks[0])
+  obs = env.execute(ToolCall(["cd"], {}))
+  assert obs.is_error and "is not defined" in obs.text

@@ -248,3 +248,10 @@ def test_loading_twice_gives_identical_tasks():
   first, second = (tau2.load_tasks("mock", "base", with_reference=False) for _ in range(2))
   assert [t.to_json() for t in first] == [t.to_json() for t in second]
   assert any(tau2.initial_conversation(t) for t in first)  # the histories are still there, minus the stamps
+
+
+def test_evaluate_names_an_unknown_message_role(airline_test):
+  env = tau2.Tau2Env("airline")
+  env.reset(airline_test[0])
+  with pytest.raises(EnvError, match="message role 'robot' is not one of system, user, assistant, tool"):
+    env.evaluate([ChatMessage("robot", "x")])

@@ -615,3 +615,10 @@ def test_judge_as_checklist_env_scorer(serve):
 )
 def test_parse_verdict(text, expected):
   assert judge.parse_verdict(text) == expected
+
+
+def test_a_call_whose_arguments_are_not_an_object_matches_no_gold_action():
+  gold = GoldAction("get_weather", {"city": "Paris"})
+  assert not rewards.action_matches(gold, ToolCall("get_weather", None))
+  assert not rewards.action_matches(gold, ToolCall("get_weather", ["Paris"]))
+  assert rewards.action_matches(gold, ToolCall("get_weather", {"city": "Paris"}))
