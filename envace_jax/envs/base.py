@@ -19,6 +19,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 
+def json_layout(value: Any) -> Any:
+  """Mappings -> dicts, tuples -> lists: the layout JSON decoding produces, so ``==`` means JSON equality (values
+  themselves are not coerced). Used to compare tool-call arguments."""
+  if isinstance(value, Mapping):
+    return {k: json_layout(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [json_layout(v) for v in value]
+  return value
+
+
 class EnvError(Exception):
   """A benchmark cannot be used as configured: unknown domain or split, missing data, unsupported feature.
 

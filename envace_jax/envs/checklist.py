@@ -54,6 +54,7 @@ from envace_jax.envs.base import (
   Task,
   ToolCall,
   ToolEnv,
+  json_layout,
 )
 
 BENCHMARK = "checklist"
@@ -411,15 +412,6 @@ def _parse_evidence(ev: Any, where: str, turn_steps: list[int], fail: Callable[[
   return {"turn": turn, "step": step, "from": source, "snippet": snippet}
 
 
-def _json_layout(value: Any) -> Any:
-  """Mappings -> dicts, tuples -> lists: the layout JSON decoding produces, so equality means JSON equality."""
-  if isinstance(value, Mapping):
-    return {k: _json_layout(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_json_layout(v) for v in value]
-  return value
-
-
 class ChecklistEnv(ToolEnv):
   """Replays a checklist task's logged tool results; scores with an injected scorer.
 
@@ -458,9 +450,9 @@ class ChecklistEnv(ToolEnv):
     task = self._require_task()
     if call.name not in task.tool_names:
       return Observation(f"Error: unknown tool {call.name!r}; available tools: {list(task.tool_names)}", True)
-    args = _json_layout(call.arguments)
+    args = json_layout(call.arguments)
     logged = [
-      i for i, r in enumerate(task.reference_interactions) if r.name == call.name and _json_layout(r.arguments) == args
+      i for i, r in enumerate(task.reference_interactions) if r.name == call.name and json_layout(r.arguments) == args
     ]
     if not logged:
       text = (

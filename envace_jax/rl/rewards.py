@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from envace_jax.envs.base import ChatMessage, GoldAction, RewardInfo, Task, ToolCall
+from envace_jax.envs.base import ChatMessage, GoldAction, RewardInfo, Task, ToolCall, json_layout
 
 # ----------------------------------------------------------------------------------------------- rule checklist
 
@@ -57,15 +57,6 @@ class RuleChecklistConfig:
       raise RewardConfigError(f"RuleChecklistConfig.arg_keys must be 'strict' or 'tau2', got {self.arg_keys!r}")
 
 
-def _json_layout(value: Any) -> Any:
-  """Mappings -> dicts, tuples -> lists (what JSON decoding produces); values themselves are not coerced."""
-  if isinstance(value, Mapping):
-    return {k: _json_layout(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_json_layout(v) for v in value]
-  return value
-
-
 def action_matches(gold: GoldAction, call: ToolCall, arg_keys: Literal["strict", "tau2"] = "strict") -> bool:
   """Whether `call` satisfies `gold`, compared as τ²-bench compares them.
 
@@ -75,7 +66,7 @@ def action_matches(gold: GoldAction, call: ToolCall, arg_keys: Literal["strict",
   no keys to compare -> match; otherwise the two argument dicts restricted to those keys must be equal under
   Python `==` of the decoded JSON values. That is all the normalisation τ² does: 1 == 1.0 and True == 1 match, while
   "1" != 1, "ABC" != "abc", list order matters and dict key order does not. A key missing on one side makes the
-  restricted dicts differ. The only addition here is `_json_layout` (tuples -> lists, mappings -> dicts), so a
+  restricted dicts differ. The only addition here is `base.json_layout` (tuples -> lists, mappings -> dicts), so a
   `Mapping` or tuple built in Python compares as its JSON would.
 
   Args:
@@ -85,7 +76,7 @@ def action_matches(gold: GoldAction, call: ToolCall, arg_keys: Literal["strict",
   """
   if gold.name != call.name or not isinstance(call.arguments, Mapping):
     return False  # a call whose arguments are not an object matches no gold action
-  call_args, gold_args = _json_layout(call.arguments), _json_layout(gold.arguments)
+  call_args, gold_args = json_layout(call.arguments), json_layout(gold.arguments)
   if gold.compare_args is not None:
     keys = set(gold.compare_args)
   elif arg_keys == "tau2":
