@@ -186,6 +186,7 @@ class Trainer:
     rows = config.train.tasks_per_step * config.train.group_size
     self.samplers = self._samplers(rows)
     self.judge = make_judge(config)
+    self._eval_source: datasets.TaskSource | None = None
 
   # -- rollouts ----------------------------------------------------------------------------------------------------
 
@@ -316,7 +317,9 @@ class Trainer:
   def evaluate(self, step: int) -> dict[str, float]:
     """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
     self._sync_samplers()
-    source = load_split(self.config, self.config.env.eval_split)
+    if self._eval_source is None:  # prepared and opened once per run, not at every evaluation
+      self._eval_source = load_split(self.config, self.config.env.eval_split)
+    source = self._eval_source
     n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
     tasks = [source[i] for i in range(n)]
     return evaluate.committed_execution(

@@ -165,8 +165,9 @@ class _Unfolder:
       own = lambda xs, mine=mine: [x if i in mine else [] for i, x in enumerate(xs)]
       cache, _, fitted, count = s.prefill(cache, own(prompts), own(prompt_roles))
       self.stats["prefill_tokens_shared"] += count
+      fitted = np.asarray(fitted)
       for row in rows:
-        if bool(np.asarray(fitted)[row]):
+        if fitted[row]:
           openings[row % len(openings)].views[roles[row // len(openings)]].cached = len(prompts[row])
     return first.fork(cache, self.cfg.group_size)
 
