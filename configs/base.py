@@ -190,11 +190,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grpo.pack_shared_prefix = True
   c.grpo.min_shared_prefix = 64  # a shorter shared prefix leaves the rows unpacked (tokens)
 
-  # --- evaluation (evaluate.py) ---------------------------------------------------------------------------------------
+  # --- evaluation (evaluate.py; --mode=eval) ------------------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
-  c.eval.num_trials = 1  # k of pass^k: committed runs per task
-  # Test-time private rehearsal before committing: "off", "parallel" (N imagined trajectories at once) or
-  # "sequential" (N in turn, each seeing the memory of the earlier ones).
-  c.eval.rehearsal = "off"
-  c.eval.rehearsal_n = 2  # N
+  c.eval.num_trials = 1  # k of pass^k: committed runs per task. τ²-bench reports pass^1..pass^4 from 4 trials
+  c.eval.tasks = 2  # --mode=eval: tasks of env.eval_split (-1: all; airline test has 20, retail 40)
+  # Test-time private rehearsal modes --mode=eval compares, each on the same first user messages: "off", "parallel"
+  # (N independent imagined trajectories) and "sequential" (each sees the earlier ones and their self-assessments);
+  # e.g. --config.eval.rehearsal=off or "--config.eval.rehearsal=off,parallel". Training-time evaluations use "off".
+  c.eval.rehearsal = "off,parallel,sequential"
+  c.eval.rehearsal_n = 4  # N rehearsals per (task, trial). paper: N = 4
+  c.eval.rehearsal_user = "policy"  # who imagines the user in rehearsals: "policy" (its own weights) or "reference"
+  c.eval.assessment_max_tokens = 96  # self-assessment after each rehearsal (tokens)
+  c.eval.memory_max_tokens = 128  # bound on the rehearsal memory in the committed context (tokens)
+  c.eval.digest_max_tokens = 256  # each rehearsal's transcript as assessments, memory and later rehearsals see it
+  c.eval.fidelity = True  # ask REHEARSE for every real tool response of the committed runs and compare
+  c.eval.reward_gap = True  # rule reward of rehearsed trajectories vs the same decisions executed for real
   return c

@@ -38,4 +38,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for role, capacity in (("act", 1024), ("rehearse", 1024), ("user", 512)):  # the tiny preset's context is 1024
     c.rollout[f"{role}_capacity"] = capacity
     c.rollout[f"{role}_max_new_tokens"] = 16
+  # Test-time rehearsal sized for the 1024-token context: the mock policy is ≈0.5k tokens.
+  c.eval.tasks = 1
+  c.eval.rehearsal_n = 2
+  c.eval.assessment_max_tokens = 16
+  c.eval.memory_max_tokens = 16
+  c.eval.digest_max_tokens = 64
   return c

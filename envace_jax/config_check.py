@@ -32,6 +32,7 @@ USER_MODES = ("reference", "policy", "external")
 REWARD_KINDS = ("rule", "judge")
 ARG_KEYS = ("strict", "tau2")
 REHEARSAL = ("off", "parallel", "sequential")
+REHEARSAL_USERS = ("policy", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor")
 SMOLLM2 = "smollm2-135m"
@@ -444,9 +445,22 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
 
 def _check_eval(ck: _Checker) -> None:
   ck.integer("eval.num_trials", 1)
-  rehearsal = ck.one_of("eval.rehearsal", REHEARSAL)
-  if rehearsal != "off":
-    ck.integer("eval.rehearsal_n", 1)
+  ck.integer("eval.tasks", -1, why=" (-1: every task of env.eval_split)")
+  raw = ck.get("eval.rehearsal")
+  if raw is not _MISSING:
+    modes = parse_roles(raw) if isinstance(raw, str | tuple | list) else ()
+    bad = [m for m in modes if m not in REHEARSAL]
+    if not modes or bad:
+      ck.add(
+        f"eval.rehearsal={raw!r} is not valid; choose one or more of {_choices(REHEARSAL)}, comma-separated "
+        "(e.g. --config.eval.rehearsal=off,parallel)"
+      )
+  ck.integer("eval.rehearsal_n", 1)
+  ck.one_of("eval.rehearsal_user", REHEARSAL_USERS)
+  for key in ("eval.assessment_max_tokens", "eval.memory_max_tokens", "eval.digest_max_tokens"):
+    ck.integer(key, 1)
+  ck.boolean("eval.fidelity")
+  ck.boolean("eval.reward_gap")
 
 
 def validate(config) -> None:

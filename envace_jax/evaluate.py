@@ -1,14 +1,29 @@
-"""Evaluation by committed execution: the policy acts against the benchmark's real tools, the benchmark scores it.
+"""Evaluation on the real environments: private rehearsal, committed execution, pass^k, world-model fidelity.
 
-Used at the end of every training run (and every ``train.eval_every`` steps). Only this phase touches real tools:
-each trajectory gets a fresh environment (``ToolEnv.reset``), its tool calls are executed for real, and the
-benchmark's own evaluator (τ²: ``evaluate_simulation``; BFCL: its multi-turn checker) gives the reward.
+    python -m envace_jax.main --config=configs/tau2.py --mode=eval --workdir=DIR
+
+``--mode=eval`` (`run`) loads the latest checkpoint in DIR (or the base weights when there is none) and evaluates
+``eval.tasks`` tasks of ``env.eval_split``, ``eval.num_trials`` trials each, once per test-time rehearsal mode in
+``eval.rehearsal`` ("off", "parallel", "sequential"; N = ``eval.rehearsal_n``; `rehearsal.private`). Every trial ends
+with one committed execution against the benchmark's real tools (each trial a fresh ``ToolEnv``), scored by the
+benchmark's own evaluator (τ²: ``evaluate_simulation``; BFCL: its multi-turn checker). Printed as a table and written
+to ``DIR/eval_results.json``.
+
+Training runs call `committed_execution` (rehearsal off) at the end and every ``train.eval_every`` steps.
+
+Measured alongside (issue "world-model fidelity"), each a config switch:
+  * ``eval.fidelity``: for every real tool call of the committed executions, REHEARSE's prediction of the response
+    vs the real one (`rehearsal.fidelity`: JSON validity, exact match, key-set F1, value accuracy, error agreement);
+  * ``eval.reward_gap``: one rehearsed trajectory per (task, trial), as training rolls them out, scored by the rule
+    checklist, vs the benchmark's reward for executing the same ACT decisions (its tool calls and replies) for real
+    (`replay_for_real`). ``gap = rehearsed - real``: how much the imagined world flatters the policy.
 
 pass^k is τ²-bench's: per task with c successes (reward 1) in n trials, C(c, k) / C(n, k), averaged over tasks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,10 +34,17 @@ import jax
 import numpy as np
 from absl import logging
 
-from envace_jax import config_check
-from envace_jax.envs.base import RewardInfo, Task, ToolEnv
+from envace_jax import config_check, runtime
+from envace_jax.envs.base import ChatMessage, RewardInfo, Task, ToolEnv
+from envace_jax.model.roles import Role
+from envace_jax.rehearsal import fidelity as fidelity_lib
+from envace_jax.rehearsal import private
 from envace_jax.rehearsal.episode import UnfoldConfig
+from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rl import rewards
+
+RESULTS_FILE = "eval_results.json"
 
 
 def make_env(config, task: Task) -> ToolEnv:
@@ -41,7 +63,6 @@ def make_env(config, task: Task) -> ToolEnv:
     return bfcl.BfclEnv()
   if task.benchmark == "checklist":
     from envace_jax.envs import checklist
-    from envace_jax.rl import rewards
 
     return checklist.ChecklistEnv(scorer=rewards.rule_checklist)
   raise config_check.ConfigError([f"benchmark {task.benchmark!r} has no real environment to evaluate against"])
@@ -60,55 +81,6 @@ def pass_hat_k(successes: Sequence[int], trials: int, k: int) -> float:
   return float(np.mean([math.comb(c, k) / math.comb(trials, k) for c in successes])) if successes else float("nan")
 
 
-def committed_execution(
-  config, tasks: Sequence[Task], samplers: Mapping[str, Any], tokenizer, key: jax.Array, num_trials: int = 1
-) -> dict[str, float]:
-  """Runs ``num_trials`` committed executions of each task against the real tools and scores them.
-
-  Args:
-    config: the run config (rollout settings; ``env_mode`` is forced to "real").
-    tasks: held-out tasks.
-    samplers: {"policy": Sampler (acts), optional "reference": Sampler (the user simulator)}.
-    tokenizer: the policy's tokenizer.
-    key: a ``jax.random.key``.
-    num_trials: n trials per task (k of pass^k up to n).
-  Returns:
-    {"eval/reward": mean reward, "eval/pass^1".."eval/pass^n", "eval/tasks", "eval/trials", "eval/invalid",
-    "eval/turns"}.
-  """
-  fields = config_check.unfold_fields(config)
-  fields.update(group_size=num_trials, env_mode="real")
-  if fields["user_mode"] == "policy" and "reference" in samplers:
-    fields["user_mode"] = "reference"  # the evaluation's user should not be the policy under test
-  ucfg = UnfoldConfig.from_dict(fields)
-  envs = [make_env(config, task) for task in tasks for _ in range(num_trials)]
-  policy = samplers["policy"]  # committed execution: only ACT (and a policy-played user) generate
-  out = unfold(tasks, policy, tokenizer, ucfg, key, reference_sampler=samplers.get("reference"), envs=envs)
-  rewards, invalid = [], 0
-  successes = [0] * len(tasks)
-  for i, traj in enumerate(out.trajectories):
-    try:
-      info = envs[i].evaluate(traj.messages)
-    except Exception as e:  # noqa: BLE001 — see scoring_failure
-      info = scoring_failure(traj, e)
-    traj.reward = info
-    if not info.valid:
-      invalid += 1
-      continue
-    rewards.append(info.reward)
-    successes[i // num_trials] += int(info.reward >= 1.0 - 1e-6)
-  summary = {
-    "eval/reward": float(np.mean(rewards)) if rewards else float("nan"),
-    "eval/tasks": float(len(tasks)),
-    "eval/trials": float(num_trials),
-    "eval/invalid": float(invalid),
-    "eval/turns": float(np.mean([t.counts.get("generations_act", 0) for t in out.trajectories])),
-  }
-  for k in range(1, num_trials + 1):
-    summary[f"eval/pass^{k}"] = pass_hat_k(successes, num_trials, k)
-  return summary
-
-
 def scoring_failure(trajectory, error: Exception) -> RewardInfo:
   """The reward of a trajectory its scorer raised on (e.g. arguments nested too deep for the benchmark's checker):
   0, recorded on the trajectory (``counts["scoring_error"]``, ``events``) and logged, so one bad model output never
@@ -119,6 +91,213 @@ def scoring_failure(trajectory, error: Exception) -> RewardInfo:
   return RewardInfo(reward=0.0, info={"scoring_error": f"{type(error).__name__}: {error}"[:2000]})
 
 
+def rule_reward(config, task: Task, trajectory: Trajectory) -> RewardInfo:
+  """The rule-checklist reward (``config.reward``'s settings) of ``trajectory``'s conversation against ``task``'s
+  gold actions and required information (`rl.rewards.rule_checklist`)."""
+  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  return rewards.rule_checklist(
+    task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
+  )
+
+
+def replay_for_real(task: Task, messages: Sequence[ChatMessage], env: ToolEnv) -> list[ChatMessage]:
+  """The same ACT decisions executed for real: ``env`` is reset with ``task``; every tool call of the assistant
+  messages runs on it, in order, and its real result replaces the rehearsed one (a call the rehearsal left
+  unanswered runs too); user and assistant messages are kept as they were.
+
+  Returns:
+    the conversation with real tool results, for the benchmark's evaluator.
+  """
+  env.reset(task)
+  out: list[ChatMessage] = []
+  for m in messages:
+    if m.role == "tool":
+      continue
+    out.append(m)
+    for call in m.tool_calls if m.role == "assistant" else ():
+      obs = env.execute(call)
+      out.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+  return out
+
+
+def reward_gap(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """Rule-checklist reward of rehearsed trajectories vs the benchmark reward of replaying them for real.
+
+  Args:
+    tasks: the original task of each trajectory (with its gold actions).
+    trajectories: rehearsed trajectories.
+  Returns:
+    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real), "gap/trajectories"}; means over the
+    trajectories both scorers accepted.
+  """
+  rehearsed, real = [], []
+  for task, traj in zip(tasks, trajectories, strict=True):
+    try:
+      r = rule_reward(config, task, traj)
+    except Exception as e:  # noqa: BLE001 — see scoring_failure
+      r = scoring_failure(traj, e)
+    env = make_env(config, task)
+    try:
+      replayed = replay_for_real(task, traj.messages, env)
+      q = env.evaluate(replayed)
+    except Exception as e:  # noqa: BLE001 — see scoring_failure
+      q = scoring_failure(traj, e)
+    if r.valid and q.valid:
+      rehearsed.append(r.reward)
+      real.append(q.reward)
+  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+  return {
+    "gap/rehearsed_reward": mean(rehearsed),
+    "gap/real_reward": mean(real),
+    "gap/gap": mean(rehearsed) - mean(real),
+    "gap/trajectories": float(len(real)),
+  }
+
+
+def score_committed(
+  trajectories: Sequence[Trajectory], envs: Sequence[ToolEnv], num_tasks: int, num_trials: int
+) -> dict[str, float]:
+  """Scores committed executions (task-major, ``num_trials`` per task) with each one's environment's evaluator.
+
+  Returns:
+    {"reward": mean reward, "pass^1".."pass^n", "tasks", "trials", "invalid", "turns", "tool_calls"}.
+  """
+  rewards_, invalid = [], 0
+  successes = [0] * num_tasks
+  for i, traj in enumerate(trajectories):
+    try:
+      info = envs[i].evaluate(traj.messages)
+    except Exception as e:  # noqa: BLE001 — see scoring_failure
+      info = scoring_failure(traj, e)
+    traj.reward = info
+    if not info.valid:
+      invalid += 1
+      continue
+    rewards_.append(info.reward)
+    successes[i // num_trials] += int(info.reward >= 1.0 - 1e-6)
+  summary = {
+    "reward": float(np.mean(rewards_)) if rewards_ else float("nan"),
+    "tasks": float(num_tasks),
+    "trials": float(num_trials),
+    "invalid": float(invalid),
+    "turns": float(np.mean([t.counts.get("generations_act", 0) for t in trajectories])),
+    "tool_calls": float(np.mean([t.counts.get("tool_calls", 0) for t in trajectories])),
+  }
+  for k in range(1, num_trials + 1):
+    summary[f"pass^{k}"] = pass_hat_k(successes, num_trials, k)
+  return summary
+
+
+def _sampler_for(policy, role: Role):
+  return policy[role] if isinstance(policy, Mapping) else policy
+
+
+def policy_of(samplers: Mapping[str, Any]):
+  """What the rollout samples the policy with: ``samplers["policy"]``, or per role when ``"rehearse"`` has its own
+  parameters (the per_role ablation; the ACT tree plays a policy user)."""
+  if "rehearse" not in samplers:
+    return samplers["policy"]
+  act = samplers["policy"]
+  return {Role.ACT: act, Role.REHEARSE: samplers["rehearse"], Role.USER: act}
+
+
+def rehearsal_config(config, mode: str) -> private.PrivateRehearsalConfig:
+  """``config.eval``'s private-rehearsal settings with ``mode``."""
+  e = config.eval
+  return private.PrivateRehearsalConfig(
+    mode=mode,
+    num_rehearsals=e.rehearsal_n,
+    assessment_max_tokens=e.assessment_max_tokens,
+    memory_max_tokens=e.memory_max_tokens,
+    digest_max_tokens=e.digest_max_tokens,
+    user=e.rehearsal_user,
+  )
+
+
+def evaluate_policy(
+  config,
+  tasks: Sequence[Task],
+  samplers: Mapping[str, Any],
+  tokenizer,
+  key: jax.Array,
+  *,
+  mode: str = "off",
+  num_trials: int = 1,
+  fidelity: bool | None = None,
+  gap: bool | None = None,
+) -> tuple[dict[str, float], private.PrivateRun]:
+  """One evaluation: private rehearsal (``mode``), committed execution, the benchmark's score, fidelity, reward gap.
+
+  Args:
+    config: the run config (rollout settings; ``eval.*``).
+    tasks: held-out tasks.
+    samplers: {"policy": Sampler, optional "rehearse" (per_role), "reference": Sampler with the base weights (the
+      user simulator and, by default, the opening's user)}.
+    key: a ``jax.random.key``; every mode uses the same openings for the same key.
+    mode: "off", "parallel" or "sequential".
+    num_trials: n trials per task (pass^1..pass^n).
+    fidelity, gap: override ``config.eval.fidelity`` / ``config.eval.reward_gap``.
+  Returns:
+    (summary: reward, pass^k, tasks, trials, invalid, turns, tool_calls, ``fidelity/*``, ``gap/*``, ``cost/*``,
+    ``memory_tokens``; the `private.PrivateRun` with every rehearsal, memory and committed trajectory).
+  """
+  fidelity = config.eval.fidelity if fidelity is None else fidelity
+  gap = config.eval.reward_gap if gap is None else gap
+  fields = config_check.unfold_fields(config)
+  fields.update(group_size=1)
+  if fields["user_mode"] == "policy" and "reference" in samplers:
+    fields["user_mode"] = "reference"  # the evaluation's user should not be the policy under test
+  ucfg = UnfoldConfig.from_dict(fields)
+  policy = policy_of(samplers)
+  envs = [make_env(config, task) for task in tasks for _ in range(num_trials)]
+  result = private.run(
+    tasks,
+    policy,
+    tokenizer,
+    ucfg,
+    rehearsal_config(config, mode),
+    key,
+    envs,
+    num_trials=num_trials,
+    reference_sampler=samplers.get("reference"),
+  )
+  summary = score_committed(result.committed, envs, len(tasks), num_trials)
+  summary.update(private.summary_costs(result.costs))
+  if mode != "off":
+    summary["memory_tokens"] = float(np.mean([p.memory_tokens for p in result.prepared]))
+  if fidelity:
+    pairs, _, stats = fidelity_lib.measure(
+      _sampler_for(policy, Role.REHEARSE),
+      tokenizer,
+      result.committed,
+      key=jax.random.fold_in(key, 7),
+      max_new_tokens=ucfg.rehearse_max_new_tokens,
+      rehearse_prompt=ucfg.rehearse_prompt,
+      dialogue=ucfg.rehearse_sees_dialogue,
+      accept_error_text=ucfg.accept_error_text,
+    )
+    summary.update(fidelity_lib.summarize(pairs))
+    summary.update({f"cost/fidelity/{k}": float(v) for k, v in stats.items()})
+  if gap:
+    rcfg = dataclasses.replace(ucfg, env_mode="rehearse", group_size=num_trials)
+    out = unfold(
+      tasks, policy, tokenizer, rcfg, jax.random.fold_in(key, 8), reference_sampler=samplers.get("reference")
+    )
+    summary.update(reward_gap(config, [t.task for t in out.trajectories], out.trajectories))
+    summary["cost/gap/seconds"] = float(out.stats.get("time_total_s", 0.0))
+  return summary, result
+
+
+def committed_execution(
+  config, tasks: Sequence[Task], samplers: Mapping[str, Any], tokenizer, key: jax.Array, num_trials: int = 1
+) -> dict[str, float]:
+  """The training run's evaluation: committed execution without rehearsal (``num_trials`` per task) against the real
+  tools, with fidelity and the reward gap as ``config.eval`` says. Keys as `evaluate_policy`'s, prefixed
+  ``eval/``."""
+  summary, _ = evaluate_policy(config, tasks, samplers, tokenizer, key, mode="off", num_trials=num_trials)
+  return {f"eval/{k}": v for k, v in summary.items()}
+
+
 def write_summary(workdir: str, step: int, summary: Mapping[str, float]) -> str:
   """Appends ``{"step": step, **summary}`` to ``workdir/eval.jsonl``; returns the path."""
   path = os.path.join(workdir, "eval.jsonl")
@@ -126,3 +305,151 @@ def write_summary(workdir: str, step: int, summary: Mapping[str, float]) -> str:
   with open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps({"step": int(step), **{k: float(v) for k, v in summary.items()}}) + "\n")
   return path
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# --mode=eval
+
+
+def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[Any, int | None]:
+  """The parameters to evaluate: the latest checkpoint's in ``workdir``, else the model's base weights.
+
+  Returns:
+    (params: one tree, or {"act", "rehearse"} in per_role mode; the checkpoint's step or None).
+  Raises:
+    checkpoint.CheckpointError: the checkpoint does not match the configured model.
+  """
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax.rl import grpo
+
+  cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
+  if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
+    params = model.params
+    return ({name: params for name in grpo.ROLE_TREES} if cfg.per_role else params), None
+  with checkpoint_lib.Checkpointer.from_config(workdir, config) as ckpt:
+    step = ckpt.latest_step()
+    if step is None:
+      params = model.params
+      return ({name: params for name in grpo.ROLE_TREES} if cfg.per_role else params), None
+    target = grpo.init_train_state(cfg, model.params)
+    restored = ckpt.restore(step, abstract_state={"params": target.params, "opt_state": target.opt_state})
+  return restored.params, step
+
+
+def eval_modes(config) -> tuple[str, ...]:
+  """``config.eval.rehearsal`` ("off,parallel,sequential" or a tuple) as mode names."""
+  return config_check.parse_roles(config.eval.rehearsal)
+
+
+def run(config, workdir: str | None) -> dict[str, Any]:
+  """``--mode=eval``: evaluates the latest checkpoint in ``workdir`` (or the base weights) on ``env.eval_split``.
+
+  Returns:
+    {"weights", "checkpoint_step", "domain", "benchmark", "rows": one summary per rehearsal mode (with "rehearsal"
+    and "N"), "reward_gap": the gap summary}; also printed as a table and written to ``workdir/eval_results.json``.
+  Raises:
+    config_check.ConfigError: a bad config value (before any compute).
+  """
+  config_check.validate(config)
+  model = runtime.load_model(config)
+  if model.tokenizer is None:
+    raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
+  params, step = restore_policy(config, model, workdir)
+  mesh = runtime.make_mesh(config)
+  source = runtime.load_split(config, config.env.eval_split)
+  n = len(source) if config.eval.tasks < 0 else min(config.eval.tasks, len(source))
+  tasks = [source[i] for i in range(n)]
+  rows_hint = n * config.eval.num_trials
+  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
+  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, rows_hint)}
+  if per_role:
+    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, rows_hint)
+  samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, rows_hint)
+  key = jax.random.fold_in(jax.random.key(config.seed), 0xE7A1)
+  rows, gap = [], None
+  for i, mode in enumerate(eval_modes(config)):
+    logging.info("evaluating %d tasks x %d trials, rehearsal %s", n, config.eval.num_trials, mode)
+    summary, _ = evaluate_policy(
+      config, tasks, samplers, model.tokenizer, key, mode=mode, num_trials=config.eval.num_trials, gap=False
+    )
+    summary.update(rehearsal=mode, N=0 if mode == "off" else config.eval.rehearsal_n)
+    rows.append(summary)
+    if i == 0 and config.eval.reward_gap:
+      fields = config_check.unfold_fields(config)
+      fields.update(group_size=config.eval.num_trials, env_mode="rehearse")
+      out = unfold(
+        tasks,
+        policy_of(samplers),
+        model.tokenizer,
+        UnfoldConfig.from_dict(fields),
+        jax.random.fold_in(key, 8),
+        reference_sampler=samplers["reference"],
+      )
+      gap = reward_gap(config, [t.task for t in out.trajectories], out.trajectories)
+  result = {
+    "weights": model.source if step is None else f"{workdir} step {step}",
+    "checkpoint_step": step,
+    "benchmark": config.env.benchmark,
+    "domain": config.env.domain,
+    "split": config.env.eval_split,
+    "rows": rows,
+    "reward_gap": gap,
+  }
+  print(format_table(result))
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, RESULTS_FILE), "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2, default=float)
+  return result
+
+
+def _f(x: Any, digits: int = 3) -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "-"
+  return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+  """`run`'s result as text: one line per rehearsal mode (pass^k, reward, fidelity, costs), then the reward gap."""
+  rows = result["rows"]
+  trials = int(rows[0]["trials"]) if rows else 1
+  passes = [f"pass^{k}" for k in range(1, trials + 1)]
+  head = (
+    f"{'domain':<10} {'rehearsal':<10} {'N':>2} {'tasks':>5} "
+    + " ".join(f"{p:>7}" for p in passes)
+    + f" {'reward':>6} {'calls':>5} | {'json':>5} {'exact':>5} {'keyF1':>5} {'value':>5} {'error':>5} | "
+    + f"{'rehearse tok':>12} {'rehearse s':>10} {'memory tok':>10} {'commit tok':>10} {'commit s':>8}"
+  )
+  lines = [
+    f"Evaluation of {result['weights']} on {result['benchmark']} {result['domain']} ({result['split']} split); "
+    "pass^k = mean over tasks of C(c,k)/C(n,k); fidelity = REHEARSE's prediction of each real tool response "
+    "(json valid, exact match, key-set F1, value accuracy on shared keys, error agreement); costs in generated "
+    "tokens and seconds (rehearse = rehearsals + assessments + memory).",
+    head,
+    "-" * len(head),
+  ]
+  for r in rows:
+    pre = ("rehearsal", "assessment", "memory")
+    tok = sum(r.get(f"cost/{p}/generated_tokens", 0.0) for p in pre)
+    sec = sum(r.get(f"cost/{p}/seconds", 0.0) for p in pre)
+    lines.append(
+      f"{result['domain']:<10} {r['rehearsal']:<10} {r['N']:>2} {int(r['tasks']):>5} "
+      + " ".join(f"{_f(r[p]):>7}" for p in passes)
+      + f" {_f(r['reward']):>6} {_f(r['tool_calls'], 1):>5} | "
+      + " ".join(
+        f"{_f(r.get(f'fidelity/{m}'), 2):>5}"
+        for m in ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement")
+      )
+      + f" | {tok:>12.0f} {sec:>10.1f} {_f(r.get('memory_tokens'), 0):>10} "
+      + f"{r.get('cost/execution/generated_tokens', 0.0):>10.0f} {r.get('cost/execution/seconds', 0.0):>8.1f}"
+    )
+  calls = [int(r.get("fidelity/calls", 0)) for r in rows]
+  lines.append(f"real tool calls probed for fidelity per mode: {calls}")
+  gap = result.get("reward_gap")
+  if gap:
+    lines.append(
+      f"rehearsal-vs-real reward gap ({int(gap['gap/trajectories'])} rehearsed trajectories): rule checklist on the "
+      f"rehearsal {_f(gap['gap/rehearsed_reward'])} vs benchmark reward of the same decisions executed for real "
+      f"{_f(gap['gap/real_reward'])}: gap {_f(gap['gap/gap'])}"
+    )
+  return "\n".join(lines)

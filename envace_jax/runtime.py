@@ -13,6 +13,7 @@ import jax
 from absl import logging
 
 from envace_jax import config_check
+from envace_jax.envs import datasets
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.tokenizer import Tokenizer
@@ -87,3 +88,15 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
     prefill_chunk=config.sampler.prefill_chunk,
     mesh=use_mesh,
   )
+
+
+def dataset_config(config) -> str:
+  """The prepared-dataset config of ``config.env``: the τ² domain, the BFCL category or the checklist data path."""
+  return config.env.data_path if config.env.benchmark == "checklist" else config.env.domain
+
+
+def load_split(config, split: str) -> datasets.TaskSource:
+  """Prepares (once, cached under ``config.env.data_dir``) and opens one split of the configured benchmark."""
+  name = dataset_config(config)
+  datasets.prepare(config.env.benchmark, name, config.env.data_dir)
+  return datasets.load(config.env.benchmark, name, split, config.env.data_dir)

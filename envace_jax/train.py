@@ -38,20 +38,8 @@ from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
 from envace_jax.rl import advantages as advantages_lib
-from envace_jax.rl import grpo, logprobs, rewards
+from envace_jax.rl import grpo, logprobs
 from envace_jax.sampling import sharding
-
-
-def dataset_config(config) -> str:
-  """The prepared-dataset config of ``config.env``: the τ² domain, the BFCL category or the checklist data path."""
-  return config.env.data_path if config.env.benchmark == "checklist" else config.env.domain
-
-
-def load_split(config, split: str) -> datasets.TaskSource:
-  """Prepares (once, cached under ``config.env.data_dir``) and opens one split of the configured benchmark."""
-  name = dataset_config(config)
-  datasets.prepare(config.env.benchmark, name, config.env.data_dir)
-  return datasets.load(config.env.benchmark, name, split, config.env.data_dir)
 
 
 def score(config, trajectory: Trajectory, env=None, judge=None) -> RewardInfo:
@@ -68,12 +56,7 @@ def score(config, trajectory: Trajectory, env=None, judge=None) -> RewardInfo:
       return env.evaluate(trajectory.messages)
     if judge is not None:
       return judge(trajectory.task, trajectory.messages)
-    rule = rewards.RuleChecklistConfig(
-      arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty
-    )
-    return rewards.rule_checklist(
-      trajectory.task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
-    )
+    return evaluate.rule_reward(config, trajectory.task, trajectory)
   except Exception as e:  # noqa: BLE001 — a model output the scorer chokes on is a failed trajectory, not a crash
     return evaluate.scoring_failure(trajectory, e)
 
@@ -167,7 +150,7 @@ class Trainer:
       state = grpo.shard_train_state(state, grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh))
     self.state = state
     self.key = jax.random.key(config.seed)
-    self.train_source = load_split(config, config.env.split)
+    self.train_source = runtime.load_split(config, config.env.split)
     self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)
     self.ckpt = checkpoint_lib.Checkpointer.from_config(workdir, config)
     self.start_step = 0
@@ -318,7 +301,7 @@ class Trainer:
     """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
     self._sync_samplers()
     if self._eval_source is None:  # prepared and opened once per run, not at every evaluation
-      self._eval_source = load_split(self.config, self.config.env.eval_split)
+      self._eval_source = runtime.load_split(self.config, self.config.env.eval_split)
     source = self._eval_source
     n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
     tasks = [source[i] for i in range(n)]

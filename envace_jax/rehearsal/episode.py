@@ -166,7 +166,7 @@ class UnfoldConfig:
     return (tool_format.TOOL_RESPONSE_CLOSE,) if role == Role.REHEARSE else ()
 
 
-def _initial_conversation(task: Task) -> tuple[ChatMessage, ...]:
+def initial_conversation(task: Task) -> tuple[ChatMessage, ...]:
   """The logged conversation a task starts from (τ² mock tasks have one); imports the τ² adapter only for τ² tasks."""
   if task.benchmark == "tau2" and task.criteria.get("tau2_task") is not None:
     from envace_jax.envs import tau2  # heavy optional dependency
@@ -211,18 +211,25 @@ class Episode:
     tokenizer: Tokenizer,
     chat_format: views.ChatFormat,
     user_view: bool,
+    history: tuple[ChatMessage, ...] = (),
   ) -> Episode:
     """The state every trajectory of ``task`` starts from: views rendered up to the first sampled token.
 
     Args:
       user_view: a sampler plays the user (a USER token view); otherwise an external user (``user_chat``).
+      history: messages that already happened, after the benchmark's own initial conversation (e.g. the agent's
+        greeting and the real user's first message, obtained before a private rehearsal). A history ending with a
+        user message that holds a stop marker ends the trajectory at once (``USER_STOP``).
 
     Raises:
-      UnfoldConfigError: the task has neither logged user turns nor a user scenario.
+      UnfoldConfigError: the task has neither logged user turns nor a user scenario; a history for a task whose
+        user turns are logged (they are replayed from the first).
     """
     if not task.user_turns and not task.user_scenario:
       raise UnfoldConfigError(f"task {task.id!r} has neither logged user_turns nor a user_scenario to simulate")
-    history = list(_initial_conversation(task))
+    if history and task.user_turns:
+      raise UnfoldConfigError(f"task {task.id!r} replays logged user turns: it cannot start from a given history")
+    history = list(initial_conversation(task)) + list(history)
     traj = Trajectory(task, group, 0, list(history))
     act = views.View(tokenizer, chat_format, Role.ACT, task.tools)
     act.append(Message("system", task.system_prompt), *[m for c in history for m in views.act_messages(c)])
@@ -245,7 +252,10 @@ class Episode:
       ep.views[Role.USER].append(*opening)
     else:
       ep.user_chat = opening
-    if history:
+    markers = task.user_stop_markers or views.DEFAULT_STOP_MARKERS
+    if history and history[-1].role == "user" and any(m in history[-1].content for m in markers):
+      ep.end(Termination.USER_STOP, detail="the given history ends with the user's stop marker")
+    elif history:
       ep.need = Role.ACT if history[-1].role in ("user", "tool") else Role.USER
     else:
       if config.greeting:

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from envace_jax.envs.base import Task, ToolEnv
+from envace_jax.envs.base import ChatMessage, Task, ToolEnv
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
@@ -94,8 +94,9 @@ class _Job:
 class _Unfolder:
   """The lockstep loop's state: samplers, caches, trajectories in flight, statistics."""
 
-  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user):
+  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user, histories=None):
     self.tasks, self.policy, self.tokenizer, self.cfg = list(tasks), policy, tokenizer, config
+    self.histories = [tuple(h) for h in histories] if histories is not None else [()] * len(self.tasks)
     self.reference, self.envs, self.user = reference, envs, user
     self.format = views.ChatFormat.of(tokenizer)
     self.eos = tuple(tokenizer.eos_ids)
@@ -117,7 +118,8 @@ class _Unfolder:
     g = self.cfg.group_size
     user_view = self.user_on is not None
     openings = [
-      Episode.opening(self.cfg, task, b, self.tokenizer, self.format, user_view) for b, task in enumerate(self.tasks)
+      Episode.opening(self.cfg, task, b, self.tokenizer, self.format, user_view, self.histories[b])
+      for b, task in enumerate(self.tasks)
     ]
     if self.policy_roles:
       self.caches["policy"] = self._prefill_openings(self.policy, openings, self.policy_roles)
@@ -336,6 +338,7 @@ def unfold(
   reference_sampler=None,
   envs: Sequence[ToolEnv] | None = None,
   user_simulator: UserSimulator | None = None,
+  histories: Sequence[Sequence[ChatMessage]] | None = None,
   return_caches: bool = False,
 ) -> UnfoldOutput:
   """Self-unfolds ``config.group_size`` trajectories of each task in lockstep (see the module docstring).
@@ -353,6 +356,9 @@ def unfold(
     envs: B*G `ToolEnv`s (task-major), needed for ``env_mode="real"``; each is ``reset`` with its task. Ignored in
       rehearse mode: nothing real is called.
     user_simulator: for ``user_mode="external"``: the user (default ``ExternalUser(config.external_user)``).
+    histories: per task, messages that already happened (after the benchmark's initial conversation), shared by its
+      G trajectories; e.g. the greeting and the real user's first message before a committed execution
+      (`rehearsal.private`). Tasks with logged user turns take none.
     return_caches: keep the final KV caches in the output (tests, inspection).
 
   Returns:
@@ -362,7 +368,7 @@ def unfold(
 
   Raises:
     UnfoldConfigError: no tasks, a missing reference sampler, environments or external user, a task with neither
-      user turns nor a user scenario.
+      user turns nor a user scenario, ``histories`` not one per task (or given to a task with logged user turns).
     users.UserEndpointError: the external user's endpoint is misconfigured.
     tokenizer.ChatTemplateError: the chat template cannot keep views append-only.
   """
@@ -371,6 +377,8 @@ def unfold(
   if not isinstance(config, UnfoldConfig):
     raise UnfoldConfigError(f"config must be an UnfoldConfig, got {type(config).__name__}")
   n = len(tasks) * config.group_size
+  if histories is not None and len(histories) != len(tasks):
+    raise UnfoldConfigError(f"histories must have one entry per task: {len(tasks)}, got {len(histories)}")
   simulated = any(not t.user_turns for t in tasks)
   if simulated and config.user_mode == "reference" and reference_sampler is None:
     raise UnfoldConfigError(
@@ -389,7 +397,7 @@ def unfold(
     user_simulator = owned = ExternalUser(config.external_user)
   user = user_simulator if simulated and config.user_mode == "external" else None
   start = time.perf_counter()
-  runner = _Unfolder(tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user)
+  runner = _Unfolder(tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user, histories)
   try:
     episodes = runner.run(key)
   finally:

@@ -1,0 +1,564 @@
+"""Test-time private rehearsal: imagine the task N times, assess each rehearsal, condense them into a rehearsal memory,
+then act for real once with the memory in context (committed execution). Paper §4 ("Private rehearsal at test time").
+
+For each (task, trial):
+
+  1. **Opening** (`openings`): the agent's greeting and the real user's first message, from the evaluation's user
+     simulator. This is what the agent knows before it rehearses: the policy, the tools and that message.
+  2. **Rehearsal** (`rehearse`): N imagined trajectories with the rollout machinery (`unfold`, ``env_mode="rehearse"``):
+     the policy acts, the policy rehearses every tool response, and the policy also imagines the user, told only the
+     first message (``IMAGINED_USER``): the hidden user scenario, gold actions and reference interactions of the task
+     are removed first (`rehearsal_task`), so nothing of the benchmark's answer leaks into the rehearsal.
+       * ``parallel``: the N rehearsals are independent, one batched rollout (G = N).
+       * ``sequential``: rehearsal n's agent sees, in its system message, an account of rehearsals 1..n-1 (their
+         transcripts, condensed to ``digest_max_tokens`` each) with their self-assessments (``ACCOUNT_HEADER``).
+     No real tool runs here: the real environment is not touched until step 4.
+  3. **Self-assessment** after each rehearsal (``ASSESS_PROMPT``: outcome, what went wrong, which tool results
+     mattered), and the **rehearsal memory** m_x (``MEMORY_PROMPT``): the rehearsals and assessments condensed by the
+     policy into at most ``memory_max_tokens`` tokens.
+  4. **Committed execution** (`commit`): ACT with m_x appended to its system message (``MEMORY_HEADER``), against the
+     real tools and the real user simulator, continuing from the opening. The caller scores it with the benchmark.
+
+``mode="off"`` skips 2-3: the committed execution starts from the same opening without a memory, so rehearsal off /
+parallel / sequential are compared on the same first user messages (same key).
+
+Every phase's cost is recorded (`PhaseCost`: generated and prefilled tokens, seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from envace_jax.envs.base import ChatMessage, Task, ToolEnv
+from envace_jax.model import tool_format
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import Message, Tokenizer
+from envace_jax.rehearsal import views
+from envace_jax.rehearsal.completion import complete
+from envace_jax.rehearsal.episode import UnfoldConfig, initial_conversation
+from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rehearsal.users import UserSimulator, UserSimulatorError
+from envace_jax.sampling.sampler import GREEDY, SamplingParams
+
+MODES = ("off", "parallel", "sequential")
+REHEARSAL_USERS = ("policy", "reference")
+
+IMAGINED_USER = (
+  'You are imagining the user of this conversation. All you know is the user\'s first message:\n"{first}"\n'
+  "Continue as that user would: answer the agent's questions with plausible details consistent with that message, "
+  "one message at a time."
+)
+"""The rehearsal's user scenario (the real one is hidden from the agent); ``{first}`` is the user's first message."""
+
+ASSESS_PROMPT = (
+  "# Review of a rehearsal\n\nBefore talking to the real user you rehearsed the conversation privately: the user and "
+  "every tool result in the transcript below were imagined. Assess the rehearsal in exactly three lines:\n"
+  "Outcome: success, partial or failure (did the agent do what the user needed, within the policy above?)\n"
+  "What went wrong: the mistakes to avoid, or 'nothing'\n"
+  "Key tool results: the calls and results that mattered, to check against the real tools"
+)
+"""Appended to the agent's policy in the self-assessment prompt (the transcript follows as the user message)."""
+
+MEMORY_PROMPT = (
+  "# Rehearsal memory\n\nBefore talking to the real user you rehearsed the conversation privately (the user and the "
+  "tool results were imagined). Condense the rehearsals and their assessments below into short notes for the real "
+  "conversation: what to ask the user, which tools to call with which arguments and in which order, and which "
+  "mistakes to avoid."
+)
+"""Appended to the agent's policy in the memory prompt (the rehearsals and assessments follow as the user message)."""
+
+ACCOUNT_HEADER = (
+  "# Earlier private rehearsals\n\nYou are rehearsing this conversation privately before the real one: the user and "
+  "the tool results are imagined. Your earlier rehearsals and your assessment of each follow; do better this time."
+)
+"""Opens the account of earlier rehearsals in a sequential rehearsal's system message."""
+
+MEMORY_HEADER = (
+  "# Notes from your private rehearsals\n\nYou rehearsed this conversation privately before (the user and the tool "
+  "results there were imagined: trust the real tools now). Your notes:"
+)
+"""Opens the rehearsal memory in the committed execution's system message."""
+
+
+class PrivateRehearsalError(ValueError):
+  """Private rehearsal is misconfigured (mode, N, budgets, missing sampler)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateRehearsalConfig:
+  """How a task is rehearsed before the committed execution.
+
+  Attributes:
+    mode: "off", "parallel" or "sequential".
+    num_rehearsals: N imagined trajectories per (task, trial).
+    assessment_max_tokens: budget of each self-assessment (tokens, after the forced "Outcome:").
+    memory_max_tokens: bound on the rehearsal memory m_x (tokens of the text placed in the committed context).
+    digest_max_tokens: bound on each rehearsal transcript as the assessment, memory and sequential prompts show it
+      (head and tail kept, the middle elided).
+    user: who imagines the user in rehearsals: "policy" (the policy itself: rehearsal in its own weights) or
+      "reference" (the frozen initial weights). Either way it is told only the first message (``IMAGINED_USER``).
+    sampling: `SamplingParams` of the assessments and the memory (default greedy).
+  """
+
+  mode: str = "off"
+  num_rehearsals: int = 4
+  assessment_max_tokens: int = 96
+  memory_max_tokens: int = 128
+  digest_max_tokens: int = 256
+  user: str = "policy"
+  sampling: SamplingParams = GREEDY
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise PrivateRehearsalError(f"PrivateRehearsalConfig.mode={self.mode!r}; valid: {', '.join(MODES)}")
+    if self.user not in REHEARSAL_USERS:
+      raise PrivateRehearsalError(f"PrivateRehearsalConfig.user={self.user!r}; valid: {', '.join(REHEARSAL_USERS)}")
+    for name in ("num_rehearsals", "assessment_max_tokens", "memory_max_tokens", "digest_max_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise PrivateRehearsalError(f"PrivateRehearsalConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass
+class PhaseCost:
+  """What one phase cost, summed over its calls: generated and prefilled tokens, wall seconds."""
+
+  generated_tokens: float = 0.0
+  prefill_tokens: float = 0.0
+  seconds: float = 0.0
+
+  def add(self, generated: float, prefill: float, seconds: float) -> None:
+    self.generated_tokens += generated
+    self.prefill_tokens += prefill
+    self.seconds += seconds
+
+  def add_unfold(self, stats: Mapping[str, float]) -> None:
+    generated = sum(stats.get(f"generated_tokens_{r}", 0.0) for r in ("act", "rehearse", "user"))
+    prefill = stats.get("prefill_tokens", 0.0) + stats.get("prefill_tokens_shared", 0.0)
+    self.add(generated, prefill, stats.get("time_total_s", 0.0))
+
+
+@dataclasses.dataclass
+class Rehearsal:
+  """One imagined trajectory and what the policy made of it.
+
+  Attributes:
+    trajectory: the rehearsed `Trajectory` (its task is the `rehearsal_task`: no gold, no hidden scenario).
+    assessment: the self-assessment text ("Outcome: ...").
+    account: the account of earlier rehearsals this one's agent saw ("" for parallel rehearsals and the first
+      sequential one).
+  """
+
+  trajectory: Trajectory
+  assessment: str = ""
+  account: str = ""
+
+
+@dataclasses.dataclass
+class Prepared:
+  """One (task, trial) ready for its committed execution.
+
+  Attributes:
+    task: the original task.
+    trial: the trial index (0..k-1).
+    opening: the messages before the agent's first decision (greeting, the real user's first message).
+    rehearsals: the N rehearsals in order (empty with mode "off").
+    memory: the rehearsal memory m_x ("" with mode "off").
+    memory_tokens: its length in tokens (<= ``memory_max_tokens``).
+  """
+
+  task: Task
+  trial: int
+  opening: tuple[ChatMessage, ...] = ()
+  rehearsals: list[Rehearsal] = dataclasses.field(default_factory=list)
+  memory: str = ""
+  memory_tokens: int = 0
+
+  @property
+  def committed_task(self) -> Task:
+    """The task as the committed execution's agent sees it: the policy followed by the memory."""
+    if not self.memory:
+      return self.task
+    return dataclasses.replace(self.task, system_prompt=f"{self.task.system_prompt}\n\n{MEMORY_HEADER}\n{self.memory}")
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Rendering.
+
+
+def _clip(text: str, limit: int = 400) -> str:
+  text = " ".join(text.split())
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def transcript(messages: Sequence[ChatMessage]) -> str:
+  """A conversation as plain lines: "User: ...", "Agent: ...", "Agent calls f({...})", "Tool result: ..."."""
+  lines = []
+  for m in messages:
+    if m.role == "user":
+      lines.append(f"User: {_clip(m.content)}")
+    elif m.role == "assistant":
+      if m.content:
+        lines.append(f"Agent: {_clip(m.content)}")
+      for c in m.tool_calls:
+        lines.append(f"Agent calls {c.name}({_clip(tool_format.compact_json(dict(c.arguments)), 300)})")
+    elif m.role == "tool":
+      lines.append(f"Tool result{' (error)' if m.is_error else ''}: {_clip(m.content)}")
+  return "\n".join(lines)
+
+
+def bounded(tokenizer: Tokenizer, text: str, max_tokens: int) -> str:
+  """``text`` within ``max_tokens`` tokens: unchanged if it fits, else its head and tail around an elision mark."""
+  ids = tokenizer.encode(text)
+  if len(ids) <= max_tokens:
+    return text
+  mark = "\n[...]\n"
+  room = max(max_tokens - len(tokenizer.encode(mark)), 2)
+  head, tail = ids[: room // 2], ids[len(ids) - (room - room // 2) :]
+  out = tokenizer.decode(head) + mark + tokenizer.decode(tail)
+  while len(tokenizer.encode(out)) > max_tokens and len(head) + len(tail) > 2:  # re-tokenisation can merge
+    head, tail = head[:-1], tail[1:]
+    out = tokenizer.decode(head) + mark + tokenizer.decode(tail)
+  return out
+
+
+def digest(tokenizer: Tokenizer, rehearsal: Rehearsal, max_tokens: int) -> str:
+  """One rehearsal as later prompts show it: the transcript after the opening, within ``max_tokens``."""
+  traj = rehearsal.trajectory
+  ending = traj.termination.value if traj.termination else "unfinished"
+  return bounded(tokenizer, transcript(traj.messages) + f"\n(The rehearsal ended: {ending}.)", max_tokens)
+
+
+def account(tokenizer: Tokenizer, rehearsals: Sequence[Rehearsal], max_tokens: int) -> str:
+  """Rehearsals 1..n with their assessments, each transcript within ``max_tokens``."""
+  parts = []
+  for i, r in enumerate(rehearsals, 1):
+    parts.append(f"## Rehearsal {i}\n{digest(tokenizer, r, max_tokens)}\nSelf-assessment:\n{r.assessment.strip()}")
+  return "\n\n".join(parts)
+
+
+def rehearsal_task(task: Task, opening: Sequence[ChatMessage], account_text: str = "") -> Task:
+  """``task`` as a rehearsal may see it: the user scenario replaced by ``IMAGINED_USER`` around the first user
+  message, and the gold actions, required information and reference interactions removed (the benchmark's answer
+  must not leak into the rehearsal). ``account_text`` (sequential) is appended to the agent's system message.
+  Tasks with logged user turns keep only the first one."""
+  history = [*initial_conversation(task), *opening]
+  first = next((m.content for m in history if m.role == "user"), "")
+  if not first and task.user_turns:
+    first = task.user_turns[0]
+  system = task.system_prompt + (f"\n\n{ACCOUNT_HEADER}\n\n{account_text}" if account_text else "")
+  return dataclasses.replace(
+    task,
+    system_prompt=system,
+    user_scenario=IMAGINED_USER.format(first=first) if not task.user_turns else "",
+    user_turns=task.user_turns[:1],
+    gold_actions=(),
+    communicate_info=(),
+    reference_interactions=(),
+  )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The phases.
+
+
+def _act_sampler(policy):
+  return policy[Role.ACT] if isinstance(policy, Mapping) else policy
+
+
+def openings(
+  tasks: Sequence[Task],
+  num_trials: int,
+  tokenizer: Tokenizer,
+  config: UnfoldConfig,
+  key: jax.Array,
+  *,
+  user_sampler=None,
+  user_simulator: UserSimulator | None = None,
+  cost: PhaseCost | None = None,
+) -> list[tuple[ChatMessage, ...]]:
+  """The messages before the agent's first decision, per (task, trial), task-major: the greeting and the user's first
+  message, written by the evaluation's user (``user_sampler`` playing ``config.user_prompt``, or
+  ``user_simulator``). Tasks with logged user turns or a benchmark initial conversation get () (their first user
+  message is already given). A user that fails gets () too: the committed execution then asks it again.
+
+  Raises:
+    PrivateRehearsalError: a simulated user but neither ``user_sampler`` nor ``user_simulator``.
+  """
+  out: list[tuple[ChatMessage, ...]] = [() for _ in range(len(tasks) * num_trials)]
+  need = [b for b, t in enumerate(tasks) if not t.user_turns and not initial_conversation(t)]
+  if not need:
+    return out
+  if user_sampler is None and user_simulator is None:
+    raise PrivateRehearsalError("the opening needs the user simulator: a user_sampler or a user_simulator")
+  greeting = (ChatMessage("assistant", config.greeting),) if config.greeting else ()
+  chats = []
+  for b in need:
+    chat = [Message("system", views.user_system_prompt(tasks[b], config.user_prompt))]
+    chat += [m for g in greeting for m in views.user_messages(g)]
+    chats += [chat] * num_trials
+  start = time.perf_counter()
+  if user_simulator is not None:
+    texts = []
+    for chat in chats:
+      try:
+        texts.append(user_simulator.reply([{"role": m.role, "content": m.content} for m in chat]))
+      except UserSimulatorError:
+        texts.append(None)
+    if cost is not None:
+      cost.add(0, 0, time.perf_counter() - start)
+  else:
+    done, stats = complete(
+      user_sampler,
+      tokenizer,
+      chats,
+      key=key,
+      max_new_tokens=config.user_max_new_tokens,
+      role=Role.USER,
+      sampling=config.user_sampling,
+    )
+    texts = [c.text for c in done]
+    if cost is not None:
+      cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
+  for j, b in enumerate(need):
+    for trial in range(num_trials):
+      text = texts[j * num_trials + trial]
+      if text is not None:
+        out[b * num_trials + trial] = (*greeting, ChatMessage("user", text.strip()))
+  return out
+
+
+def _assess(prepared, index_pairs, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cost):
+  """Fills ``assessment`` of the rehearsals at ``index_pairs`` [(prepared index, rehearsal index)], one batch."""
+  chats = []
+  for p, r in index_pairs:
+    item = prepared[p]
+    system = f"{item.task.system_prompt}\n\n{ASSESS_PROMPT}"
+    body = "Transcript of the rehearsal:\n" + digest(tokenizer, item.rehearsals[r], cfg.digest_max_tokens)
+    chats.append([Message("system", system), Message("user", body)])
+  done, stats = complete(
+    _act_sampler(policy),
+    tokenizer,
+    chats,
+    key=key,
+    max_new_tokens=cfg.assessment_max_tokens,
+    sampling=cfg.sampling,
+    answer_prefix="Outcome:",
+  )
+  cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
+  for (p, r), c in zip(index_pairs, done, strict=True):
+    prepared[p].rehearsals[r].assessment = c.text.strip()
+
+
+def _memorize(prepared, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cost):
+  """Fills ``memory`` of every item: the policy condenses its rehearsals into <= memory_max_tokens tokens."""
+  chats = []
+  for item in prepared:
+    body = "My rehearsals and their assessments:\n\n" + account(tokenizer, item.rehearsals, cfg.digest_max_tokens)
+    chats.append([Message("system", f"{item.task.system_prompt}\n\n{MEMORY_PROMPT}"), Message("user", body)])
+  done, stats = complete(
+    _act_sampler(policy),
+    tokenizer,
+    chats,
+    key=key,
+    max_new_tokens=cfg.memory_max_tokens,
+    sampling=cfg.sampling,
+  )
+  cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
+  for item, c in zip(prepared, done, strict=True):
+    # The generation has <= memory_max_tokens tokens; its text re-tokenised may differ slightly: bound that too.
+    item.memory = bounded(tokenizer, c.text.strip(), cfg.memory_max_tokens)
+    item.memory_tokens = len(tokenizer.encode(item.memory))
+
+
+def rehearse(
+  prepared: Sequence[Prepared],
+  policy,
+  tokenizer: Tokenizer,
+  unfold_config: UnfoldConfig,
+  config: PrivateRehearsalConfig,
+  key: jax.Array,
+  *,
+  reference_sampler=None,
+  costs: Mapping[str, PhaseCost] | None = None,
+) -> None:
+  """Rehearses every item privately (``config.mode``), assesses each rehearsal and writes the rehearsal memory, in
+  place (``Prepared.rehearsals``, ``.memory``). Calls no real tool: only the policy (and, with ``config.user ==
+  "reference"``, ``reference_sampler``) generates.
+
+  Args:
+    prepared: the (task, trial) items with their openings.
+    policy: the policy's `Sampler`, or {Role: Sampler} with per-role parameters.
+    unfold_config: the rollout settings (capacities, budgets, sampling); env mode, group size, user mode and
+      grounding are set here (rehearse, N or 1, ``config.user``, none).
+    config: a `PrivateRehearsalConfig`; mode "off" does nothing.
+    key: a ``jax.random.key``.
+    costs: {"rehearsal", "assessment", "memory"} -> `PhaseCost`, added to.
+
+  Raises:
+    PrivateRehearsalError: ``config.user == "reference"`` without ``reference_sampler``.
+  """
+  if config.mode == "off" or not prepared:
+    return
+  if config.user == "reference" and reference_sampler is None:
+    raise PrivateRehearsalError("PrivateRehearsalConfig.user='reference' needs reference_sampler")
+  costs = costs if costs is not None else {k: PhaseCost() for k in ("rehearsal", "assessment", "memory")}
+  parallel = config.mode == "parallel"
+  ucfg = dataclasses.replace(
+    unfold_config,
+    env_mode="rehearse",
+    group_size=config.num_rehearsals if parallel else 1,
+    user_mode=config.user,
+    grounding_max_tokens=0,
+  )
+  histories = [item.opening for item in prepared]
+  rounds = 1 if parallel else config.num_rehearsals
+  for n in range(rounds):
+    accounts = ["" if parallel else account(tokenizer, item.rehearsals, config.digest_max_tokens) for item in prepared]
+    tasks = [rehearsal_task(item.task, item.opening, text) for item, text in zip(prepared, accounts, strict=True)]
+    out = unfold(
+      tasks,
+      policy,
+      tokenizer,
+      ucfg,
+      jax.random.fold_in(key, n),
+      reference_sampler=reference_sampler,
+      histories=[() if t.user_turns else h for t, h in zip(tasks, histories, strict=True)],
+    )
+    costs["rehearsal"].add_unfold(out.stats)
+    g = ucfg.group_size
+    pairs = []
+    for p, item in enumerate(prepared):
+      for s in range(g):
+        item.rehearsals.append(Rehearsal(out.trajectories[p * g + s], account=accounts[p]))
+        pairs.append((p, len(item.rehearsals) - 1))
+    _assess(prepared, pairs, policy, tokenizer, config, jax.random.fold_in(key, 1000 + n), costs["assessment"])
+  _memorize(prepared, policy, tokenizer, config, jax.random.fold_in(key, 2000), costs["memory"])
+
+
+def commit(
+  prepared: Sequence[Prepared],
+  policy,
+  tokenizer: Tokenizer,
+  unfold_config: UnfoldConfig,
+  key: jax.Array,
+  envs: Sequence[ToolEnv],
+  *,
+  reference_sampler=None,
+  user_simulator: UserSimulator | None = None,
+  cost: PhaseCost | None = None,
+) -> list[Trajectory]:
+  """The committed execution of every item: ACT with its memory, the real tools (``envs``, one per item, reset
+  here), the real user simulator, continuing from the opening. One batched rollout (G = 1 per item).
+
+  Returns:
+    one `Trajectory` per item, in order (its task is ``Prepared.committed_task``); unscored.
+  """
+  ucfg = dataclasses.replace(unfold_config, env_mode="real", group_size=1)
+  tasks = [item.committed_task for item in prepared]
+  out = unfold(
+    tasks,
+    policy,
+    tokenizer,
+    ucfg,
+    key,
+    reference_sampler=reference_sampler,
+    envs=list(envs),
+    user_simulator=user_simulator,
+    histories=[item.opening for item in prepared],
+  )
+  if cost is not None:
+    cost.add_unfold(out.stats)
+  return out.trajectories
+
+
+@dataclasses.dataclass
+class PrivateRun:
+  """What `run` returns: the items (task-major, trial-minor), their committed trajectories and the phase costs."""
+
+  prepared: list[Prepared]
+  committed: list[Trajectory]
+  costs: dict[str, PhaseCost]
+
+
+def run(
+  tasks: Sequence[Task],
+  policy,
+  tokenizer: Tokenizer,
+  unfold_config: UnfoldConfig,
+  config: PrivateRehearsalConfig,
+  key: jax.Array,
+  envs: Sequence[ToolEnv],
+  *,
+  num_trials: int = 1,
+  reference_sampler=None,
+  user_simulator: UserSimulator | None = None,
+) -> PrivateRun:
+  """Opening, private rehearsal (``config.mode``), memory and committed execution of ``num_trials`` trials per task.
+
+  The opening's user is the evaluation's (``unfold_config.user_mode``: the reference sampler, the policy, or an
+  external ``user_simulator``); it uses ``fold_in(key, 0)`` whatever the mode, so every mode starts from the same
+  first messages.
+
+  Args:
+    envs: one real `ToolEnv` per (task, trial), task-major; only the committed execution touches them.
+
+  Raises:
+    PrivateRehearsalError: a missing sampler for a user; ``envs`` not one per (task, trial).
+  """
+  n = len(tasks) * num_trials
+  if len(envs) != n:
+    raise PrivateRehearsalError(f"run needs one ToolEnv per (task, trial): {n}, got {len(envs)}")
+  costs = {name: PhaseCost() for name in ("opening", "rehearsal", "assessment", "memory", "execution")}
+  user_mode = unfold_config.user_mode
+  user_sampler = {"reference": reference_sampler, "policy": _act_sampler(policy)}.get(user_mode)
+  heads = openings(
+    tasks,
+    num_trials,
+    tokenizer,
+    unfold_config,
+    jax.random.fold_in(key, 0),
+    user_sampler=user_sampler,
+    user_simulator=user_simulator if user_mode == "external" else None,
+    cost=costs["opening"],
+  )
+  prepared = [
+    Prepared(task, trial, heads[b * num_trials + trial]) for b, task in enumerate(tasks) for trial in range(num_trials)
+  ]
+  rehearse(
+    prepared,
+    policy,
+    tokenizer,
+    unfold_config,
+    config,
+    jax.random.fold_in(key, 1),
+    reference_sampler=reference_sampler,
+    costs=costs,
+  )
+  committed = commit(
+    prepared,
+    policy,
+    tokenizer,
+    unfold_config,
+    jax.random.fold_in(key, 2),
+    envs,
+    reference_sampler=reference_sampler,
+    user_simulator=user_simulator,
+    cost=costs["execution"],
+  )
+  return PrivateRun(prepared, committed, costs)
+
+
+def summary_costs(costs: Mapping[str, PhaseCost]) -> dict[str, float]:
+  """Flat metrics: ``cost/<phase>/{generated_tokens,prefill_tokens,seconds}``."""
+  out: dict[str, Any] = {}
+  for phase, c in costs.items():
+    for field in ("generated_tokens", "prefill_tokens", "seconds"):
+      out[f"cost/{phase}/{field}"] = float(getattr(c, field))
+  return out

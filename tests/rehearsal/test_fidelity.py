@@ -1,0 +1,106 @@
+"""World-model fidelity metrics on hand-built (rehearsed, real) response pairs, and the REHEARSE views they probe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from envace_jax.envs.base import ChatMessage, Task, ToolCall
+from envace_jax.model.roles import Role
+from envace_jax.rehearsal import fidelity, views
+from envace_jax.rehearsal.trajectory import Trajectory
+
+
+def _rehearsed(body: str) -> str:
+  return f"<tool_response>\n{body}\n</tool_response>"
+
+
+def test_identical_json_up_to_layout_matches_exactly():
+  f = fidelity.compare(_rehearsed('{"b": [1, 2], "a": "x"}'), '{"a":"x","b":[1,2]}', False)
+  assert f == fidelity.ResponseFidelity(True, True, 1.0, 1.0, True)
+
+
+def test_partial_overlap_key_f1_and_value_accuracy():
+  # predicted leaves {$.a, $.b.c}; real leaves {$.a, $.b.c, $.d}: precision 2/2, recall 2/3 -> F1 0.8;
+  # shared values: a equal, b.c differs -> 1/2.
+  f = fidelity.compare(_rehearsed('{"a": 1, "b": {"c": 2}}'), '{"a": 1, "b": {"c": 3}, "d": 4}', False)
+  assert not f.exact_match and f.json_valid and f.error_agreement
+  assert f.key_f1 == pytest.approx(0.8) and f.value_accuracy == pytest.approx(0.5)
+
+
+def test_lists_are_indexed_paths():
+  # $[0].id vs {$[0].id, $[1].id}: P = 1, R = 1/2 -> F1 2/3; the shared value is equal.
+  f = fidelity.compare(_rehearsed('[{"id": 1}]'), '[{"id": 1}, {"id": 2}]', False)
+  assert f.key_f1 == pytest.approx(2 / 3) and f.value_accuracy == 1.0 and not f.exact_match
+
+
+def test_disjoint_keys_give_zero_f1_and_no_value_accuracy():
+  f = fidelity.compare(_rehearsed('{"x": 1}'), '{"y": 1}', False)
+  assert f.key_f1 == 0.0 and f.value_accuracy is None
+
+
+def test_error_texts_agree_without_structure():
+  f = fidelity.compare(_rehearsed("Error: reservation not found"), "Error: Reservation ABC not found", True)
+  assert f == fidelity.ResponseFidelity(True, False, None, None, True)
+  same = fidelity.compare(_rehearsed("Error: User not found"), "Error: User not found", True)
+  assert same.exact_match and same.error_agreement
+
+
+def test_success_predicted_for_a_real_error_disagrees():
+  f = fidelity.compare(_rehearsed('{"status": "ok"}'), "Error: User not found", True)
+  assert f.json_valid and not f.error_agreement and not f.exact_match and f.key_f1 is None
+
+
+def test_invalid_prediction_scores_zero_structure():
+  f = fidelity.compare('{"a": 1}', '{"a": 1}', False)  # no <tool_response> tags: invalid, as in rollouts
+  assert not f.json_valid and f.key_f1 == 0.0 and f.value_accuracy is None and f.error_agreement
+  g = fidelity.compare(_rehearsed("{not json"), '{"a": 1}', False)
+  assert not g.json_valid and g.key_f1 == 0.0
+
+
+def test_scalars_and_empty_containers_are_leaves():
+  assert fidelity.leaf_paths(5) == {"$": 5}
+  assert fidelity.leaf_paths({"a": [], "b": {}}) == {"$.a": [], "$.b": {}}
+  assert fidelity.compare(_rehearsed("5"), "5", False).exact_match
+
+
+def test_summarize_averages_where_defined():
+  pairs = [
+    fidelity.ResponseFidelity(True, True, 1.0, 1.0, True),
+    fidelity.ResponseFidelity(True, False, 0.8, 0.5, True),
+    fidelity.ResponseFidelity(True, False, None, None, True),
+    fidelity.ResponseFidelity(False, False, 0.0, None, False),
+  ]
+  s = fidelity.summarize(pairs)
+  assert s["fidelity/calls"] == 4 and s["fidelity/json_valid"] == 0.75 and s["fidelity/exact_match"] == 0.25
+  assert s["fidelity/key_f1"] == pytest.approx(1.8 / 3) and s["fidelity/key_f1_calls"] == 3
+  assert s["fidelity/value_accuracy"] == pytest.approx(0.75) and s["fidelity/value_calls"] == 2
+  assert s["fidelity/error_agreement"] == 0.75
+  assert math.isnan(fidelity.summarize([])["fidelity/key_f1"])
+
+
+def test_probes_rebuild_the_rehearse_view_with_real_results():
+  task = Task("t", "tau2", "mock", "test", "policy", tools=({"type": "function", "function": {"name": "f"}},))
+  first, second = ToolCall("f", {"x": 1}, id="c0"), ToolCall("f", {"x": 2}, id="c1")
+  messages = [
+    ChatMessage("assistant", "Hi! How can I help you today?"),
+    ChatMessage("user", "Do it twice."),
+    ChatMessage("assistant", "On it.", tool_calls=(first, second)),
+    ChatMessage("tool", '{"y": 1}', tool_call_id="c0", name="f"),
+    ChatMessage("tool", "Error: no", tool_call_id="c1", name="f", is_error=True),
+  ]
+  found = fidelity.probes([Trajectory(task, 0, 0, messages)])
+  assert [(p.trajectory, p.message) for p in found] == [(0, 3), (0, 4)]
+  one, two = found
+  assert one.view[0].role == "system" and "# Tools you implement" in one.view[0].content
+  assert [m.content for m in one.view[1:]] == [
+    "Agent: Hi! How can I help you today?",
+    "User: Do it twice.",
+    "Agent: On it.",
+    views.rehearse_call("f", {"x": 1}).content,
+  ]
+  # The second call's view holds the first call with its real result (an OBSERVATION), then the second call.
+  assert two.view[-3].content == views.rehearse_call("f", {"x": 1}).content
+  assert two.view[-2].author == Role.OBSERVATION and '{"y": 1}' in two.view[-2].content
+  assert two.view[-1].content == views.rehearse_call("f", {"x": 2}).content and two.real.is_error
