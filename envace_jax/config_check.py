@@ -10,6 +10,7 @@ The schema itself, with every key's meaning and default, is ``configs/base.py``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from envace_jax.envs import datasets
+from envace_jax.envs.base import EnvError
 from envace_jax.model import config as model_config
 
 MODES = ("envace", "per_role", "grpo_real_env")
@@ -295,6 +297,9 @@ def _check_env(ck: _Checker) -> str | None:
       if value is not _MISSING and (not re.fullmatch(r"[A-Za-z0-9_]+", value) or value == "all"):
         ck.add(f"{key}={value!r} is not a split name; use letters, digits and _ (tasks without a split are 'train')")
     return benchmark
+  if benchmark in datasets.USER_DATA_BENCHMARKS:
+    _check_user_data(ck, benchmark, domain, data_path, split, eval_split)
+    return benchmark
   names = datasets.configs(benchmark)
   what = "τ² domain" if benchmark == "tau2" else "BFCL category"
   if domain is _MISSING:
@@ -307,6 +312,33 @@ def _check_env(ck: _Checker) -> str | None:
     if value is not _MISSING and value not in splits:
       ck.add(f"{key}={value!r} is not a split of {benchmark} {domain}; choose one of {_choices(splits)}")
   return benchmark
+
+
+def _check_user_data(ck: _Checker, benchmark: str, domain: Any, data_path: Any, split: Any, eval_split: Any) -> None:
+  """VitaBench / FinMCP-Bench: data the user downloads (and, for VitaBench, the `vita` package that runs its tools)."""
+  from envace_jax.envs import finmcp, vitabench
+
+  module = vitabench if benchmark == "vitabench" else finmcp
+  if domain is not _MISSING and domain not in module.DOMAINS:
+    ck.add(f"env.domain={domain!r} is not a {benchmark} domain; choose one of {_choices(module.DOMAINS)}")
+  if data_path is not _MISSING:
+    if not data_path:
+      ck.add(f"env.data_path is required for env.benchmark={benchmark!r}. {module.DOWNLOAD_HINT}")
+    elif not os.path.exists(os.path.expanduser(data_path)):
+      ck.add(f"env.data_path={data_path!r} does not exist. {module.DOWNLOAD_HINT}")
+    elif benchmark == "vitabench" and domain in vitabench.DOMAINS:
+      try:
+        vitabench.find_task_file(data_path, domain)
+      except EnvError as e:
+        ck.add(f"env.data_path={data_path!r}: {e}")
+  if benchmark == "vitabench" and importlib.util.find_spec("vita") is None:
+    ck.add(
+      "the package `vita` (VitaBench's tools) is not installed: git clone https://github.com/meituan-longcat/vitabench "
+      "and pip install -e the clone (vita reads src/vita/models.yaml at import, see its README)"
+    )
+  for key, value in (("env.split", split), ("env.eval_split", eval_split)):
+    if value is not _MISSING and value != "test":
+      ck.add(f"{key}={value!r}: {benchmark} has only the split 'test'")
 
 
 def _check_train(ck: _Checker) -> None:
@@ -433,8 +465,18 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
     )
   if mode == "per_role" and "user" in roles:
     ck.add("grpo.mode='per_role' keeps parameter trees for 'act' and 'rehearse' only; drop 'user' from trained_roles")
+  if benchmark == "finmcp" and env_mode == "real":
+    ck.add(
+      "rollout.env_mode='real' needs FinMCP-Bench's live MCP servers, which are not reachable; use "
+      "rollout.env_mode='rehearse' (the rehearsing role stands in for them)"
+    )
+  if benchmark == "vitabench" and ck.get("reward.kind") == "rule":
+    ck.add(
+      "env.benchmark='vitabench' is scored by an LLM judge over its rubrics (it has no gold actions): set "
+      "--config.reward.kind=judge --config.reward.judge_url=URL --config.reward.judge_model=NAME"
+    )
   if "user" in roles:
-    if benchmark in ("bfcl", "checklist"):
+    if benchmark in ("bfcl", "checklist", "finmcp"):
       ck.add(f"grpo.trained_roles has 'user', but {benchmark} replays logged user turns: there are no USER rows")
     elif user_mode in USER_MODES and user_mode != "policy":
       ck.add(

@@ -24,6 +24,7 @@ pass^k is τ²-bench's: per task with c successes (reward 1) in n trials, C(c, k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -47,6 +48,14 @@ from envace_jax.rl import rewards
 RESULTS_FILE = "eval_results.json"
 
 
+@functools.lru_cache(maxsize=4)
+def _shared_judge(base_url: str, model: str, api_key_env: str):
+  """One `rl.judge.ChecklistJudge` per endpoint for all environments (its client and threads are reused)."""
+  from envace_jax.rl import judge
+
+  return judge.ChecklistJudge(judge.JudgeConfig(base_url=base_url, model=model, api_key_env=api_key_env))
+
+
 def make_env(config, task: Task) -> ToolEnv:
   """A real environment for ``task``'s benchmark (not yet reset; ``unfold`` resets it).
 
@@ -65,6 +74,17 @@ def make_env(config, task: Task) -> ToolEnv:
     from envace_jax.envs import checklist
 
     return checklist.ChecklistEnv(scorer=rewards.rule_checklist)
+  if task.benchmark == "vitabench":
+    from envace_jax.envs import vitabench
+
+    # The rubric judge of config.reward; without one, evaluate() returns an invalid reward (envs/vitabench.py).
+    r = config.reward
+    scorer = _shared_judge(r.judge_url, r.judge_model, r.judge_api_key_env) if r.judge_url and r.judge_model else None
+    return vitabench.VitaBenchEnv(scorer=scorer)
+  if task.benchmark == "finmcp":
+    from envace_jax.envs import finmcp
+
+    return finmcp.FinMcpEnv()
   raise config_check.ConfigError([f"benchmark {task.benchmark!r} has no real environment to evaluate against"])
 
 

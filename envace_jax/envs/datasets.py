@@ -16,11 +16,16 @@ Benchmarks and configs (TFDS name, configs, splits):
   "bfcl"      envace_bfcl        multi_turn_base, multi_turn_miss_func,            test
                                  multi_turn_miss_param, multi_turn_long_context
   "checklist" envace_checklist   the path of a checklist-format file or folder     the tasks' own splits
+  "vitabench" envace_vitabench   "DOMAIN:PATH" (domain delivery/instore/ota/       test
+                                 cross_domain, PATH the user's VitaBench data)
+  "finmcp"    envace_finmcp      "DOMAIN:PATH" (domain all or a sample type,       test
+                                 PATH the user's FinMCP-Bench data)
 
 On disk, under `data_dir`: `envace_tau2/retail/1.0.0/envace_tau2-train.array_record-00000-of-00001`, next to
 `dataset_info.json` and `features.json`. A prepared version is never regenerated: change the data, bump the version.
 A checklist config is named after the file and a hash of its content (`mydata_3f2a9c01b7e4`), so editing the file
-prepares a new config instead of reading a stale one.
+prepares a new config instead of reading a stale one. VitaBench and FinMCP-Bench configs are named after the domain
+and a hash of the data read (`source_config` builds the "DOMAIN:PATH" argument from a run's config).
 
 Elsewhere (no envace code), the files read back with
 `tfds.builder_from_directory(data_dir / "envace_tau2/retail/1.0.0").as_data_source("train")`.
@@ -71,6 +76,18 @@ def _load_checklist_tasks(path: str) -> list[Task]:
   from envace_jax.envs import checklist
 
   return checklist.load_tasks(path)
+
+
+def _load_vitabench_tasks(path: str, domain: str) -> list[Task]:
+  from envace_jax.envs import vitabench
+
+  return vitabench.load_tasks(path, domain)
+
+
+def _load_finmcp_tasks(path: str, domain: str) -> list[Task]:
+  from envace_jax.envs import finmcp
+
+  return finmcp.load_tasks(path, domain)
 
 
 # --- TFDS builders ------------------------------------------------------------------------------------------------
@@ -214,8 +231,60 @@ class EnvaceChecklist(_TaskBuilder):
     yield from _examples(tasks, f"checklist {self.builder_config.source}/{split}")
 
 
-_BUILDERS: dict[str, type[_TaskBuilder]] = {"tau2": EnvaceTau2, "bfcl": EnvaceBfcl, "checklist": EnvaceChecklist}
+class _UserDataBuilder(_TaskBuilder, skip_registration=True):
+  """Tasks of a benchmark whose data the user supplies (config source "DOMAIN:PATH"), all in the split "test"."""
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
+    del dl_manager
+    return {"test": self._generate_examples()}
+
+  def _generate_examples(self) -> Iterator[tuple[str, dict[str, str]]]:
+    domain, _, path = self.builder_config.source.partition(":")
+    yield from _examples(self._load(path, domain), f"{self.name} {self.builder_config.source}")
+
+  def _load(self, path: str, domain: str) -> list[Task]:
+    raise NotImplementedError
+
+
+class EnvaceVitabench(_UserDataBuilder):
+  """VitaBench tasks of one domain from the user's clone (envs/vitabench.py); VitaBench has only test tasks."""
+
+  name = "envace_vitabench"
+  DESCRIPTION = "VitaBench tasks (one domain, user-supplied data) as envace Task JSON, each with its own database."
+
+  def _load(self, path: str, domain: str) -> list[Task]:
+    return _load_vitabench_tasks(path, domain)
+
+
+class EnvaceFinmcp(_UserDataBuilder):
+  """FinMCP-Bench samples (all, or one sample type) from the user's download (envs/finmcp.py)."""
+
+  name = "envace_finmcp"
+  DESCRIPTION = "FinMCP-Bench samples (user-supplied data) as envace Task JSON, with their reference tool calls."
+
+  def _load(self, path: str, domain: str) -> list[Task]:
+    return _load_finmcp_tasks(path, domain)
+
+
+_BUILDERS: dict[str, type[_TaskBuilder]] = {
+  "tau2": EnvaceTau2,
+  "bfcl": EnvaceBfcl,
+  "checklist": EnvaceChecklist,
+  "vitabench": EnvaceVitabench,
+  "finmcp": EnvaceFinmcp,
+}
 BENCHMARKS = tuple(_BUILDERS)
+USER_DATA_BENCHMARKS = ("vitabench", "finmcp")  # configs are "DOMAIN:PATH" (see source_config)
+
+
+def source_config(benchmark: str, domain: str, data_path: str) -> str:
+  """The dataset config of a run: the data path for "checklist", "DOMAIN:PATH" for VitaBench and FinMCP-Bench, the
+  domain (τ² domain, BFCL category) otherwise."""
+  if benchmark == "checklist":
+    return data_path
+  if benchmark in USER_DATA_BENCHMARKS:
+    return f"{domain}:{data_path}"
+  return domain
 
 
 def configs(benchmark: str) -> tuple[str, ...]:
@@ -247,12 +316,36 @@ def _checklist_config(path: str | Path) -> TaskConfig:
   return TaskConfig(name=f"{stem}_{digest.hexdigest()[:12]}", source=str(path), description=f"checklist data {path}")
 
 
+def _user_data_config(benchmark: str, config: str | Path) -> TaskConfig:
+  """A "DOMAIN:PATH" config named after the domain and a hash of the data files it reads."""
+  domain, sep, raw_path = str(config).partition(":")
+  if not sep or not domain or not raw_path:
+    raise EnvError(f"a {benchmark} dataset config is 'DOMAIN:PATH' (datasets.source_config), got {str(config)!r}")
+  path = Path(raw_path).expanduser().resolve()
+  if benchmark == "vitabench":
+    from envace_jax.envs import vitabench
+
+    files = [vitabench.find_task_file(path, domain)]  # not the whole clone: only the task file is read
+  elif path.is_dir():
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".jsonl"))
+  elif path.is_file():
+    files = [path]
+  else:
+    raise EnvError(f"{benchmark} data {str(path)!r} does not exist")
+  digest = hashlib.sha256()
+  for f in files:
+    digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+  name = f"{re.sub(r'[^a-z0-9]+', '_', domain.lower()).strip('_')}_{digest.hexdigest()[:12]}"
+  return TaskConfig(name=name, source=f"{domain}:{path}", description=f"{benchmark} {domain} data {path}")
+
+
 def builder(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBuilder:
   """The TFDS builder of one benchmark config under `data_dir` (array_record); prepares nothing.
 
   Args:
     benchmark: one of `BENCHMARKS`.
-    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data.
+    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
+      and "finmcp" "DOMAIN:PATH" (`source_config`).
     data_dir: root folder of the prepared datasets.
 
   Raises:
@@ -261,6 +354,8 @@ def builder(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBu
   cls = _builder_cls(benchmark)
   if cls is EnvaceChecklist:
     builder_config: TaskConfig | str = _checklist_config(config)
+  elif benchmark in USER_DATA_BENCHMARKS:
+    builder_config = _user_data_config(benchmark, config)
   else:
     names = configs(benchmark)
     if config not in names:
@@ -274,7 +369,8 @@ def prepare(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBu
 
   Args:
     benchmark: one of `BENCHMARKS`.
-    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data.
+    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
+      and "finmcp" "DOMAIN:PATH" (`source_config`).
     data_dir: root folder of the prepared datasets.
 
   Returns:
@@ -350,7 +446,8 @@ def load(benchmark: str, config: str | Path, split: str, data_dir: str | Path) -
 
   Args:
     benchmark: one of `BENCHMARKS`.
-    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data.
+    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
+      and "finmcp" "DOMAIN:PATH" (`source_config`).
     split: a split of that config ("train"/"test" for τ², "test" for BFCL, the tasks' splits for checklist).
     data_dir: root folder of the prepared datasets, as given to `prepare`.
 
