@@ -77,10 +77,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- environment: which tasks ---------------------------------------------------------------------------------------
   c.env = ml_collections.ConfigDict()
-  c.env.benchmark = "tau2"  # "tau2", "bfcl" or "checklist" (envace_jax.envs.datasets.BENCHMARKS)
+  # "tau2", "bfcl", "checklist", "vitabench" or "finmcp" (envace_jax.envs.datasets.BENCHMARKS)
+  c.env.benchmark = "tau2"
   # τ² domain ("airline", "retail", "mock") or BFCL category ("multi_turn_base", ...); unused for "checklist".
   c.env.domain = "airline"
-  c.env.data_path = ""  # checklist-format data (a .json/.jsonl file or a folder); required for "checklist"
+  # User-supplied data, required for "checklist" (a .json/.jsonl file or a folder), "vitabench" and "finmcp"
+  # (configs/vitabench.py, configs/finmcp.py say what to download).
+  c.env.data_path = ""
   c.env.split = "train"  # the split training draws tasks from (τ² mock: "base"; BFCL has only "test")
   c.env.eval_split = "test"  # the split evaluation runs on
   # Where prepared task datasets live (TFDS array_record, envace_jax.envs.datasets.prepare); TFDS's own default.

@@ -91,8 +91,9 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
 
 
 def dataset_config(config) -> str:
-  """The prepared-dataset config of ``config.env``: the τ² domain, the BFCL category or the checklist data path."""
-  return config.env.data_path if config.env.benchmark == "checklist" else config.env.domain
+  """The prepared-dataset config of ``config.env`` (`datasets.source_config`): the τ² domain, the BFCL category, the
+  checklist data path, or "DOMAIN:PATH" for the user-supplied VitaBench and FinMCP-Bench data."""
+  return datasets.source_config(config.env.benchmark, config.env.domain, config.env.data_path)
 
 
 def load_split(config, split: str) -> datasets.TaskSource:

@@ -32,8 +32,10 @@ How each cell is measured (both sides alike; prompts are real text tokens, tiled
 
 Runtime and memory (2-core EPYC VM, 23 GiB): ``--quick`` takes about 10 minutes, the turn table about half of it.
 The full grid is 221k prompt tokens per side plus warm-ups: expect 1.5-2 hours. Our prefill runs ~330 tok/s at
-context 256 but, as its attention spans the whole cache capacity, ~5x slower per token at context 4096. Batch 32 x
-context 4096 peaks near 15 GB on our side (two 6.1 GB caches, or one plus 7.5 GB of prefill temporaries).
+context 256 but ~5x slower per token at context 4096. Memory: batch 32 x context 4096 holds two 6.1 GB caches plus
+the prefill's attention temporaries; at the default prefill chunk (512) it reached 21.7 GB on our side and was
+killed on this 23 GB machine (with tests running alongside); ``--prefill-chunk 256`` halves the temporaries. Pass
+``--results FILE`` on long runs: every cell is saved as it is measured, and a rerun with the same flags reuses them.
 Run it on a quiet machine: each row and the header report how many cores other processes used (and the hypervisor
 stole) while it ran, and flag anything above 0.2.
 """
@@ -47,6 +49,7 @@ import copy
 import dataclasses
 import gc
 import io
+import json
 import os
 import platform
 import sys
@@ -316,11 +319,34 @@ def bench_torch(model, cell: Cell, ids: np.ndarray, cont: np.ndarray, repeats: i
   return tokens
 
 
+def _cell_key(batch: int, context: int, args) -> str:
+  return f"B={batch} context={context} N={args.new_tokens} chunk={args.prefill_chunk} torch={not args.skip_torch}"
+
+
+def load_results(path: str | None) -> dict[str, Cell]:
+  """Cells measured earlier by a run with ``--results path`` (one JSON object per line), by `_cell_key`."""
+  if not path or not os.path.exists(path):
+    return {}
+  out = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.strip():
+        record = json.loads(line)
+        out[record.pop("key")] = Cell(**record)
+  return out
+
+
 def run_grid(sampler, model, tokenizer, batches, contexts, args) -> list[Cell]:
-  cells = []
+  """Measures every (batch, context) cell. With ``--results``, each measured cell is appended to that file at once
+  and cells already there (same settings) are reused, so a run killed part-way (e.g. out of memory) resumes."""
+  cells, done = [], load_results(args.results)
   for context in contexts:
     for batch in batches:
       n = args.new_tokens
+      if _cell_key(batch, context, args) in done:
+        log(f"grid B={batch} context={context}: measured earlier, read from {args.results}")
+        cells.append(done[_cell_key(batch, context, args)])
+        continue
       cell = Cell(batch=batch, context=context, new_tokens=n, capacity=context + n + 2)
       ids = text_ids(tokenizer, batch, context + 1)
       meter = CpuMeter()
@@ -339,6 +365,9 @@ def run_grid(sampler, model, tokenizer, batches, contexts, args) -> list[Cell]:
       )
       cell.others, cell.stolen = meter.stop()
       cells.append(cell)
+      if args.results:
+        with open(args.results, "a", encoding="utf-8") as f:
+          f.write(json.dumps({"key": _cell_key(batch, context, args), **dataclasses.asdict(cell)}) + "\n")
   return cells
 
 
@@ -599,6 +628,9 @@ def parse_args(argv=None):
   parser.add_argument("--skip-torch", action="store_true", help="ours only (no transformers reference)")
   parser.add_argument("--skip-torch-turns", action="store_true", help="no torch columns in the turn table")
   parser.add_argument("--skip-turns", action="store_true", help="no turn-cost table")
+  parser.add_argument(
+    "--results", default=None, help="JSON-lines file: each cell is saved when measured; a rerun reuses saved cells"
+  )
   args = parser.parse_args(argv)
   args.batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
   args.contexts = args.contexts or ([256] if args.quick else [256, 1024, 4096])

@@ -288,6 +288,9 @@ def test_config_with_data_validates_and_refuses_what_cannot_run():
   config_check.validate(config)
   assert (config.env.benchmark, config.env.domain, config.rollout.env_mode) == ("finmcp", "multi_turn", "rehearse")
   assert datasets.source_config("finmcp", config.env.domain, config.env.data_path) == f"multi_turn:{FIXTURE}"
+  from envace_jax import runtime
+
+  assert runtime.dataset_config(config) == f"multi_turn:{FIXTURE}"  # what training and --mode=eval prepare
   data = f"--config.env.data_path={FIXTURE}"
   (problem,) = _problems(_load_config("finmcp.py:mixed", data))
   assert "env.domain='mixed' is not a finmcp domain" in problem
