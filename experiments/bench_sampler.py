@@ -21,10 +21,12 @@ How each cell is measured (both sides alike; prompts are real text tokens, tiled
     of both runs (it would dominate the difference's noise and the runtime). Our loop also runs one forward after
     the last sampled token (so the cache holds it for the next turn): it is in both runs and cancels.
   * Our cache capacity is context + N + 2 (the prompt, the continuation token and N+1 sampled tokens). Our
-    attention reads every cache slot each step (masked), so our decode cost follows capacity, not fill.
-  * Compilation is excluded: before timing, the same shapes run once (a prefill of one chunk compiles the chunk
-    shape every chunk of the prompt uses; decode with 1 and N+1 tokens). ``compile_counts`` is checked afterwards
-    and a cell that recompiled while timed is flagged. Torch gets one small untimed ``generate`` first.
+    attention reads a power-of-two bucket of the filled slots capped at the capacity: here every slot.
+  * Compilation is excluded: before timing, every compiled variant the timed runs use runs once on a scratch cache
+    (one chunk per attention bucket the prompt reaches, as the sampler attends over a power-of-two bucket of the
+    filled slots; decode with 1 and N+1 tokens from a full prompt; the turn table's whole schedule).
+    ``compile_counts`` is checked afterwards and a cell that recompiled while timed is flagged. Torch gets one small
+    untimed ``generate`` first.
   * Each number is the best of ``--repeats`` runs, except prefills slower than ``--max-repeat-s`` seconds, which
     are measured once (long-context prefills are minutes each on a small CPU). Cache allocation and copies are
     outside the timed region; every timed region ends with ``jax.block_until_ready`` (torch on CPU is synchronous).
@@ -154,6 +156,26 @@ def best_time(fn: Callable[[], float], repeats: int, max_repeat_s: float = float
   return best
 
 
+def scratch_cache(sampler: Sampler, batch: int, capacity: int, fill: int) -> transformer.KVCache:
+  """An empty cache whose rows claim ``fill`` filled slots: a prefill or decode on it compiles (and runs) exactly the
+  variant a real cache holding ``fill`` tokens would need (the attention bucket depends on the fill). Its contents
+  are zeros: warm-up only."""
+  cache = sampler.init_cache(batch, capacity)
+  return transformer.KVCache(k=cache.k, v=cache.v, lengths=jnp.full_like(cache.lengths, fill))
+
+
+def bucket_fills(sampler: Sampler, context: int, capacity: int) -> list[int]:
+  """One fill per distinct attention bucket that prefilling ``context`` tokens chunk by chunk reaches (the fill
+  before the chunk: chunk k of a prompt starts at k * prefill_chunk)."""
+  fills, seen = [], set()
+  for start in range(0, context, sampler.prefill_chunk):
+    attend = min(sampler.attend_bucket(min(start + sampler.prefill_chunk, context)), capacity)
+    if attend not in seen:
+      seen.add(attend)
+      fills.append(start)
+  return fills
+
+
 def copy_cache(cache):
   """A fresh copy of a KVCache (``generate`` donates the cache it is given)."""
   return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
@@ -248,11 +270,14 @@ def bench_ours(sampler: Sampler, cell: Cell, ids: np.ndarray, cont: np.ndarray, 
     assert (out.lengths == max_new).all(), f"rows stopped early: {out.lengths} (EOS should be off)"
     return seconds, out
 
-  # Warm-up: one chunk compiles the chunk shape all of the prompt's chunks use; decode with 1 and N+1 tokens.
-  _, warm = prefill([p[: min(cell.context, sampler.prefill_chunk)] for p in prompts])
-  decode(warm, 1)
-  decode(warm, n + 1)
-  del warm
+  # Warm-up: every compiled variant the timed runs use, each run once on a scratch cache (see `scratch_cache`): one
+  # chunk per attention bucket the prompt's chunks reach, and decode with 1 and N+1 tokens from a full prompt.
+  chunk = min(cell.context, sampler.prefill_chunk)
+  for fill in bucket_fills(sampler, cell.context, cell.capacity):
+    sampler.prefill(scratch_cache(sampler, b, cell.capacity, fill), [p[:chunk] for p in prompts], _PREFILL_ROLE)
+  decode(scratch_cache(sampler, b, cell.capacity, cell.context), 1)
+  decode(scratch_cache(sampler, b, cell.capacity, cell.context), n + 1)
+  gc.collect()
   compiles = dict(sampler.compile_counts)
 
   prefilled = []
@@ -439,15 +464,16 @@ def run_turns(sampler: Sampler, model, tokenizer, args) -> tuple[list[Turn], int
     assert (out.lengths == g).all(), f"rows stopped early: {out.lengths}"
     return time.perf_counter() - start, out, cache
 
-  # Warm-up: every prompt-chunk bucket the schedule can need (powers of two up to the chunk), at this capacity.
-  log(f"turns: warm-up (B={b}, capacity {capacity})")
-  # A prompt of min(size, room) tokens lands in bucket `size` (or, past the chunk, in chunks of it).
-  size, room = sampler.min_bucket, capacity - g
-  while size <= sampler.prefill_chunk:
-    generate(sampler.init_cache(b, capacity), [row.tolist() for row in text_ids(tokenizer, b, min(size, room))])
-    if size >= room:
-      break
-    size *= 2
+  # Warm-up: the whole schedule once, untimed (continuation and re-prefill), so every prompt-chunk size and attention
+  # bucket the timed turns reach is compiled; the timed run below repeats it exactly (greedy, same prompts).
+  log(f"turns: warm-up (B={b}, capacity {capacity}, the whole schedule once)")
+  warm, history = sampler.init_cache(b, capacity), [[] for _ in range(b)]
+  for k in range(turns_n):
+    _, out, warm = generate(warm, [piece.tolist() for piece in pieces[k]])
+    for row in range(b):
+      history[row] += pieces[k][row].tolist() + out.tokens[row, :g].tolist()
+    generate(sampler.init_cache(b, capacity), [h[: len(h) - g] for h in history])
+  del warm
   compiles = sum(sampler.compile_counts.values())
 
   meter = CpuMeter()

@@ -245,7 +245,7 @@ class Sampler:
 
     tokens/roles: int32[B, P]; valid: bool[B, P]; last_index: int32[B] chunk index of the row's final prompt
     token; is_last: bool[B] whether that token is in this chunk. last_logits: float32[B, V], carried.
-    Static: attend, the cache slots attended over (``_attend_bucket``).
+    Static: attend, the cache slots attended over (``attend_bucket``).
     """
     self.compile_counts["prefill"] += 1  # runs once per trace
     logits, cache = transformer.apply(
@@ -332,7 +332,7 @@ class Sampler:
 
   # ------------------------------------------------------------------------------------------------ host side
 
-  def _attend_bucket(self, n: int) -> int:
+  def attend_bucket(self, n: int) -> int:
     """Cache slots a call attends over: ``n`` (the most slots any row of the call fills) rounded up to a power of
     two, at least ``prefill_chunk``; the caller caps it at the capacity. Attention then costs what the histories
     hold, not the cache's capacity, with O(log capacity) compiled variants."""
@@ -391,7 +391,7 @@ class Sampler:
       last = lengths - 1 - start
       is_last = (lengths > 0) & (last >= 0) & (last < size)
       writing = lengths > start
-      attend = self._attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
+      attend = self.attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
       cache, last_logits = self._jit("prefill", cache)(
         self.params,
         cache,
@@ -451,7 +451,7 @@ class Sampler:
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(row_ids, jnp.uint32))
     stops = tuple(s.encode("utf-8") for s in stop_strings)
     filled = np.asarray(jax.device_get(cache.lengths))
-    attend = min(self._attend_bucket(int(np.max(filled + num_new, where=fitted, initial=1))), cache.capacity)
+    attend = min(self.attend_bucket(int(np.max(filled + num_new, where=fitted, initial=1))), cache.capacity)
     tokens, logprobs, lengths, finish, cache = self._jit("decode", cache)(
       self.params, cache, logits, fitted, max_new, row_keys, gen_roles, num_new, sampling, stops, attend
     )
