@@ -487,7 +487,9 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
 
 def _check_eval(ck: _Checker) -> None:
   ck.integer("eval.num_trials", 1)
-  ck.integer("eval.tasks", -1, why=" (-1: every task of env.eval_split)")
+  tasks = ck.integer("eval.tasks", -1, why=" (-1: every task of env.eval_split)")
+  if tasks == 0:
+    ck.add("eval.tasks=0: --mode=eval needs at least one task; set a count or -1 (every task of env.eval_split)")
   raw = ck.get("eval.rehearsal")
   if raw is not _MISSING:
     modes = parse_roles(raw) if isinstance(raw, str | tuple | list) else ()

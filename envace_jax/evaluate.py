@@ -19,6 +19,9 @@ Measured alongside (issue "world-model fidelity"), each a config switch:
     (`replay_for_real`). ``gap = rehearsed - real``: how much the imagined world flatters the policy.
 
 pass^k is τ²-bench's: per task with c successes (reward 1) in n trials, C(c, k) / C(n, k), averaged over tasks.
+
+Costs are wall seconds and tokens per phase; seconds include JIT compilation the first time a shape is seen, so the
+first mode of ``eval.rehearsal`` pays most of it (compare tokens across modes, or seconds from a second run).
 """
 
 from __future__ import annotations
@@ -444,7 +447,8 @@ def format_table(result: Mapping[str, Any]) -> str:
     f"Evaluation of {result['weights']} on {result['benchmark']} {result['domain']} ({result['split']} split); "
     "pass^k = mean over tasks of C(c,k)/C(n,k); fidelity = REHEARSE's prediction of each real tool response "
     "(json valid, exact match, key-set F1, value accuracy on shared keys, error agreement); costs in generated "
-    "tokens and seconds (rehearse = rehearsals + assessments + memory).",
+    "tokens and seconds (rehearse = rehearsals + assessments + memory; seconds include compilation, mostly paid by the "
+    "first mode).",
     head,
     "-" * len(head),
   ]

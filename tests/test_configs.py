@@ -233,6 +233,7 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
     (["--config.train.sft_warmup_steps=9"], "train.sft_warmup_steps=9 must be <= train.steps=2"),
     (["--config.train.checkpoint_every=0"], "train.checkpoint_every=0 must be >= 1"),
     (["--config.eval.rehearsal=both"], "eval.rehearsal='both' is not valid; choose one or more of 'off', 'parallel'"),
+    (["--config.eval.tasks=0"], "eval.tasks=0: --mode=eval needs at least one task"),
     (["--config.dtype=fp8"], "dtype='fp8' is not valid; choose one of 'float32', 'bfloat16', 'float16'"),
     (["--config.mesh.data=0"], "mesh.data=0 must be a positive integer, or -1"),
     (["--config.seed=-1"], "seed=-1 must be >= 0"),

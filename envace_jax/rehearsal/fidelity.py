@@ -34,6 +34,7 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
 from envace_jax.rehearsal.completion import complete
+from envace_jax.rehearsal.episode import initial_conversation
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.sampling.sampler import GREEDY
 
@@ -142,23 +143,26 @@ class Probe:
 
 
 def probes(trajectories: Sequence[Trajectory], rehearse_prompt: str = views.REHEARSE_PROMPT, dialogue: bool = True):
-  """Every answered tool call of ``trajectories`` with its REHEARSE view (no grounding: at test time the rehearsing
-  role has only the tools and the conversation)."""
+  """Every tool call the agent made in ``trajectories`` and got a real answer to, with its REHEARSE view (no
+  grounding: at test time the rehearsing role has only the tools and the conversation). Calls in the benchmark's
+  logged initial conversation (τ² mock tasks have some) are context, not probed."""
   out = []
   for t, traj in enumerate(trajectories):
     system = Message("system", views.rehearse_system_prompt(traj.task, rehearse_prompt, ""))
+    logged = len(initial_conversation(traj.task))
     pending: list = []
     for i, m in enumerate(traj.messages):
       if m.role == "assistant":
         pending = list(m.tool_calls)
       elif m.role == "tool" and pending:
         call = next((c for c in pending if c.id and c.id == m.tool_call_id), pending[0])
-        # The view before this result: the history with the earlier results, then everything after the call's
-        # assistant message (earlier answered calls of the same message), then the pending call.
-        history = views.rehearse_history(traj.messages[:i], dialogue)
-        view = (system, *history, views.rehearse_call(call.name, call.arguments))
-        out.append(Probe(t, i, view, m))
         pending.remove(call)
+        if i < logged:
+          continue  # the benchmark's logged history: context, not a call of this run
+        # The view before this result: the history with the earlier results (earlier answered calls of the same
+        # message included), then the pending call.
+        history = views.rehearse_history(traj.messages[:i], dialogue)
+        out.append(Probe(t, i, (system, *history, views.rehearse_call(call.name, call.arguments)), m))
   return out
 
 

@@ -104,3 +104,16 @@ def test_probes_rebuild_the_rehearse_view_with_real_results():
   assert two.view[-3].content == views.rehearse_call("f", {"x": 1}).content
   assert two.view[-2].author == Role.OBSERVATION and '{"y": 1}' in two.view[-2].content
   assert two.view[-1].content == views.rehearse_call("f", {"x": 2}).content and two.real.is_error
+
+
+def test_calls_of_the_benchmarks_logged_history_are_not_probed():
+  from envace_jax.envs import tau2
+
+  task = next(t for t in tau2.load_tasks("mock", "base") if tau2.initial_conversation(t))
+  logged = list(tau2.initial_conversation(task))
+  assert any(m.role == "tool" for m in logged)
+  call = ToolCall("get_users", {}, id="call_0")
+  run = [ChatMessage("assistant", "", tool_calls=(call,)), ChatMessage("tool", "[]", tool_call_id="call_0")]
+  found = fidelity.probes([Trajectory(task, 0, 0, logged + run)])
+  assert [p.message for p in found] == [len(logged) + 1]  # only this run's call, with the logged ones as context
+  assert all(m in found[0].view for m in views.rehearse_history(logged)[:1])
