@@ -334,6 +334,21 @@ def openings(
   return out
 
 
+def _reflect(policy, tokenizer, chats, max_tokens: int, cfg: PrivateRehearsalConfig, key, cost, answer_prefix=""):
+  """The policy's (ACT parameters) answers to ``chats`` (self-assessments, the memory), stripped; cost added."""
+  done, stats = complete(
+    _act_sampler(policy),
+    tokenizer,
+    chats,
+    key=key,
+    max_new_tokens=max_tokens,
+    sampling=cfg.sampling,
+    answer_prefix=answer_prefix,
+  )
+  cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
+  return [c.text.strip() for c in done]
+
+
 def _assess(prepared, index_pairs, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cost):
   """Fills ``assessment`` of the rehearsals at ``index_pairs`` [(prepared index, rehearsal index)], one batch."""
   chats = []
@@ -342,18 +357,9 @@ def _assess(prepared, index_pairs, policy, tokenizer, cfg: PrivateRehearsalConfi
     system = f"{item.task.system_prompt}\n\n{ASSESS_PROMPT}"
     body = "Transcript of the rehearsal:\n" + digest(tokenizer, item.rehearsals[r], cfg.digest_max_tokens)
     chats.append([Message("system", system), Message("user", body)])
-  done, stats = complete(
-    _act_sampler(policy),
-    tokenizer,
-    chats,
-    key=key,
-    max_new_tokens=cfg.assessment_max_tokens,
-    sampling=cfg.sampling,
-    answer_prefix="Outcome:",
-  )
-  cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
-  for (p, r), c in zip(index_pairs, done, strict=True):
-    prepared[p].rehearsals[r].assessment = c.text.strip()
+  texts = _reflect(policy, tokenizer, chats, cfg.assessment_max_tokens, cfg, key, cost, answer_prefix="Outcome:")
+  for (p, r), text in zip(index_pairs, texts, strict=True):
+    prepared[p].rehearsals[r].assessment = text
 
 
 def _memorize(prepared, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cost):
@@ -362,18 +368,10 @@ def _memorize(prepared, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cos
   for item in prepared:
     body = "My rehearsals and their assessments:\n\n" + account(tokenizer, item.rehearsals, cfg.digest_max_tokens)
     chats.append([Message("system", f"{item.task.system_prompt}\n\n{MEMORY_PROMPT}"), Message("user", body)])
-  done, stats = complete(
-    _act_sampler(policy),
-    tokenizer,
-    chats,
-    key=key,
-    max_new_tokens=cfg.memory_max_tokens,
-    sampling=cfg.sampling,
-  )
-  cost.add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
-  for item, c in zip(prepared, done, strict=True):
+  texts = _reflect(policy, tokenizer, chats, cfg.memory_max_tokens, cfg, key, cost)
+  for item, text in zip(prepared, texts, strict=True):
     # The generation has <= memory_max_tokens tokens; its text re-tokenised may differ slightly: bound that too.
-    item.memory = bounded(tokenizer, c.text.strip(), cfg.memory_max_tokens)
+    item.memory = bounded(tokenizer, text, cfg.memory_max_tokens)
     item.memory_tokens = len(tokenizer.encode(item.memory))
 
 
