@@ -6,7 +6,8 @@
 
 Run from the repository root (``-m`` puts it on ``sys.path``). Prints, under a header naming the machine:
   1. prefill and decode tokens/s per (batch, context), ours vs torch: greedy, float32, EOS off, the same prompt ids;
-  2. this machine's memory read bandwidth and the batch-1 decode limit it implies (bandwidth / weight bytes);
+  2. this machine's memory read bandwidth and the batch-1 decode limit it implies (bandwidth / weight bytes), and
+     the rate XLA's own batch-1 matvecs read the same weights at (``matvec_floor``): what any XLA decode can reach;
   3. the per-turn cost of a multi-turn conversation: continuation (keep the cache, prefill only the new turn) vs
      re-prefill (an empty cache and the whole history every turn).
 
@@ -425,6 +426,43 @@ def read_bandwidth(gib: float, repeats: int = 5) -> tuple[float, float]:
   return single, multi
 
 
+def matvec_floor(params, steps: int = 16, repeats: int = 3) -> float:
+  """Seconds per pass of XLA's own batch-1 matrix-vector products over every weight matrix in ``params`` (the
+  sampler's tree): nothing but ``x @ W`` for each weight, in a jitted ``fori_loop`` whose passes depend on each
+  other (so none is hoisted), best of ``repeats`` runs of ``steps`` passes. Each pass reads the weights once, as a
+  batch-1 decode step must, so weight bytes / this time is the read rate XLA's dot kernels reach on this machine: a
+  floor for any decode step compiled by XLA here, measured apart from attention, sampling and the loop's bookkeeping.
+  """
+  # (matrix, contracted axis): the tied embedding is the head, read as the decode reads it ("d,vd->v"); every other
+  # weight is contracted over its first axis (q/k/v [D, heads, H], o [heads, H, D] and the MLP, as in the model).
+  matrices, axes = [], []
+  for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if w.ndim >= 2:
+      matrices.append(w.reshape(w.shape[0], -1))
+      axes.append(1 if jax.tree_util.keystr(path).endswith("['embed']") else 0)
+
+  def run(ms, s):
+    def one_pass(_, s):
+      total = s
+      for w, axis in zip(ms, axes, strict=True):  # a vector (perturbed by the running sum: passes chain) times W
+        x = jnp.full((1, w.shape[axis]), 1.0, w.dtype) + s * 1e-30
+        y = x @ w if axis == 0 else jnp.einsum("bd,vd->bv", x, w)
+        total = total + jnp.sum(y) * 1e-30
+      return total
+
+    return jax.lax.fori_loop(0, steps, one_pass, s)
+
+  run = jax.jit(run)
+  run(matrices, jnp.float32(0)).block_until_ready()  # compile
+
+  def timed():
+    start = time.perf_counter()
+    run(matrices, jnp.float32(0)).block_until_ready()
+    return time.perf_counter() - start
+
+  return best_time(timed, repeats) / steps
+
+
 # ---------------------------------------------------------------------------------------------------- turns
 
 
@@ -575,7 +613,7 @@ def grid_report(cells: Sequence[Cell], weight_bytes: int, bandwidth: float, conf
   return lines
 
 
-def bandwidth_report(single, multi, params, cells) -> list[str]:
+def bandwidth_report(single, multi, params, cells, floor_s: float) -> list[str]:
   bandwidth = max(single, multi)
   weight_bytes = params * 4
   limit = bandwidth / weight_bytes
@@ -586,6 +624,9 @@ def bandwidth_report(single, multi, params, cells) -> list[str]:
     f"{os.cpu_count()} threads {multi / 1e9:.2f})",
     f"   weight bytes: {params:,} params x 4 B = {weight_bytes / 1e6:.1f} MB",
     f"   batch-1 decode limit = bandwidth / weight bytes = {limit:.1f} tok/s",
+    f"   XLA's batch-1 matvecs alone (every weight matrix once, nothing else): {1 / floor_s:.1f} tok/s = "
+    f"{100 / floor_s / limit:.0f}% of the limit ({weight_bytes / floor_s / 1e9:.2f} GB/s): no XLA-compiled decode "
+    "step is faster here",
   ]
   if ours is None:
     lines.append("   ours, batch 1 context 256: not measured (needs batch 1 and context 256 in the grid)")
@@ -593,7 +634,7 @@ def bandwidth_report(single, multi, params, cells) -> list[str]:
     fraction = ours / limit
     lines.append(
       f"   ours, batch 1 context 256: {ours:.1f} tok/s = {100 * fraction:.0f}% of the limit | target >= 70%: "
-      f"{'MET' if fraction >= 0.7 else 'MISSED'}"
+      f"{'MET' if fraction >= 0.7 else 'MISSED'}; {100 * ours * floor_s:.0f}% of XLA's matvec rate"
     )
   return lines
 
@@ -678,6 +719,9 @@ def main(argv=None) -> None:
   log(f"bandwidth probe ({args.bandwidth_gib} GiB)")
   single, multi = read_bandwidth(args.bandwidth_gib)
   gc.collect()
+  log("XLA batch-1 matvec probe")
+  floor_s = matvec_floor(sampler.params)
+  gc.collect()
 
   cells = run_grid(sampler, model, tokenizer, args.batches, args.contexts, args)
   turn_lines = []
@@ -700,7 +744,7 @@ def main(argv=None) -> None:
     bar,
     *grid_report(cells, params * 4, max(single, multi), sampler.config),
     "",
-    *bandwidth_report(single, multi, params, cells),
+    *bandwidth_report(single, multi, params, cells, floor_s),
     *turn_lines,
     bar,
   ]
