@@ -207,5 +207,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.memory_max_tokens = 128  # bound on the rehearsal memory in the committed context (tokens)
   c.eval.digest_max_tokens = 256  # each rehearsal's transcript as assessments, memory and later rehearsals see it
   c.eval.fidelity = True  # ask REHEARSE for every real tool response of the committed runs and compare
+  c.eval.fidelity_gold = True  # the same probe on the benchmark's gold calls, executed for real after each opening
   c.eval.reward_gap = True  # rule reward of rehearsed trajectories vs the same decisions executed for real
   return c

@@ -504,6 +504,7 @@ def _check_eval(ck: _Checker) -> None:
   for key in ("eval.assessment_max_tokens", "eval.memory_max_tokens", "eval.digest_max_tokens"):
     ck.integer(key, 1)
   ck.boolean("eval.fidelity")
+  ck.boolean("eval.fidelity_gold")
   ck.boolean("eval.reward_gap")
 
 

@@ -248,6 +248,7 @@ def evaluate_policy(
   num_trials: int = 1,
   fidelity: bool | None = None,
   gap: bool | None = None,
+  gold: bool | None = None,
 ) -> tuple[dict[str, float], private.PrivateRun]:
   """One evaluation: private rehearsal (``mode``), committed execution, the benchmark's score, fidelity, reward gap.
 
@@ -259,13 +260,16 @@ def evaluate_policy(
     key: a ``jax.random.key``; every mode uses the same openings for the same key.
     mode: "off", "parallel" or "sequential".
     num_trials: n trials per task (pass^1..pass^n).
-    fidelity, gap: override ``config.eval.fidelity`` / ``config.eval.reward_gap``.
+    fidelity, gap, gold: override ``config.eval.fidelity`` / ``config.eval.reward_gap`` / ``config.eval.fidelity_gold``.
   Returns:
-    (summary: reward, pass^k, tasks, trials, invalid, turns, tool_calls, ``fidelity/*``, ``gap/*``, ``cost/*``,
-    ``memory_tokens``; the `private.PrivateRun` with every rehearsal, memory and committed trajectory).
+    (summary: reward, pass^k, tasks, trials, invalid, turns, tool_calls, ``fidelity/*`` (the committed runs' real
+    calls), ``fidelity_gold/*`` (the benchmark's gold calls after each task's opening: `fidelity.gold_trajectories`),
+    ``gap/*``, ``cost/*``, ``memory_tokens``; the `private.PrivateRun` with every rehearsal, memory and committed
+    trajectory).
   """
   fidelity = config.eval.fidelity if fidelity is None else fidelity
   gap = config.eval.reward_gap if gap is None else gap
+  gold = config.eval.fidelity_gold if gold is None else gold
   fields = config_check.unfold_fields(config)
   fields.update(group_size=1)
   if fields["user_mode"] == "policy" and "reference" in samplers:
@@ -288,19 +292,16 @@ def evaluate_policy(
   summary.update(private.summary_costs(result.costs))
   if mode != "off":
     summary["memory_tokens"] = float(np.mean([p.memory_tokens for p in result.prepared]))
+  rehearse_sampler = _sampler_for(policy, Role.REHEARSE)
   if fidelity:
-    pairs, _, stats = fidelity_lib.measure(
-      _sampler_for(policy, Role.REHEARSE),
-      tokenizer,
-      result.committed,
-      key=jax.random.fold_in(key, 7),
-      max_new_tokens=ucfg.rehearse_max_new_tokens,
-      rehearse_prompt=ucfg.rehearse_prompt,
-      dialogue=ucfg.rehearse_sees_dialogue,
-      accept_error_text=ucfg.accept_error_text,
-    )
-    summary.update(fidelity_lib.summarize(pairs))
-    summary.update({f"cost/fidelity/{k}": float(v) for k, v in stats.items()})
+    fidelity_key = jax.random.fold_in(key, 7)
+    summary.update(_fidelity("fidelity", rehearse_sampler, tokenizer, result.committed, ucfg, fidelity_key))
+  if gold:
+    firsts = {}
+    for item in result.prepared:  # one opening per task (its first trial)
+      firsts.setdefault(item.task.id, (item.task, item.opening))
+    gold_runs = fidelity_lib.gold_trajectories(list(firsts.values()), functools.partial(make_env, config))
+    summary.update(_fidelity("fidelity_gold", rehearse_sampler, tokenizer, gold_runs, ucfg, jax.random.fold_in(key, 9)))
   if gap:
     rcfg = dataclasses.replace(ucfg, env_mode="rehearse", group_size=num_trials)
     out = unfold(
@@ -309,6 +310,22 @@ def evaluate_policy(
     summary.update(reward_gap(config, [t.task for t in out.trajectories], out.trajectories))
     summary["cost/gap/seconds"] = float(out.stats.get("time_total_s", 0.0))
   return summary, result
+
+
+def _fidelity(prefix: str, sampler, tokenizer, trajectories, ucfg: UnfoldConfig, key: jax.Array) -> dict[str, float]:
+  """`fidelity.measure` on every real tool response of ``trajectories``: ``{prefix}/*`` means and counts and
+  ``cost/{prefix}/*``."""
+  pairs, _, stats = fidelity_lib.measure(
+    sampler,
+    tokenizer,
+    trajectories,
+    key=key,
+    max_new_tokens=ucfg.rehearse_max_new_tokens,
+    rehearse_prompt=ucfg.rehearse_prompt,
+    dialogue=ucfg.rehearse_sees_dialogue,
+    accept_error_text=ucfg.accept_error_text,
+  )
+  return {**fidelity_lib.summarize(pairs, f"{prefix}/"), **{f"cost/{prefix}/{k}": float(v) for k, v in stats.items()}}
 
 
 def committed_execution(
@@ -349,7 +366,7 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
     params = model.params
     return ({name: params for name in grpo.ROLE_TREES} if cfg.per_role else params), None
-  with checkpoint_lib.Checkpointer.from_config(workdir, config) as ckpt:
+  with checkpoint_lib.Checkpointer.from_config(workdir, config, read_only=True) as ckpt:
     step = ckpt.latest_step()
     if step is None:
       params = model.params
@@ -369,7 +386,9 @@ def run(config, workdir: str | None) -> dict[str, Any]:
 
   Returns:
     {"weights", "checkpoint_step", "domain", "benchmark", "rows": one summary per rehearsal mode (with "rehearsal"
-    and "N"), "reward_gap": the gap summary}; also printed as a table and written to ``workdir/eval_results.json``.
+    and "N"), "fidelity_gold": REHEARSE on the benchmark's gold calls (``fidelity_gold/*``, once: every mode has the
+    same openings), "reward_gap": the gap summary}; also printed as a table and written to
+    ``workdir/eval_results.json``.
   Raises:
     config_check.ConfigError: a bad config value (before any compute).
   """
@@ -389,12 +408,22 @@ def run(config, workdir: str | None) -> dict[str, Any]:
     samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, rows_hint)
   samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, rows_hint)
   key = jax.random.fold_in(jax.random.key(config.seed), 0xE7A1)
-  rows, gap = [], None
+  rows, gap, gold = [], None, None
   for i, mode in enumerate(eval_modes(config)):
     logging.info("evaluating %d tasks x %d trials, rehearsal %s", n, config.eval.num_trials, mode)
     summary, _ = evaluate_policy(
-      config, tasks, samplers, model.tokenizer, key, mode=mode, num_trials=config.eval.num_trials, gap=False
+      config,
+      tasks,
+      samplers,
+      model.tokenizer,
+      key,
+      mode=mode,
+      num_trials=config.eval.num_trials,
+      gap=False,
+      gold=i == 0 and config.eval.fidelity_gold,  # the same openings in every mode: measured once
     )
+    if i == 0 and config.eval.fidelity_gold:
+      gold = {k: summary.pop(k) for k in list(summary) if k.startswith(("fidelity_gold/", "cost/fidelity_gold/"))}
     summary.update(rehearsal=mode, N=0 if mode == "off" else config.eval.rehearsal_n)
     rows.append(summary)
     if i == 0 and config.eval.reward_gap:
@@ -416,6 +445,7 @@ def run(config, workdir: str | None) -> dict[str, Any]:
     "domain": config.env.domain,
     "split": config.env.eval_split,
     "rows": rows,
+    "fidelity_gold": gold,
     "reward_gap": gap,
   }
   print(format_table(result))
@@ -469,6 +499,16 @@ def format_table(result: Mapping[str, Any]) -> str:
     )
   calls = [int(r.get("fidelity/calls", 0)) for r in rows]
   lines.append(f"real tool calls probed for fidelity per mode: {calls}")
+  gold = result.get("fidelity_gold")
+  if gold:
+    lines.append(
+      f"REHEARSE on the benchmark's gold calls ({int(gold['fidelity_gold/calls'])} calls after the tasks' openings, "
+      "executed for real): "
+      + ", ".join(
+        f"{m} {_f(gold.get(f'fidelity_gold/{m}'), 2)}"
+        for m in ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement")
+      )
+    )
   gap = result.get("reward_gap")
   if gap:
     lines.append(

@@ -115,7 +115,13 @@ def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys):
       assert row["N"] == 2 and row["cost/rehearsal/generated_tokens"] > 0 and row["cost/assessment/seconds"] > 0
       assert 0 < row["memory_tokens"] <= 16
   assert result["reward_gap"]["gap/trajectories"] == 2
-  for word in ("off", "parallel", "sequential", "pass^1", "pass^2", "keyF1", "reward gap"):
+  # REHEARSE on the gold calls: measured once (not per mode), one probe per assistant-side gold action of the task.
+  task = evaluate.runtime.load_split(config, config.env.eval_split)[0]
+  gold_calls = sum(a.requestor == "assistant" for a in task.gold_actions)
+  assert gold_calls >= 1 and result["fidelity_gold"]["fidelity_gold/calls"] == gold_calls
+  assert 0.0 <= result["fidelity_gold"]["fidelity_gold/json_valid"] <= 1.0
+  assert not any(k.startswith("fidelity_gold/") for row in result["rows"] for k in row)
+  for word in ("off", "parallel", "sequential", "pass^1", "pass^2", "keyF1", "reward gap", "gold calls"):
     assert word in table
   written = json.loads((tmp_path / "run" / evaluate.RESULTS_FILE).read_text())
   assert [r["rehearsal"] for r in written["rows"]] == ["off", "parallel", "sequential"]

@@ -16,19 +16,24 @@ results of the earlier calls — and compare the prediction with the real respon
 
 `summarize` averages each over the pairs where it is defined. The predictions are greedy: the rehearsing role's most
 likely response.
+
+The same probe runs on the benchmark's **gold calls** (`gold_trajectories`): after the opening of an evaluation, the
+task's assistant-side gold actions, executed for real in order, as if the agent had made exactly those calls. This
+measures the world model on the calls that solve the task, whatever the acting role does (a small policy that never
+calls a tool leaves the committed-run fidelity undefined; the gold-call fidelity is still measured).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from envace_jax.envs.base import ChatMessage, json_layout
+from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv, json_layout
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
@@ -163,6 +168,38 @@ def probes(trajectories: Sequence[Trajectory], rehearse_prompt: str = views.REHE
         # message included), then the pending call.
         history = views.rehearse_history(traj.messages[:i], dialogue)
         out.append(Probe(t, i, (system, *history, views.rehearse_call(call.name, call.arguments)), m))
+  return out
+
+
+def gold_trajectories(
+  openings: Sequence[tuple[Task, Sequence[ChatMessage]]], make_env: Callable[[Task], ToolEnv]
+) -> list[Trajectory]:
+  """The benchmark's gold calls as conversations to probe: per (task, opening), the task's logged initial
+  conversation, the opening, then each assistant-side gold action as one assistant tool call answered by a fresh real
+  environment (``make_env(task)``, reset with the task), in the benchmark's order. A gold action the real tools refuse
+  keeps its error response (``is_error``). Tasks without assistant-side gold actions are skipped.
+
+  Args:
+    openings: (task, the messages after its initial conversation and before the agent's first decision), e.g. an
+      evaluation's ``Prepared.task`` / ``Prepared.opening``; one per task.
+    make_env: a fresh environment for a task.
+  Returns:
+    one `Trajectory` per task with gold actions (group = its index in ``openings``); `measure` probes every gold call.
+  """
+  out = []
+  for group, (task, opening) in enumerate(openings):
+    gold = [a for a in task.gold_actions if a.requestor == "assistant"]
+    if not gold:
+      continue
+    env = make_env(task)
+    env.reset(task)
+    messages = [*initial_conversation(task), *opening]
+    for i, action in enumerate(gold):
+      call = ToolCall(action.name, dict(action.arguments), id=f"gold_{i}")
+      obs = env.execute(call)
+      messages.append(ChatMessage("assistant", tool_calls=(call,)))
+      messages.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+    out.append(Trajectory(task=task, group=group, sample=0, messages=messages))
   return out
 
 

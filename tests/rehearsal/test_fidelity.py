@@ -117,3 +117,46 @@ def test_calls_of_the_benchmarks_logged_history_are_not_probed():
   found = fidelity.probes([Trajectory(task, 0, 0, logged + run)])
   assert [p.message for p in found] == [len(logged) + 1]  # only this run's call, with the logged ones as context
   assert all(m in found[0].view for m in views.rehearse_history(logged)[:1])
+
+
+@pytest.mark.slow
+def test_gold_calls_run_for_real_after_the_opening_and_are_probed(smollm2):
+  """The benchmark's gold calls, executed on a fresh real environment after each task's opening, are probed like a
+  committed run's calls: a REHEARSE that predicts the first task's response exactly and misses the second's keys."""
+  import jax
+
+  from envace_jax.envs import tau2
+  from envace_jax.model.tokenizer import Tokenizer
+  from tests.rehearsal.stand_ins import ContextSampler
+
+  tokenizer = Tokenizer.from_hf_dir(smollm2.path)
+  by_id = {t.id: t for t in tau2.load_tasks("mock", "base")}
+  picked = [by_id["create_task_1"], by_id["create_task_1_nl_eval"], by_id["update_task_1"]]  # the middle: no gold
+  opening = (ChatMessage("assistant", "Hi! How can I help you today?"), ChatMessage("user", "Please help me."))
+  runs = fidelity.gold_trajectories([(t, opening) for t in picked], lambda task: tau2.Tau2Env("mock"))
+  assert [(r.task.id, r.group) for r in runs] == [("create_task_1", 0), ("update_task_1", 2)]
+  reals = []
+  for run in runs:
+    gold = run.task.gold_actions[0]
+    assert run.messages[:-2] == [*tau2.initial_conversation(run.task), *opening]
+    call, result = run.messages[-2:]
+    assert call.tool_calls == (ToolCall(gold.name, dict(gold.arguments), id="gold_0"),)
+    # The real response: the same gold action on an independently reset environment (τ²'s oracle replay).
+    oracle = tau2.oracle_conversation(tau2.Tau2Env("mock"), run.task)
+    assert result.content == next(m.content for m in oracle if m.role == "tool") and not result.is_error
+    reals.append(result.content)
+
+  first_call = views.rehearse_call(runs[0].messages[-2].tool_calls[0].name, picked[0].gold_actions[0].arguments)
+
+  def rehearse(role, context):
+    assert role == Role.REHEARSE
+    return _rehearsed(reals[0] if first_call.content.strip() in context else '{"unknown": 1}')
+
+  sampler = ContextSampler(tokenizer, rehearse)
+  pairs, texts, _ = fidelity.measure(sampler, tokenizer, runs, key=jax.random.key(0), max_new_tokens=256)
+  assert len(texts) == 2 and len(sampler.seen) == 2
+  assert pairs[0] == fidelity.ResponseFidelity(True, True, 1.0, 1.0, True)
+  assert not pairs[1].exact_match and pairs[1].key_f1 == 0.0 and pairs[1].value_accuracy is None
+  summary = fidelity.summarize(pairs, "fidelity_gold/")
+  assert summary["fidelity_gold/calls"] == 2 and summary["fidelity_gold/exact_match"] == 0.5
+  assert summary["fidelity_gold/key_f1"] == 0.5 and summary["fidelity_gold/value_accuracy"] == 1.0
