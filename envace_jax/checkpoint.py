@@ -163,6 +163,9 @@ class Checkpointer:
     max_to_keep: how many of the newest checkpoints to keep (older ones are deleted); None keeps all.
     save_every: ``save`` writes only steps that are multiples of this (``force=True`` writes any step).
     async_save: write in a background thread (the default); False blocks in ``save`` until written.
+    read_only: for readers of a workdir another process may be writing (``--mode=eval``, ``envace_jax.inspect``,
+      notebooks): nothing is created or deleted (an unfinished save's tmp folder stays for its writer) and ``save``
+      raises.
 
   Raises:
     ValueError: max_to_keep or save_every below 1.
@@ -176,18 +179,23 @@ class Checkpointer:
     max_to_keep: int | None = 3,
     save_every: int = 1,
     async_save: bool = True,
+    read_only: bool = False,
   ):
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
     if save_every < 1:
       raise ValueError(f"save_every must be >= 1, got {save_every}")
     self.save_every = int(save_every)
+    self.read_only = bool(read_only)
     self.directory = os.path.join(os.path.abspath(os.fspath(workdir)), CHECKPOINT_SUBDIR)
     self._config = _config_dict(config)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
-      create=True,
-      cleanup_tmp_directories=True,  # a save killed mid-way leaves a tmp folder; it is never a checkpoint
+      create=not read_only,
+      # A save killed mid-way leaves a tmp folder; it is never a checkpoint. Only the writer removes it: a reader
+      # could be looking at a live run's save in progress.
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
       enable_async_checkpointing=async_save,
     )
     handlers = {
@@ -261,8 +269,11 @@ class Checkpointer:
 
     Raises:
       TypeError: ``rng`` is not a typed key array (make it with ``jax.random.key``, not ``PRNGKey``).
+      CheckpointError: this Checkpointer is ``read_only``.
       orbax's StepAlreadyExistsError: ``step`` is already saved.
     """
+    if self.read_only:
+      raise CheckpointError(f"{self.directory} is open read-only; open a Checkpointer without read_only=True to save")
     if not jax.dtypes.issubdtype(getattr(rng, "dtype", np.float32), jax.dtypes.prng_key):
       raise TypeError(f"rng must be a typed key array from jax.random.key(...), got {getattr(rng, 'dtype', rng)!r}")
     if not force and not self.should_save(step):

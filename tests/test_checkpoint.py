@@ -145,6 +145,29 @@ def test_retention_interval_and_force(tmp_path):
       ckpt.restore(2, abstract_state=_abstract(params, opt_state))
 
 
+def test_read_only_readers_leave_a_save_in_progress_alone(tmp_path):
+  """A reader (eval, inspect) of a live run must not delete the writer's unfinished save; only a writer cleans up."""
+  params, opt_state = _trained_state(_params(jax.random.key(0)), steps=1)
+  state = dict(params=params, opt_state=opt_state, rng=jax.random.key(0))
+  with Checkpointer(tmp_path, config=_config()) as ckpt:
+    ckpt.save(1, **state)
+  in_progress = tmp_path / checkpoint.CHECKPOINT_SUBDIR / "2.orbax-checkpoint-tmp-1234567"
+  in_progress.mkdir()
+  with Checkpointer(tmp_path, read_only=True) as reader:
+    assert reader.all_steps() == [1]
+    restored = reader.restore(abstract_state=_abstract(params, opt_state))
+    _assert_bitwise_equal(restored.params, params)
+    with pytest.raises(CheckpointError, match="read-only"):
+      reader.save(2, **state, force=True)
+  assert in_progress.is_dir()
+  empty = tmp_path / "never_trained"  # a workdir without checkpoints: nothing is created
+  with Checkpointer(empty, read_only=True) as reader:
+    assert reader.latest_step() is None
+  assert not empty.exists()
+  Checkpointer(tmp_path).close()  # the writer, on start-up, removes what a killed save left
+  assert not in_progress.exists()
+
+
 def test_from_config_reads_train_section(tmp_path):
   config = _config()
   config.train.checkpoint_every = 3
