@@ -59,7 +59,7 @@ def load_model(config) -> Model:
     model_config = config_lib.get_model_config(config.model, **overrides)
     params = transformer.init_params(model_config, jax.random.key(config.seed))
     return Model(model_config, params, tokenizer, f"random init (seed {config.seed})")
-  pretrained = weights.load_pretrained(source, dtype=config.dtype)
+  pretrained = weights.load_pretrained(source, dtype=config.dtype, param_dtype=config.get("param_dtype", "float32"))
   if tokenizer is None:
     tokenizer = Tokenizer.from_hf_dir(pretrained.path)
   return Model(pretrained.config.replace(scan_layers=True), pretrained.params, tokenizer, str(pretrained.path))

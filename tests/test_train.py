@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -162,3 +163,21 @@ def test_a_scorer_that_raises_scores_zero_and_is_recorded():
   info = train.score(tiny_config("/unused"), traj, env=env)
   assert info.reward == 0.0 and info.valid and "RecursionError" in info.info["scoring_error"]
   assert traj.counts["scoring_error"] == 1 and "RecursionError" in traj.events[-1]["scoring_error"]
+
+
+@pytest.mark.slow
+def test_pretrained_weights_are_stored_in_param_dtype(smollm2):
+  """config.param_dtype applies to real weights as to random ones (bfloat16 halves a run's parameter memory)."""
+  import ml_collections
+
+  config = ml_collections.ConfigDict(
+    {"model": "smollm2-135m", "model_path": "", "tokenizer": "", "dtype": "bfloat16", "param_dtype": "bfloat16"}
+  )
+  model = runtime.load_model(config)
+  leaves = jax.tree.leaves(model.params)
+  assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)} and model.config.param_dtype == "bfloat16"
+  reference = jax.tree.leaves(smollm2.params)
+  assert len(leaves) == len(reference)
+  np.testing.assert_array_equal(
+    np.asarray(leaves[0], np.float32), np.asarray(reference[0].astype(jnp.bfloat16), np.float32)
+  )
