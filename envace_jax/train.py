@@ -39,6 +39,7 @@ from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
 from envace_jax.rl import advantages as advantages_lib
 from envace_jax.rl import grpo, logprobs
+from envace_jax.rl.batch import TrainBatch
 from envace_jax.sampling import sharding
 
 
@@ -221,16 +222,16 @@ class Trainer:
       traj.reward = score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
     return out.trajectories, out.stats
 
-  # -- one step ----------------------------------------------------------------------------------------------------
+  # -- one step: rollout, advantages, batch, (reference logprobs), update ------------------------------------------
 
-  def step(self, step: int) -> dict[str, float]:
-    """Runs training step ``step`` (1-based: the step-th update) and returns its metrics."""
-    start = time.perf_counter()
-    tasks = self.stream.next_batch()
-    trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))
-    scalars = rollout_metrics(trajectories, stats)
+  def advantages(self, trajectories: Sequence[Trajectory]):
+    """Role-wise GRPO advantages of scored trajectories (`advantages.role_advantages` with this run's settings).
+
+    Returns:
+      (advantages as `role_advantages` returns them, its statistics).
+    """
     rewards_n, groups, generations, valid = advantages_lib.trajectory_arrays(trajectories)
-    adv, adv_stats = advantages_lib.role_advantages(
+    return advantages_lib.role_advantages(
       rewards_n,
       groups,
       generations,
@@ -240,17 +241,38 @@ class Trainer:
       std_normalize=self.grpo_cfg.std_normalize,
       eps=self.grpo_cfg.adv_eps,
     )
+
+  def training_batch(self, trajectories: Sequence[Trajectory], adv) -> TrainBatch:
+    """The padded update batch of the trained roles' rows (`grpo.build_batch`).
+
+    Raises:
+      ValueError: nothing is trainable (e.g. every trajectory invalid); `step` logs it and skips the update.
+    """
+    return grpo.build_batch(trajectories, adv, self.grpo_cfg, pad_id=self.model.tokenizer.pad_id or 0)
+
+  def with_reference(self, batch: TrainBatch) -> TrainBatch:
+    """``batch`` with the reference policy's logprobs when the loss has a KL term (else unchanged)."""
+    if not self.grpo_cfg.use_kl:
+      return batch
+    return logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
+
+  def step(self, step: int) -> dict[str, float]:
+    """Runs training step ``step`` (1-based: the step-th update) and returns its metrics."""
+    start = time.perf_counter()
+    tasks = self.stream.next_batch()
+    trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))
+    scalars = rollout_metrics(trajectories, stats)
+    adv, adv_stats = self.advantages(trajectories)
     scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
     update_start = time.perf_counter()
     try:
-      batch = grpo.build_batch(trajectories, adv, self.grpo_cfg, pad_id=self.model.tokenizer.pad_id or 0)
+      batch = self.training_batch(trajectories, adv)
     except ValueError as e:  # nothing trainable this step (e.g. every trajectory invalid): log it, do not crash
       logging.warning("step %d: no update: %s", step, e)
       scalars["update/skipped"] = 1.0
       batch = None
     if batch is not None:
-      if self.grpo_cfg.use_kl:
-        batch = logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
+      batch = self.with_reference(batch)
       self.state, update_metrics = self.update(self.state, batch)
       update_metrics = jax.device_get(update_metrics)
       scalars.update({f"update/{k}": float(np.asarray(v)) for k, v in update_metrics.items()})
