@@ -108,13 +108,14 @@ def jsonl_path(workdir: str | os.PathLike) -> str:
   return os.path.join(os.fspath(workdir), JSONL_NAME)
 
 
-def read_jsonl(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-  """Every step logged under ``workdir``, oldest first: dicts with ``step``, ``time`` and the scalars.
+def read_jsonl(workdir: str | os.PathLike, name: str = JSONL_NAME) -> list[dict[str, Any]]:
+  """Every step logged under ``workdir`` (in ``workdir/name``: the training metrics by default; ``"eval.jsonl"``
+  for the held-out evaluations), oldest first: dicts with ``step``, ``time`` and the scalars.
 
   Non-finite floats come back as floats. A missing file gives []. A line that does not parse (the tail of a run
   killed mid-write) is skipped with a warning.
   """
-  path = jsonl_path(workdir)
+  path = os.path.join(os.fspath(workdir), name)
   if not os.path.exists(path):
     return []
   rows = []
