@@ -41,6 +41,10 @@ setup(
       "ruff>=0.6",
       "torch==2.13.0",  # CPU build; the reference implementation in parity tests
       "accelerate>=1.0",  # transformers needs it to load GGUF files (reference side of the parity tests)
+      "nbclient>=0.10",  # tests/test_notebooks.py runs notebooks/*.ipynb
+      "nbformat>=5.10",
+      "ipykernel>=6.29",  # installs the `python3` kernelspec under sys.prefix: the notebooks run in this environment
+      "matplotlib>=3.8",  # the notebooks' plots
     ],
   },
 )
