@@ -9,11 +9,10 @@
 Cost of the CPU default (SmolLM2 float32, 2 cores): an estimated 7-9 minutes on idle cores and 8.5 GB of memory;
 see "Cost" below for what was measured and under which load. The accelerator command has not been run (no
 accelerator was lent while this was written). Size it by memory: the run holds the weights six times (the loaded
-tree, the train state, two AdamW moments, each sampler's unstacked copy), stored float32 for pretrained weights
-(``runtime.load_model`` does not apply ``config.param_dtype`` to them): Qwen3-8B needs ~200 GB for those, more
-than one 141 GB H200, so on one chip take ``--config.model=qwen3-4b`` (~97 GB) or shard over chips with
-``--config.mesh.fsdp=N``; KV caches add 2 x B x G rows x act_capacity (8192 on airline) x 147 KB for Qwen3-4B/8B
-in bfloat16 (~19 GB at B=2, G=4).
+tree, the train state, two AdamW moments, each sampler's unstacked copy), in ``config.param_dtype`` (float32 by
+default: Qwen3-8B then needs ~200 GB for those, more than one 141 GB H200; ``--config.param_dtype=bfloat16``
+halves it), or take ``--config.model=qwen3-4b`` or shard over chips with ``--config.mesh.fsdp=N``; KV caches
+add 2 x B x G rows x act_capacity (8192 on airline) x 147 KB for Qwen3-4B/8B in bfloat16 (~19 GB at B=2, G=4).
 
 A ``train.Trainer`` (the loop of ``python -m envace_jax.main``) runs the phases of ``Trainer.step`` one by one,
 each timed on its own (``--config``: a τ² domain, default mock, or a config file ``configs/X.py[:arg]``):
