@@ -376,6 +376,13 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   return restored.params, step
 
 
+def eval_tasks(config) -> list[Task]:
+  """The first ``config.eval.tasks`` tasks of ``config.env.eval_split`` (all of them when negative)."""
+  source = runtime.load_split(config, config.env.eval_split)
+  n = len(source) if config.eval.tasks < 0 else min(config.eval.tasks, len(source))
+  return [source[i] for i in range(n)]
+
+
 def eval_modes(config) -> tuple[str, ...]:
   """``config.eval.rehearsal`` ("off,parallel,sequential" or a tuple) as mode names."""
   return config_check.parse_roles(config.eval.rehearsal)
@@ -398,9 +405,8 @@ def run(config, workdir: str | None) -> dict[str, Any]:
     raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
   params, step = restore_policy(config, model, workdir)
   mesh = runtime.make_mesh(config)
-  source = runtime.load_split(config, config.env.eval_split)
-  n = len(source) if config.eval.tasks < 0 else min(config.eval.tasks, len(source))
-  tasks = [source[i] for i in range(n)]
+  tasks = eval_tasks(config)
+  n = len(tasks)
   rows_hint = n * config.eval.num_trials
   per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
   samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, rows_hint)}

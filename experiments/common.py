@@ -1,0 +1,233 @@
+"""What the experiment scripts share: a config per (model, domain, seed), ``--config.KEY=VALUE`` overrides, the
+paper-size preset, per-cell JSON results, mean ± std.
+
+Imported by ``experiments/ablation.py`` and ``experiments/test_time_rehearsal.py``, which put the repository root on
+``sys.path`` first, so both ``python experiments/X.py`` and ``python -m experiments.X`` work.
+
+Models:
+  ``tiny``     the random tiny preset (configs/tiny.py): 1024-token context, so only τ² mock fits (airline's and
+               retail's system prompts are ≈5k tokens). Its numbers check the plumbing, not the method.
+  ``smollm2``  SmolLM2-135M-Instruct (configs/tau2.py:DOMAIN), the CPU model with real weights.
+  ``--full``   the paper's sizes (Qwen3-8B from a local Hugging Face directory, ``FULL``), for accelerators.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("smollm2", "tiny")
+DEFAULT_DATA_DIR = str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds")
+
+TINY_CAVEAT = (
+  "CAVEAT: --model=tiny is a randomly initialised 2-layer model on τ² mock (the only domain its 1024-token context "
+  "holds; mock has one 9-task split, so training and evaluation tasks overlap). These numbers test the pipeline "
+  "and say nothing about the method; use --model=smollm2 (CPU, slow) or --full (Qwen3-8B, accelerators)."
+)
+
+# The paper's sizes (configs/base.py, "paper:" / "full size:" next to each field; configs/tau2.py's paper-size run).
+# --full applies these; anything else goes through --config.KEY=VALUE.
+FULL = {
+  "model": "qwen3-8b",
+  "dtype": "bfloat16",
+  "param_dtype": "bfloat16",
+  "train.tasks_per_step": 16,
+  "train.group_size": 4,
+  "grpo.learning_rate": 1e-6,
+  "grpo.micro_batch_size": 4,
+  "rollout.act_capacity": 32768,
+  "rollout.rehearse_capacity": 32768,
+  "rollout.user_capacity": 32768,
+  "rollout.act_max_new_tokens": 8192,
+  "rollout.rehearse_max_new_tokens": 8192,
+  "rollout.user_max_new_tokens": 8192,
+  "eval.rehearsal_n": 4,
+}
+
+
+def config_file(name: str, arg: str | None = None):
+  """``configs/<name>.py``'s ``get_config(arg)`` (loaded by path: ``configs`` is not a package)."""
+  spec = importlib.util.spec_from_file_location(f"envace_configs_{name}", ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def check_domains(model: str, domains: Sequence[str]) -> None:
+  """Raises ValueError for a domain the model cannot run (the tiny model holds only τ² mock)."""
+  if model == "tiny" and set(domains) != {"mock"}:
+    raise ValueError(
+      f"--model=tiny runs only --domains=mock: its 1024-token context cannot hold the ≈5k-token system prompts of "
+      f"{', '.join(d for d in domains if d != 'mock')}; use --model=smollm2 or --full there"
+    )
+
+
+def make_config(model: str, domain: str, seed: int, data_dir: str, *, full: bool = False, model_path: str = ""):
+  """The run config of ``model`` on τ² ``domain`` with ``seed``; ``full`` applies ``FULL`` and ``model_path``."""
+  if full:
+    c = config_file("tau2", domain)
+    for key, value in FULL.items():
+      set_value(c, key, value)
+    c.model_path = model_path
+  elif model == "tiny":
+    check_domains(model, [domain])
+    c = config_file("tiny")
+  else:
+    c = config_file("tau2", domain)
+  c.seed = seed
+  c.env.data_dir = data_dir
+  return c
+
+
+def _parse(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def set_value(config, dotted: str, value: Any) -> None:
+  """Sets ``config.<dotted>`` to ``value``, converted to the field's type where it is text (as ``--config.*`` flags
+  are): "true"/"false" for bools, numbers, "a,b" for tuples.
+
+  Raises:
+    KeyError: no such field. ValueError: the value does not convert.
+  """
+  *path, leaf = dotted.split(".")
+  node = config
+  for p in path:
+    node = node[p]
+  if leaf not in node:
+    raise KeyError(f"no config field {dotted!r}")
+  old = node[leaf]
+  if isinstance(value, str):
+    if isinstance(old, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"{dotted}={value!r}: expected true or false")
+      value = value.lower() in ("true", "1")
+    elif isinstance(old, tuple | list):
+      value = tuple(v.strip() for v in value.split(",") if v.strip())
+    elif isinstance(old, int | float):
+      value = _parse(value)
+      if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{dotted}: expected a number, got {value!r}")
+      if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, float):
+        if value != int(value):
+          raise ValueError(f"{dotted}: expected an integer, got {value!r}")
+        value = int(value)
+  node[leaf] = value
+
+
+def split_overrides(extra: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
+  """``--config.KEY=VALUE`` arguments (as ``python -m envace_jax.main`` takes them) and whatever else was left."""
+  overrides, rest = [], []
+  for arg in extra:
+    if arg.startswith("--config.") and "=" in arg:
+      key, value = arg[len("--config.") :].split("=", 1)
+      overrides.append((key, value))
+    else:
+      rest.append(arg)
+  return overrides, rest
+
+
+def apply_overrides(config, overrides: Sequence[tuple[str, Any]]) -> None:
+  for key, value in overrides:
+    set_value(config, key, value)
+
+
+def parse_ints(text: str) -> list[int]:
+  return [int(s) for s in text.split(",") if s.strip()]
+
+
+def parse_names(text: str) -> list[str]:
+  return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof 1; 0 for a single value) of the finite ``values`` (nan, nan if none)."""
+  v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
+  if not len(v):
+    return float("nan"), float("nan")
+  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def pm(mean: float, std: float, scale: float = 100.0, digits: int = 1) -> str:
+  """``mean ± std`` (scaled: pass^1 as a percentage), "-" for nan."""
+  if not np.isfinite(mean):
+    return "-"
+  return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
+
+
+def read_json(path: str | os.PathLike) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+  """Writes ``data`` atomically (a temporary file renamed), so a killed run never leaves a half-written result."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(data, indent=2, default=float), encoding="utf-8")
+  os.replace(tmp, path)
+
+
+def budget_mismatch(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+  """The keys where a saved cell's budget differs from this run's (a stale cell must not be reused silently)."""
+  return [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+
+
+def use_compilation_cache(directory: str | None, workdir: str) -> None:
+  """JAX's persistent compilation cache in ``directory`` (None: ``workdir/jax_cache``; "none": off). Every cell
+  builds fresh samplers and update steps with the same shapes, so later cells (and reruns) load the compiled programs
+  instead of compiling them again. Process-wide and set once: tests pass "none"."""
+  if directory is not None and directory.lower() == "none":
+    return
+  import jax
+
+  directory = directory or os.path.join(workdir, "jax_cache")
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def add_run_arguments(parser, workdir: str, out: str) -> None:
+  """The arguments every experiment shares: model / ``--full`` sizes, budget, evaluation, folders, output."""
+  parser.add_argument("--model", default="tiny", choices=MODELS, help="CPU model (ignored with --full)")
+  parser.add_argument("--full", action="store_true", help="the paper's sizes (Qwen3-8B; needs --model-path)")
+  parser.add_argument("--model-path", default="", help="--full: local Hugging Face directory of Qwen3-8B")
+  parser.add_argument("--steps", type=int, default=None, help="updates per trained policy")
+  parser.add_argument("--group", type=int, default=None, help="G rollouts per task (training)")
+  parser.add_argument("--tasks", type=int, default=None, help="B tasks per step (training)")
+  parser.add_argument("--eval-tasks", type=int, default=None, help="test tasks evaluated (-1: all)")
+  parser.add_argument("--trials", type=int, default=None, help="committed runs per test task (pass^1 averages them)")
+  parser.add_argument("--workdir", default=workdir, help="one subfolder per run; a rerun resumes")
+  parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="prepared τ² task datasets")
+  parser.add_argument(
+    "--compile-cache", default=None, help="JAX persistent compilation cache (default --workdir/jax_cache; 'none': off)"
+  )
+  parser.add_argument("--out", default=out)
+
+
+def parse_run_arguments(parser, argv, defaults: Mapping[str, Mapping[str, Any]]):
+  """Parses ``argv`` (``--config.KEY=VALUE`` become ``args.overrides``), checks ``--full``, and fills every argument
+  left unset from ``defaults["full"]`` or ``defaults[args.model]``. Exits with argparse's message on bad input."""
+  args, extra = parser.parse_known_args(argv)
+  args.overrides, rest = split_overrides(extra)
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)} (config values: --config.KEY=VALUE)")
+  if args.full and not args.model_path:
+    parser.error("--full needs --model-path=/path/to/Qwen3-8B (a local Hugging Face directory)")
+  for name, value in defaults["full" if args.full else args.model].items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  return args
