@@ -137,9 +137,7 @@ def replay_for_real(task: Task, messages: Sequence[ChatMessage], env: ToolEnv) -
     if m.role == "tool":
       continue
     out.append(m)
-    for call in m.tool_calls if m.role == "assistant" else ():
-      obs = env.execute(call)
-      out.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+    out += [env.answer(call) for call in (m.tool_calls if m.role == "assistant" else ())]
   return out
 
 

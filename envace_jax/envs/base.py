@@ -286,6 +286,12 @@ class ToolEnv(abc.ABC):
   def evaluate(self, conversation: Sequence[ChatMessage]) -> RewardInfo:
     """Score the conversation of the current trajectory with the benchmark's own evaluator."""
 
+  def answer(self, call: ToolCall) -> ChatMessage:
+    """`execute(call)` as the conversation records it: the tool message answering ``call`` (its id and name, the
+    real text, ``is_error``)."""
+    obs = self.execute(call)
+    return ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error)
+
   def state_hash(self) -> str:
     """A hash of the environment's mutable state (the DB), to prove that something did not touch it."""
     return hashlib.sha256(json.dumps(self.state_dict(), sort_keys=True, default=str).encode()).hexdigest()

@@ -554,9 +554,7 @@ def oracle_conversation(task: Task, env: BfclEnv) -> list[ChatMessage]:
       ToolCall(g.name, g.arguments, id=f"call_{turn}_{i}") for i, g in enumerate(parse_call(c, owners) for c in calls)
     )
     messages.append(ChatMessage("assistant", tool_calls=tool_calls))
-    for call in tool_calls:
-      obs = env.execute(call)
-      messages.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+    messages += [env.answer(call) for call in tool_calls]
   return messages
 
 

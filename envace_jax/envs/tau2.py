@@ -463,9 +463,7 @@ def oracle_conversation(env: Tau2Env, task: Task) -> list[ChatMessage]:
     if action.requestor != "assistant":
       raise EnvError(f"task {task.id!r} has a user-side gold action {action.name!r}; the oracle plays the assistant")
     call = ToolCall(action.name, dict(action.arguments), id=f"oracle_{i}")
-    obs = env.execute(call)
-    conversation.append(ChatMessage("assistant", tool_calls=(call,)))
-    conversation.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+    conversation += [ChatMessage("assistant", tool_calls=(call,)), env.answer(call)]
   if task.communicate_info:
     conversation.append(ChatMessage("assistant", "; ".join(task.communicate_info)))
   conversation.append(ChatMessage("user", STOP))

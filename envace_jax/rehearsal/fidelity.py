@@ -196,9 +196,7 @@ def gold_trajectories(
     messages = [*initial_conversation(task), *opening]
     for i, action in enumerate(gold):
       call = ToolCall(action.name, dict(action.arguments), id=f"gold_{i}")
-      obs = env.execute(call)
-      messages.append(ChatMessage("assistant", tool_calls=(call,)))
-      messages.append(ChatMessage("tool", obs.text, tool_call_id=call.id, name=call.name, is_error=obs.is_error))
+      messages += [ChatMessage("assistant", tool_calls=(call,)), env.answer(call)]
     out.append(Trajectory(task=task, group=group, sample=0, messages=messages))
   return out
 
