@@ -98,7 +98,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
   c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
   c.train.eval_tasks = 2  # tasks of eval_split each evaluation runs (-1: all, airline test has 20; 0: none)
-  c.train.sft_warmup_steps = 0  # supervised steps on reference trajectories before RL; 0: none
+  # The first updates of train.steps that are supervised, on the benchmark's reference conversations (gold calls
+  # for ACT, the real tools' responses for REHEARSE; τ² and BFCL) instead of rollouts; 0: none (the paper's runs).
+  c.train.sft_warmup_steps = 0
 
   # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---
   c.rollout = ml_collections.ConfigDict()
@@ -178,6 +180,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grpo.kl_coef = 1e-4
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
   c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
+  c.grpo.sft_learning_rate = 0.0  # AdamW during train.sft_warmup_steps; 0: learning_rate
   c.grpo.weight_decay = 0.01
   c.grpo.adam_b1 = 0.9
   c.grpo.adam_b2 = 0.999

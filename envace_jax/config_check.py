@@ -37,6 +37,7 @@ REHEARSAL = ("off", "parallel", "sequential")
 REHEARSAL_USERS = ("policy", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor")
+DEMONSTRATED_BENCHMARKS = ("tau2", "bfcl")  # with reference conversations for train.sft_warmup_steps
 SMOLLM2 = "smollm2-135m"
 # Architecture fields a model directory's config.json must share with the preset it is given for.
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
@@ -94,6 +95,7 @@ def grpo_fields(config) -> dict[str, Any]:
   """``config.grpo`` as keyword arguments of ``rl.grpo.GrpoConfig`` (trained_roles as a tuple of names)."""
   fields = config.grpo.to_dict()
   fields["trained_roles"] = parse_roles(fields["trained_roles"])
+  fields["sft_steps"] = config.train.sft_warmup_steps
   return fields
 
 
@@ -341,7 +343,7 @@ def _check_user_data(ck: _Checker, benchmark: str, domain: Any, data_path: Any, 
       ck.add(f"{key}={value!r}: {benchmark} has only the split 'test'")
 
 
-def _check_train(ck: _Checker) -> None:
+def _check_train(ck: _Checker, benchmark: str | None) -> None:
   steps = ck.integer("train.steps", 1)
   ck.integer("train.tasks_per_step", 1)
   ck.integer("train.group_size", 2, why=" (GRPO advantages compare each rollout with the other rollouts of its task)")
@@ -352,6 +354,11 @@ def _check_train(ck: _Checker) -> None:
   warmup = ck.integer("train.sft_warmup_steps", 0)
   if steps is not _MISSING and warmup is not _MISSING and warmup > steps:
     ck.add(f"train.sft_warmup_steps={warmup} must be <= train.steps={steps}")
+  if warmup and warmup is not _MISSING and benchmark and benchmark not in DEMONSTRATED_BENCHMARKS:
+    ck.add(
+      f"train.sft_warmup_steps={warmup} with env.benchmark={benchmark!r}: the supervised warm-up needs reference "
+      f"conversations with executable gold calls, which only {_choices(DEMONSTRATED_BENCHMARKS)} have; set it to 0"
+    )
 
 
 def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
@@ -440,6 +447,7 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
   ck.number("grpo.kl_coef", lambda x: x >= 0, ">= 0")
   ck.one_of("grpo.kl_estimator", KL_ESTIMATORS)
   ck.number("grpo.learning_rate", lambda x: x > 0, "> 0")
+  ck.number("grpo.sft_learning_rate", lambda x: x >= 0, ">= 0 (0: grpo.learning_rate)")
   ck.number("grpo.weight_decay", lambda x: x >= 0, ">= 0")
   for key in ("adam_b1", "adam_b2"):
     ck.number(f"grpo.{key}", lambda x: 0 <= x < 1, "in [0, 1)")
@@ -526,7 +534,7 @@ def validate(config) -> None:
   _check_mesh(ck)
   ck.integer("sampler.prefill_chunk", 1)
   benchmark = _check_env(ck)
-  _check_train(ck)
+  _check_train(ck, benchmark)
   env_mode, user_mode = _check_rollout(ck, context)
   _check_reward(ck)
   _check_grpo(ck, benchmark, env_mode, user_mode)

@@ -33,7 +33,9 @@ from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import config_check, evaluate, metrics, runtime
 from envace_jax.envs import datasets
 from envace_jax.envs.base import RewardInfo, Task
-from envace_jax.model.roles import Role
+from envace_jax.envs.base import EnvError
+from envace_jax.model.roles import NUM_ROLES, Role
+from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
@@ -124,13 +126,6 @@ class Trainer:
 
   def __init__(self, config, workdir: str):
     config_check.validate(config)
-    if config.train.sft_warmup_steps:
-      raise config_check.ConfigError(
-        [
-          f"train.sft_warmup_steps={config.train.sft_warmup_steps}: the supervised warm-up is not implemented yet; "
-          "set it to 0 (RL from the pretrained weights, as the paper's main runs)"
-        ]
-      )
     self.config, self.workdir = config, workdir
     self.model = runtime.load_model(config)
     if self.model.tokenizer is None:
@@ -256,8 +251,83 @@ class Trainer:
       return batch
     return logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
 
+  # -- the supervised warm-up (train.sft_warmup_steps) ------------------------------------------------------------
+
+  def demonstrations(self, tasks: Sequence[Task]) -> tuple[list[Trajectory], int]:
+    """One demonstration per task (``rehearsal/demonstration.py``): its reference conversation replayed as rows.
+
+    Returns:
+      (trajectories, skipped): a task whose reference conversation cannot be built (e.g. a τ² task with user-side
+      gold actions) is logged and skipped.
+    """
+    fmt = views.ChatFormat.of(self.model.tokenizer)
+    out, skipped = [], 0
+    for b, task in enumerate(tasks):
+      try:
+        conversation = demonstration.reference_conversation(task, evaluate.make_env(self.config, task))
+      except EnvError as e:
+        logging.warning("supervised warm-up: task %s skipped: %s", task.id, e)
+        skipped += 1
+        continue
+      env = evaluate.make_env(self.config, task) if self.unfold_cfg.env_mode == "real" else None
+      out.append(
+        demonstration.demonstration(self.unfold_cfg, task, conversation, self.model.tokenizer, fmt, b, env=env)
+      )
+    return out, skipped
+
+  def policy_logprobs(self, batch: TrainBatch) -> np.ndarray:
+    """float32[K, M, T] logprobs of ``batch``'s trained tokens under the current parameters (per_role: each
+    micro-batch under its role's tree), in the layout of ``batch.old_logprobs``."""
+    params = self.state.params
+    if not self.grpo_cfg.per_role:
+      return np.asarray(logprobs.recompute_logprobs(self.model.config, params, batch))
+    act = np.asarray(logprobs.recompute_logprobs(self.model.config, params["act"], batch))
+    rehearse = np.asarray(logprobs.recompute_logprobs(self.model.config, params["rehearse"], batch))
+    return np.where((np.asarray(batch.row_role) == int(Role.ACT))[..., None], act, rehearse)
+
+  def sft_step(self, step: int) -> dict[str, float]:
+    """A supervised warm-up step: the token-mean negative log-likelihood of B demonstrations, one update.
+
+    The update is the GRPO update step itself: every trained token gets advantage 1 and ``old_logprobs`` = its
+    logprob under the current parameters, so the ratio is exactly 1 (no clip binds) and the gradient of the
+    surrogate -A * ratio is the gradient of -log p: supervised learning, token-mean, with the same optimizer,
+    clipping, micro-batching and (when on) KL term. Returns ``sft/*`` metrics: ``nll`` (before the update; per role
+    ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``, ``skipped_tasks`` and the time.
+    """
+    start = time.perf_counter()
+    tasks = self.stream.next_batch()
+    trajectories, skipped = self.demonstrations(tasks)
+    scalars = {"sft/demonstrations": float(len(trajectories)), "sft/skipped_tasks": float(skipped)}
+    adv = np.zeros((len(trajectories), NUM_ROLES), np.float32)
+    adv[:, list(self.grpo_cfg.trained_roles)] = 1.0
+    try:
+      batch = self.training_batch(trajectories, adv)
+    except ValueError as e:  # no demonstration fits, or none has a trained role
+      logging.warning("step %d: no supervised update: %s", step, e)
+      scalars["update/skipped"] = 1.0
+      batch = None
+    if batch is not None:
+      old = self.policy_logprobs(batch)
+      batch = self.with_reference(batch.replace(old_logprobs=old))
+      mask, row_role = np.asarray(batch.loss_mask), np.asarray(batch.row_role)
+      scalars["sft/nll"] = float(-old[mask].sum() / max(mask.sum(), 1))
+      for role in self.grpo_cfg.trained_roles:
+        role_mask = mask & (row_role == role)[..., None]
+        if role_mask.any():
+          scalars[f"sft/nll/{Role(role).name.lower()}"] = float(-old[role_mask].sum() / role_mask.sum())
+      self.state, update_metrics = self.update(self.state, batch)
+      update_metrics = jax.device_get(update_metrics)
+      for k in ("tokens", "grad_norm", "kl"):
+        if k in update_metrics:
+          scalars[f"sft/{k}"] = float(np.asarray(update_metrics[k]))
+    scalars["time/step_s"] = time.perf_counter() - start
+    return scalars
+
   def step(self, step: int) -> dict[str, float]:
-    """Runs training step ``step`` (1-based: the step-th update) and returns its metrics."""
+    """Runs training step ``step`` (1-based: the step-th update) and returns its metrics; the first
+    ``train.sft_warmup_steps`` steps are supervised (`sft_step`)."""
+    if step <= self.config.train.sft_warmup_steps:
+      return self.sft_step(step)
     start = time.perf_counter()
     tasks = self.stream.next_batch()
     trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))

@@ -128,7 +128,11 @@ def test_ablation_modes_run(tmp_path, data_dir, overrides):
     ({"grpo.mode": "ppo"}, "grpo.mode"),
     ({"train.group_size": 1}, "group_size"),
     ({"model": "qwen3-8b", "model_path": "/nonexistent/qwen3"}, "model_path"),
-    ({"train.sft_warmup_steps": 1}, "sft_warmup_steps=1: the supervised warm-up is not implemented"),
+    (
+      {"train.sft_warmup_steps": 1, "env.benchmark": "checklist"},
+      r"train.sft_warmup_steps=1 with env.benchmark='checklist': .* only 'tau2', 'bfcl' have; set it to 0",
+    ),
+    ({"train.sft_warmup_steps": 3}, "train.sft_warmup_steps=3 must be <= train.steps=2"),
     ({"train.eval_tasks": -2}, r"train.eval_tasks=-2 must be >= -1 \(-1: every task of eval_split, 0: no evaluation\)"),
   ],
 )
@@ -181,3 +185,70 @@ def test_pretrained_weights_are_stored_in_param_dtype(smollm2):
   np.testing.assert_array_equal(
     np.asarray(leaves[0], np.float32), np.asarray(reference[0].astype(jnp.bfloat16), np.float32)
   )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The supervised warm-up (train.sft_warmup_steps)
+
+
+@pytest.mark.parametrize("mode", ["envace", "per_role"])
+def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_path, data_dir, mode):
+  """Advantage 1 and old logprobs = the current policy's: the GRPO surrogate's gradient is exactly -grad log p,
+  token-mean over the demonstrations' trained tokens (per_role: each tree over its own role's tokens)."""
+  from envace_jax.model.roles import NUM_ROLES, Role
+  from envace_jax.rl import grpo, logprobs
+
+  config = tiny_config(data_dir, **{"train.sft_warmup_steps": 1, "grpo.mode": mode})
+  trainer = train.Trainer(config, str(tmp_path))
+  tasks = [trainer.train_source[i] for i in range(3)]
+  trajectories, skipped = trainer.demonstrations(tasks)
+  assert skipped == 0 and len(trajectories) == 3
+  adv = np.zeros((3, NUM_ROLES), np.float32)
+  adv[:, [int(Role.ACT), int(Role.REHEARSE)]] = 1.0
+  batch = trainer.training_batch(trajectories, adv)
+  batch = batch.replace(old_logprobs=trainer.policy_logprobs(batch))
+  params = trainer.state.params
+  grads, _ = jax.jit(grpo.loss_and_grads, static_argnums=(0, 1))(trainer.model.config, trainer.grpo_cfg, params, batch)
+
+  def nll(p, keep):
+    total = count = 0.0
+    for k in range(batch.tokens.shape[0]):
+      mb = jax.tree.map(lambda x, k=k: x[k], batch)
+      if not keep(int(mb.row_role[0])):
+        continue
+      logp, _ = logprobs.target_logprobs(trainer.model.config, p, mb)
+      total += jnp.sum(jnp.where(mb.target_mask, logp, 0.0))
+      count += jnp.sum(mb.target_mask)
+    return -total / count
+
+  if mode == "envace":
+    expected = {"policy": jax.grad(nll)(params, lambda r: True)}
+    grads = {"policy": grads}
+  else:
+    trees = {"act": int(Role.ACT), "rehearse": int(Role.REHEARSE)}
+    expected = {n: jax.grad(nll)(params[n], lambda r, role=role: r == role) for n, role in trees.items()}
+  for name, tree in expected.items():
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(tree))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * scale), grads[name], tree)
+
+
+def test_sft_steps_lower_the_nll_then_rl_takes_over(tmp_path, data_dir):
+  """Supervised steps on the same demonstrations lower their NLL (at the warm-up's own learning rate); the step after
+  the warm-up is a GRPO step with rollouts; the optimizer's rate switches with the update count."""
+  from envace_jax.rl import grpo
+
+  config = tiny_config(
+    data_dir,
+    **{"train.steps": 4, "train.sft_warmup_steps": 3, "grpo.sft_learning_rate": 2e-2, "train.eval_tasks": 0},
+  )
+  trainer = train.Trainer(config, str(tmp_path))
+  schedule = grpo.learning_rate(trainer.grpo_cfg)
+  rl_rate = config.grpo.learning_rate
+  assert [float(schedule(n)) for n in (0, 2, 3, 10)] == pytest.approx([2e-2, 2e-2, rl_rate, rl_rate])
+  tasks = trainer.stream.next_batch()
+  trainer.stream.next_batch = lambda: tasks  # the same demonstrations at every warm-up step
+  first, _, third = (trainer.step(s) for s in (1, 2, 3))
+  assert "reward/mean" not in first and first["sft/tokens"] > 0 and first["sft/demonstrations"] == len(tasks)
+  assert third["sft/nll"] < first["sft/nll"] - 1.5, (first["sft/nll"], third["sft/nll"])  # nats per token
+  rl = trainer.step(4)
+  assert "reward/mean" in rl and "sft/nll" not in rl

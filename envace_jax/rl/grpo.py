@@ -100,6 +100,9 @@ class GrpoConfig:
     kl_coef: its coefficient.
     kl_estimator: "low_var_kl" (k3, clamped as verl does), "k1" or "k2"; see ``kl_penalty``.
     learning_rate, weight_decay, adam_b1, adam_b2, adam_eps: optax AdamW.
+    sft_steps: the run's first updates are the supervised warm-up (``train.sft_warmup_steps``; `sft_step`).
+    sft_learning_rate: AdamW's rate during those updates (a schedule on the optimizer's update count); 0: the same
+      ``learning_rate`` (and no schedule in the optimizer state).
     max_grad_norm: ``optax.clip_by_global_norm`` before AdamW.
     micro_batch_size: rows per micro-batch (M); on a mesh, a multiple of the batch shards.
     length_bucket: rows are padded to a power of two up to this, then to a multiple of it (bounds compiles).
@@ -125,6 +128,8 @@ class GrpoConfig:
   kl_coef: float = 1e-4
   kl_estimator: str = "low_var_kl"
   learning_rate: float = 1e-6
+  sft_steps: int = 0
+  sft_learning_rate: float = 0.0
   weight_decay: float = 0.01
   max_grad_norm: float = 1.0
   adam_b1: float = 0.9
@@ -167,6 +172,8 @@ class GrpoConfig:
       ("adv_eps", self.adv_eps > 0.0, "> 0"),
       ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
       ("learning_rate", self.learning_rate > 0.0, "> 0"),
+      ("sft_steps", self.sft_steps >= 0, ">= 0"),
+      ("sft_learning_rate", self.sft_learning_rate >= 0.0, ">= 0 (0: learning_rate)"),
       ("weight_decay", self.weight_decay >= 0.0, ">= 0"),
       ("max_grad_norm", self.max_grad_norm > 0.0, "> 0"),
       ("adam_b1", 0.0 <= self.adam_b1 < 1.0, "in [0, 1)"),
@@ -471,11 +478,21 @@ class TrainState:
   opt_state: Any
 
 
+def learning_rate(cfg: GrpoConfig) -> float | optax.Schedule:
+  """``cfg.learning_rate``, or with a supervised warm-up at its own rate the schedule ``sft_learning_rate`` for the
+  first ``sft_steps`` updates, then ``learning_rate`` (``optax.join_schedules``)."""
+  if not (cfg.sft_steps and cfg.sft_learning_rate):
+    return cfg.learning_rate
+  return optax.join_schedules(
+    [optax.constant_schedule(cfg.sft_learning_rate), optax.constant_schedule(cfg.learning_rate)], [cfg.sft_steps]
+  )
+
+
 def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``cfg.learning_rate``."""
+  """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``learning_rate(cfg)``."""
   return optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
-    optax.adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+    optax.adamw(learning_rate(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
   )
 
 
