@@ -32,8 +32,7 @@ from absl import logging
 from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import config_check, evaluate, metrics, runtime
 from envace_jax.envs import datasets
-from envace_jax.envs.base import RewardInfo, Task
-from envace_jax.envs.base import EnvError
+from envace_jax.envs.base import EnvError, RewardInfo, Task
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.episode import UnfoldConfig

@@ -1,18 +1,23 @@
 """Does world-rehearsal training raise the reward? Before/after on a fixed task set per seed, the training curve, a PNG.
 
-    python experiments/learning_check.py                       # SmolLM2-135M on τ² mock, 3 seeds, 8 steps each
-    python experiments/learning_check.py --model=tiny --steps=2 --seeds=0   # a smoke run of the script itself
+    python experiments/learning_check.py                       # SmolLM2-135M on τ² mock, 3 seeds
+    python experiments/learning_check.py --model=tiny --steps=2 --seeds=0 --sft-steps=1   # a smoke run of the script
 
 Each seed builds ``train.Trainer`` (the loop of ``python -m envace_jax.main``) on τ² mock with the rule-checklist
 reward, then:
-  1. scores the policy at step 0 on a fixed set: every training task, ``--group`` rehearsed rollouts each (the
-     same rollout code and reward as training; a fixed key, so the only difference later is the parameters);
-  2. trains ``--steps`` steps (each step draws ``--tasks`` tasks: the per-step training reward mostly tells which task
-     came up, so it is printed but not judged);
-  3. scores the trained policy on the same set with the same key.
-The check passes when, for every seed, the mean reward on the fixed set after training exceeds the one before. Prints
-a table and the verdict and saves ``--out`` (PNG: per-step training reward per seed, and before/after per seed).
-Not a timed test: it trains for minutes (SmolLM2 on 2 CPU cores: ~2.5 min per step at B=1, G=4).
+  1. takes ``--sft-steps`` supervised warm-up steps (``train.sft_warmup_steps``: the tasks' gold calls for ACT, the
+     real tools' responses for REHEARSE) at ``--sft-lr``. Without them SmolLM2-135M never calls a tool, every rollout
+     of a task gets the same reward and every GRPO advantage is 0 (measured: reward std 0 in all groups, grad norm 0);
+  2. scores the policy on a fixed set: every training task, ``--fixed-group`` rehearsed rollouts each (the same
+     rollout code and reward as training; a fixed key, so the only difference later is the parameters);
+  3. trains ``--steps`` GRPO steps at ``--lr`` (each draws ``--tasks`` tasks: the per-step training reward mostly
+     tells which task came up, so it is printed but not judged);
+  4. scores the trained policy on the same set with the same key.
+The check passes when, for every seed, the fixed-set reward after the GRPO steps exceeds the one before them (after
+the warm-up): what is judged is reinforcement learning, not the supervised warm-up. Prints a table and the verdict and
+saves ``--out`` (PNG: per-step training reward per seed, and before/after per seed).
+Not a timed test. SmolLM2 on 2 CPU cores: about 40 s per warm-up step, 2-3 min per GRPO step at B=1, G=4, and 4 min
+per fixed-set scoring (9 tasks x 2), so about 30 min per seed with the defaults.
 """
 
 from __future__ import annotations
@@ -29,79 +34,107 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_config(model: str, seed: int, steps: int, data_dir: str, lr: float, group: int, tasks: int):
+def load_config(args, seed: int):
+  """The training config of one seed (``args``: this script's arguments)."""
   spec = importlib.util.spec_from_file_location(
-    "tau2_config", ROOT / "configs" / ("tiny.py" if model == "tiny" else "tau2.py")
+    "tau2_config", ROOT / "configs" / ("tiny.py" if args.model == "tiny" else "tau2.py")
   )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config() if model == "tiny" else module.get_config("mock")
+  c = module.get_config() if args.model == "tiny" else module.get_config("mock")
   c.seed = seed
-  c.env.data_dir = data_dir
-  c.train.steps = steps
+  c.env.data_dir = args.data_dir
+  c.train.steps = args.sft_steps + args.steps
+  c.train.sft_warmup_steps = args.sft_steps
   c.train.eval_tasks = 0
   c.train.eval_every = 0
-  c.train.group_size = group
-  c.train.tasks_per_step = tasks
-  c.train.checkpoint_every = steps
-  c.grpo.learning_rate = lr
+  c.train.group_size = args.group
+  c.train.tasks_per_step = args.tasks
+  c.grpo.learning_rate = args.lr
+  c.grpo.sft_learning_rate = args.sft_lr
+  c.rollout.max_turns = args.max_turns
+  for role in ("act", "rehearse", "user"):
+    c.rollout[f"{role}_max_new_tokens"] = args.max_new_tokens
   return c
 
 
-def fixed_set_reward(trainer, tasks, seed: int) -> float:
-  """Mean rule-checklist reward of the current policy on ``tasks`` (G rollouts each, a fixed key)."""
+def fixed_set_reward(trainer, tasks, seed: int, group: int) -> float:
+  """Mean rule-checklist reward of the current policy on ``tasks`` (``group`` rollouts each, a fixed key)."""
+  import dataclasses
+
   import jax
 
-  trajectories, _ = trainer.rollout(tasks, jax.random.key(10_000 + seed))
+  train_cfg = trainer.unfold_cfg
+  trainer.unfold_cfg = dataclasses.replace(train_cfg, group_size=group)
+  try:
+    trajectories, _ = trainer.rollout(tasks, jax.random.key(10_000 + seed))
+  finally:
+    trainer.unfold_cfg = train_cfg
   rewards = [t.reward.reward for t in trajectories if t.reward is not None and t.reward.valid]
   return float(np.mean(rewards)) if rewards else float("nan")
 
 
-def run_seed(args, seed: int) -> tuple[list[float], float, float]:
-  """(training reward per step, fixed-set reward before, after) for one seed."""
-  from envace_jax import metrics, train
+def run_seed(args, seed: int) -> tuple[list[float], list[float], float, float]:
+  """(warm-up NLL per step, GRPO training reward per step, fixed-set reward before the GRPO steps, after) of a seed."""
+  from envace_jax import train
 
   with tempfile.TemporaryDirectory() as workdir:
-    config = load_config(args.model, seed, args.steps, args.data_dir, args.lr, args.group, args.tasks)
+    config = load_config(args, seed)
     start = time.perf_counter()
     trainer = train.Trainer(config, workdir)
     tasks = [trainer.train_source[i] for i in range(len(trainer.train_source))]
-    before = fixed_set_reward(trainer, tasks, seed)
-    trainer.run()
-    after = fixed_set_reward(trainer, tasks, seed)
-    records = metrics.read_jsonl(workdir)
+    nll = [trainer.step(s)["sft/nll"] for s in range(1, args.sft_steps + 1)]
+    before = fixed_set_reward(trainer, tasks, seed, args.fixed_group)
+    curve = []
+    for s in range(args.sft_steps + 1, args.sft_steps + args.steps + 1):
+      record = trainer.step(s)
+      curve.append(float(record["reward/mean"]))
+      print(f"seed {seed} step {s}: reward {curve[-1]:.3f} std {record['reward/std']:.3f}, "
+            f"grad norm {record.get('update/grad_norm', float('nan')):.3f}", flush=True)  # fmt: skip
+    after = fixed_set_reward(trainer, tasks, seed, args.fixed_group)
     print(f"seed {seed}: before {before:.3f}, after {after:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
-  return [float(r["reward/mean"]) for r in records], before, after
+  return nll, curve, before, after
 
 
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=8)
-  parser.add_argument("--lr", type=float, default=1e-5)
+  parser.add_argument("--steps", type=int, default=6, help="GRPO steps after the warm-up")
+  parser.add_argument("--lr", type=float, default=1e-5, help="GRPO learning rate")
+  parser.add_argument("--sft-steps", type=int, default=6, help="supervised warm-up steps, B tasks each (0: none)")
+  parser.add_argument("--sft-lr", type=float, default=1e-4, help="warm-up learning rate")
   parser.add_argument("--group", type=int, default=4, help="G rollouts per task")
   parser.add_argument("--tasks", type=int, default=1, help="B tasks per step")
+  parser.add_argument("--fixed-group", type=int, default=2, help="rollouts per task on the fixed set")
+  parser.add_argument("--max-turns", type=int, default=2, help="ACT generations per trajectory (mock: call, reply)")
+  parser.add_argument("--max-new-tokens", type=int, default=64, help="per generation, every role")
   parser.add_argument("--data-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds"))
   parser.add_argument("--out", default="learning_check.png")
   args = parser.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",")]
   results = {seed: run_seed(args, seed) for seed in seeds}
-  curves = {seed: r[0] for seed, r in results.items()}
+  curves = {seed: r[1] for seed, r in results.items()}
 
-  print(f"\nτ² mock, {args.model}, B={args.tasks}, G={args.group}, lr={args.lr}, {args.steps} steps")
-  print("training reward per step (a different task each step):")
+  print(f"\nτ² mock, {args.model}: {args.sft_steps} warm-up steps at lr {args.sft_lr}, then {args.steps} GRPO steps "
+        f"(B={args.tasks}, G={args.group}, lr={args.lr})")  # fmt: skip
+  if args.sft_steps:
+    print("warm-up NLL per step (nats per trained token, before each update):")
+    for seed, r in results.items():
+      print(f"{seed:>4} | " + " ".join(f"{x:5.3f}" for x in r[0]))
+  print("GRPO training reward per step (a different task each step):")
   print("seed | " + " ".join(f"{s:>5}" for s in range(1, args.steps + 1)))
   for seed, curve in curves.items():
     print(f"{seed:>4} | " + " ".join(f"{r:5.2f}" for r in curve))
   mean = np.mean(list(curves.values()), axis=0)
   print(" all | " + " ".join(f"{r:5.2f}" for r in mean))
-  print("fixed set (every training task x G, same key): seed | before  after  gain")
+  print(f"fixed set (every training task x {args.fixed_group}, same key), before and after the GRPO steps:")
+  print("  seed | before  after   gain")
   ok = True
-  for seed, (_, before, after) in results.items():
+  for seed, (_, _, before, after) in results.items():
     ok &= bool(after > before)
     print(f"  {seed:>4} | {before:6.3f} {after:6.3f} {after - before:+6.3f}")
-  print(f"learning check (after > before on the fixed set, every seed): {'PASSED' if ok else 'FAILED'}")
+  print(f"learning check (after > before the GRPO steps on the fixed set, every seed): {'PASSED' if ok else 'FAILED'}")
 
   import matplotlib
 
@@ -117,7 +150,7 @@ def main(argv: list[str]) -> int:
   ax.set_ylabel("training reward (rule checklist)")
   ax.set_title(f"EnvACE on τ² mock ({args.model})")
   ax.legend()
-  for seed, (_, before, after) in results.items():
+  for seed, (_, _, before, after) in results.items():
     bx.plot([0, args.steps], [before, after], marker="o", label=f"seed {seed}")
   bx.set_xlabel("step")
   bx.set_ylabel("fixed-set reward")

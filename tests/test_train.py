@@ -229,7 +229,7 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_pat
     expected = {n: jax.grad(nll)(params[n], lambda r, role=role: r == role) for n, role in trees.items()}
   for name, tree in expected.items():
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(tree))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * scale), grads[name], tree)
+    jax.tree.map(lambda a, b, s=scale: np.testing.assert_allclose(a, b, atol=1e-4 * s), grads[name], tree)
 
 
 def test_sft_steps_lower_the_nll_then_rl_takes_over(tmp_path, data_dir):
