@@ -55,6 +55,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Tokenizer of a randomly initialised model ("tiny" only): a weights source ("smollm2-135m", a directory) whose
   # tokenizer renders the chats; the model's vocab_size becomes that tokenizer's. "": the model's own tokenizer.
   c.tokenizer = ""
+  # The chat template the views are rendered with: "" the tokenizer's own (from its tokenizer_config.json /
+  # chat_template.jinja / GGUF), "chatml" ChatML. A rollout needs an append-only template that writes an assistant
+  # message verbatim; Qwen3's rewrites earlier turns (thinking blocks), so use "chatml" with Qwen3 (its native format).
+  c.chat_template = ""
   c.dtype = "float32"  # compute dtype: float32 on CPU (bfloat16 is 2-4x slower there), bfloat16 on accelerators
   c.param_dtype = "float32"  # parameter (and AdamW moment) storage; bfloat16 halves memory on accelerators
   # Device mesh (data, fsdp, tensor); -1 takes every remaining device. paper-scale: e.g. data=-1, fsdp=8.

@@ -36,6 +36,7 @@ ARG_KEYS = ("strict", "tau2")
 REHEARSAL = ("off", "parallel", "sequential")
 REHEARSAL_USERS = ("policy", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
+CHAT_TEMPLATES = ("", "chatml")
 MESH_AXES = ("data", "fsdp", "tensor")
 DEMONSTRATED_BENCHMARKS = ("tau2", "bfcl")  # with reference conversations for train.sft_warmup_steps
 SMOLLM2 = "smollm2-135m"
@@ -195,6 +196,7 @@ def _check_model(ck: _Checker) -> int | None:
   model, path, tokenizer = ck.text("model"), ck.text("model_path"), ck.text("tokenizer")
   for key in ("dtype", "param_dtype"):
     ck.one_of(key, DTYPES)
+  ck.one_of("chat_template", CHAT_TEMPLATES, why=' ("": the tokenizer\'s own template)')
   if model is _MISSING or path is _MISSING:
     return None
   presets = tuple(model_config.PRESETS)

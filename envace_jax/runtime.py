@@ -42,7 +42,8 @@ def load_model(config) -> Model:
   """The configured model, offline: a preset's bundled weights, a local directory or GGUF, or a random preset.
 
   A random preset ("tiny") with ``config.tokenizer`` set takes that tokenizer's vocabulary size, so it can render
-  real chats (tests and smoke runs).
+  real chats (tests and smoke runs). ``config.chat_template="chatml"`` renders chats in ChatML instead of the
+  tokenizer's own template.
 
   Raises:
     weights.WeightsError, config_lib.ConfigError: the weights cannot be read.
@@ -58,11 +59,19 @@ def load_model(config) -> Model:
       overrides["vocab_size"] = tokenizer.vocab_size
     model_config = config_lib.get_model_config(config.model, **overrides)
     params = transformer.init_params(model_config, jax.random.key(config.seed))
-    return Model(model_config, params, tokenizer, f"random init (seed {config.seed})")
+    return Model(model_config, params, _chat_template(config, tokenizer), f"random init (seed {config.seed})")
   pretrained = weights.load_pretrained(source, dtype=config.dtype, param_dtype=config.get("param_dtype", "float32"))
   if tokenizer is None:
     tokenizer = Tokenizer.from_hf_dir(pretrained.path)
+  tokenizer = _chat_template(config, tokenizer)
   return Model(pretrained.config.replace(scan_layers=True), pretrained.params, tokenizer, str(pretrained.path))
+
+
+def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:
+  """``tokenizer`` with ``config.chat_template`` applied ("chatml": ChatML; "": its own template)."""
+  if tokenizer is not None and config.get("chat_template") == "chatml":
+    return tokenizer.with_chat_template(None)
+  return tokenizer
 
 
 def make_mesh(config) -> jax.sharding.Mesh:

@@ -133,6 +133,7 @@ def test_ablation_modes_run(tmp_path, data_dir, overrides):
       r"train.sft_warmup_steps=1 with env.benchmark='checklist': .* only 'tau2', 'bfcl' have; set it to 0",
     ),
     ({"train.sft_warmup_steps": 3}, "train.sft_warmup_steps=3 must be <= train.steps=2"),
+    ({"chat_template": "qwen3"}, r"chat_template='qwen3' is not valid .*; choose one of '', 'chatml'"),
     ({"train.eval_tasks": -2}, r"train.eval_tasks=-2 must be >= -1 \(-1: every task of eval_split, 0: no evaluation\)"),
   ],
 )
@@ -167,6 +168,18 @@ def test_a_scorer_that_raises_scores_zero_and_is_recorded():
   info = train.score(tiny_config("/unused"), traj, env=env)
   assert info.reward == 0.0 and info.valid and "RecursionError" in info.info["scoring_error"]
   assert traj.counts["scoring_error"] == 1 and "RecursionError" in traj.events[-1]["scoring_error"]
+
+
+def test_chat_template_chatml_replaces_the_tokenizers_own(data_dir):
+  """config.chat_template="chatml" renders the views in ChatML (for templates that are not append-only, as Qwen3's)."""
+  from envace_jax.model.tokenizer import Message
+
+  own = runtime.load_model(tiny_config(data_dir)).tokenizer
+  chatml = runtime.load_model(tiny_config(data_dir, chat_template="chatml")).tokenizer
+  assert own.chat_template is not None and chatml.chat_template is None  # SmolLM2's GGUF ships its own
+  chat = [Message("user", "hi")]
+  assert chatml.render_text(chat) == "<|im_start|>user\nhi<|im_end|>\n"
+  assert own.render_text(chat) != chatml.render_text(chat)  # SmolLM2's template adds its default system prompt
 
 
 @pytest.mark.slow
