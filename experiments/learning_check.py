@@ -83,7 +83,7 @@ def run_seed(args, seed: int) -> tuple[list[float], list[float], float, float]:
     start = time.perf_counter()
     trainer = train.Trainer(config, workdir)
     tasks = [trainer.train_source[i] for i in range(len(trainer.train_source))]
-    nll = [trainer.step(s)["sft/nll"] for s in range(1, args.sft_steps + 1)]
+    nll = [trainer.step(s).get("sft/nll", float("nan")) for s in range(1, args.sft_steps + 1)]  # nan: no rows
     before = fixed_set_reward(trainer, tasks, seed, args.fixed_group)
     curve = []
     for s in range(args.sft_steps + 1, args.sft_steps + args.steps + 1):
