@@ -170,7 +170,7 @@ class MetricsWriter:
     tensorboard: write TensorBoard event files.
     progress: show a progress bar (on stderr).
     progress_keys: scalars shown on the bar when a step has them (the first present of "reward/mean", "reward" is
-      shown as "reward").
+      shown as "reward"; a supervised warm-up step shows its "sft/nll").
     is_primary: whether this process writes; default ``jax.process_index() == 0``.
 
   Raises:
@@ -185,7 +185,7 @@ class MetricsWriter:
     start_step: int = 1,
     tensorboard: bool = True,
     progress: bool = True,
-    progress_keys: Sequence[str] = ("reward/mean", "reward", "loss"),
+    progress_keys: Sequence[str] = ("reward/mean", "reward", "sft/nll", "loss"),
     is_primary: bool | None = None,
   ):
     if start_step < 0:
