@@ -1,4 +1,4 @@
-"""Smoke runs of the experiment scripts (experiments/ablation.py, experiments/test_time_rehearsal.py) on the tiny model,
+"""Smoke runs of the experiment scripts (ablation.py, test_time_rehearsal.py, learning_check.py) on the tiny model,
 asserting on the rows their ``main`` returns; and the shared helpers (experiments/common.py)."""
 
 from __future__ import annotations
@@ -173,3 +173,22 @@ def test_set_value_converts_flag_text():
   assert config.seed == 3 and config.env.domain == "mock" and config.model == "tiny"
   assert common.mean_std([0.0, 1.0]) == pytest.approx((0.5, math.sqrt(0.5))) and common.mean_std([0.5]) == (0.5, 0.0)
   assert common.pm(0.25, 0.05) == "25.0 ± 5.0" and common.pm(float("nan"), 0.0) == "-"
+
+
+@pytest.mark.slow
+def test_learning_check_smoke_run(tmp_path, data_dir, capsys):
+  """experiments/learning_check.py on the tiny model: a warm-up step, a GRPO step, the fixed set before and after,
+  the verdict and the PNG. The random tiny model's first warm-up NLL is that of a near-uniform next-token
+  distribution, ln(vocab size)."""
+  from experiments import learning_check
+
+  out_png = tmp_path / "learning_check.png"
+  args = ["--model=tiny", "--steps=1", "--seeds=0", "--sft-steps=1", "--max-new-tokens=16", "--fixed-group=2"]
+  code = learning_check.main([*args, f"--data-dir={data_dir}", f"--out={out_png}"])
+  out = capsys.readouterr().out
+  assert code in (0, 1) and "learning check (after > before the GRPO steps on the fixed set, every seed)" in out
+  lines = out.splitlines()
+  nll_row = lines[lines.index("warm-up NLL per step (nats per trained token, before each update):") + 1]
+  seed, nll = nll_row.split("|")
+  assert int(seed) == 0 and float(nll) == pytest.approx(math.log(49152), abs=0.1)
+  assert out_png.stat().st_size > 0
