@@ -314,7 +314,8 @@ class Trainer:
         role_mask = mask & (row_role == role)[..., None]
         if role_mask.any():
           scalars[f"sft/nll/{Role(role).name.lower()}"] = float(-old[role_mask].sum() / role_mask.sum())
-      self.state, update_metrics = self.update(self.state, batch)
+      state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=True)
+      self.state, update_metrics = self.update(state, batch)
       update_metrics = jax.device_get(update_metrics)
       for k in ("tokens", "grad_norm", "kl"):
         if k in update_metrics:
@@ -342,7 +343,8 @@ class Trainer:
       batch = None
     if batch is not None:
       batch = self.with_reference(batch)
-      self.state, update_metrics = self.update(self.state, batch)
+      state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=False)
+      self.state, update_metrics = self.update(state, batch)
       update_metrics = jax.device_get(update_metrics)
       scalars.update({f"update/{k}": float(np.asarray(v)) for k, v in update_metrics.items()})
       trained = float(np.asarray(update_metrics.get("tokens", 0)))

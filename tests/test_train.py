@@ -246,22 +246,27 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_pat
 
 
 def test_sft_steps_lower_the_nll_then_rl_takes_over(tmp_path, data_dir):
-  """Supervised steps on the same demonstrations lower their NLL (at the warm-up's own learning rate); the step after
-  the warm-up is a GRPO step with rollouts; the optimizer's rate switches with the update count."""
-  from envace_jax.rl import grpo
-
+  """Supervised steps on the same demonstrations lower their NLL at the warm-up's own learning rate; a warm-up step
+  with nothing to train does not shift the rates; the step after the warm-up is a GRPO step at the RL rate."""
   config = tiny_config(
     data_dir,
-    **{"train.steps": 4, "train.sft_warmup_steps": 3, "grpo.sft_learning_rate": 2e-2, "train.eval_tasks": 0},
+    **{"train.steps": 5, "train.sft_warmup_steps": 4, "grpo.sft_learning_rate": 2e-2, "train.eval_tasks": 0},
   )
   trainer = train.Trainer(config, str(tmp_path))
-  schedule = grpo.learning_rate(trainer.grpo_cfg)
-  rl_rate = config.grpo.learning_rate
-  assert [float(schedule(n)) for n in (0, 2, 3, 10)] == pytest.approx([2e-2, 2e-2, rl_rate, rl_rate])
+  rate = lambda: float(trainer.state.opt_state[1].hyperparams["learning_rate"])  # noqa: E731
   tasks = trainer.stream.next_batch()
-  trainer.stream.next_batch = lambda: tasks  # the same demonstrations at every warm-up step
-  first, _, third = (trainer.step(s) for s in (1, 2, 3))
+  nothing = [t for t in trainer.train_source if t.id == "create_task_1_nl_eval"]  # no gold call, nothing to say
+  batches = iter([tasks, nothing, tasks, tasks])
+  trainer.stream.next_batch = lambda: next(batches)  # the same demonstrations at every warm-up step but one
+  first = trainer.step(1)
   assert "reward/mean" not in first and first["sft/tokens"] > 0 and first["sft/demonstrations"] == len(tasks)
-  assert third["sft/nll"] < first["sft/nll"] - 1.5, (first["sft/nll"], third["sft/nll"])  # nats per token
-  rl = trainer.step(4)
+  assert rate() == pytest.approx(2e-2)
+  skipped = trainer.step(2)
+  assert skipped["update/skipped"] == 1.0 and "sft/nll" not in skipped
+  _, last = trainer.step(3), trainer.step(4)
+  assert last["sft/nll"] < first["sft/nll"] - 1.5, (first["sft/nll"], last["sft/nll"])  # nats per token
+  assert int(trainer.state.step) == 3  # three updates in four warm-up steps
+  trainer.stream.next_batch = lambda: tasks
+  rl = trainer.step(5)
   assert "reward/mean" in rl and "sft/nll" not in rl
+  assert rate() == pytest.approx(config.grpo.learning_rate)

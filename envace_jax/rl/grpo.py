@@ -101,8 +101,8 @@ class GrpoConfig:
     kl_estimator: "low_var_kl" (k3, clamped as verl does), "k1" or "k2"; see ``kl_penalty``.
     learning_rate, weight_decay, adam_b1, adam_b2, adam_eps: optax AdamW.
     sft_steps: the run's first updates are the supervised warm-up (``train.sft_warmup_steps``; `sft_step`).
-    sft_learning_rate: AdamW's rate during those updates (a schedule on the optimizer's update count); 0: the same
-      ``learning_rate`` (and no schedule in the optimizer state).
+    sft_learning_rate: AdamW's rate during those steps (`with_learning_rate`); 0: the same ``learning_rate`` (and
+      no injected rate in the optimizer state).
     max_grad_norm: ``optax.clip_by_global_norm`` before AdamW.
     micro_batch_size: rows per micro-batch (M); on a mesh, a multiple of the batch shards.
     length_bucket: rows are padded to a power of two up to this, then to a multiple of it (bounds compiles).
@@ -478,22 +478,37 @@ class TrainState:
   opt_state: Any
 
 
-def learning_rate(cfg: GrpoConfig) -> float | optax.Schedule:
-  """``cfg.learning_rate``, or with a supervised warm-up at its own rate the schedule ``sft_learning_rate`` for the
-  first ``sft_steps`` updates, then ``learning_rate`` (``optax.join_schedules``)."""
-  if not (cfg.sft_steps and cfg.sft_learning_rate):
-    return cfg.learning_rate
-  return optax.join_schedules(
-    [optax.constant_schedule(cfg.sft_learning_rate), optax.constant_schedule(cfg.learning_rate)], [cfg.sft_steps]
-  )
-
-
 def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``learning_rate(cfg)``."""
+  """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``cfg.learning_rate``.
+
+  With a supervised warm-up at its own rate (``sft_steps`` and ``sft_learning_rate`` set) AdamW is wrapped in
+  ``optax.inject_hyperparams``: its learning rate lives in the optimizer state and `with_learning_rate` sets it per
+  training step (a schedule on the optimizer's own count would drift when a step has nothing to train).
+  """
+  adamw = optax.inject_hyperparams(optax.adamw) if cfg.sft_steps and cfg.sft_learning_rate else optax.adamw
   return optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
-    optax.adamw(learning_rate(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+    adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
   )
+
+
+def with_learning_rate(cfg: GrpoConfig, state: TrainState, supervised: bool) -> TrainState:
+  """``state`` whose AdamW steps at ``cfg.sft_learning_rate`` (``supervised``) or ``cfg.learning_rate``.
+
+  Unchanged when the optimizer has no injected rate (no warm-up at its own rate: ``learning_rate`` throughout).
+  """
+  if not (cfg.sft_steps and cfg.sft_learning_rate):
+    return state
+  rate = cfg.sft_learning_rate if supervised else cfg.learning_rate
+
+  def set_rate(chain_state):
+    clip, adamw = chain_state
+    hyperparams = {**adamw.hyperparams, "learning_rate": jnp.asarray(rate, jnp.float32)}
+    return (clip, adamw._replace(hyperparams=hyperparams))
+
+  opt_state = state.opt_state
+  opt_state = {n: set_rate(opt_state[n]) for n in ROLE_TREES} if cfg.per_role else set_rate(opt_state)
+  return state.replace(opt_state=opt_state)
 
 
 def _is_split(params: Any) -> bool:
