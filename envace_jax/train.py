@@ -20,6 +20,7 @@ resumed run repeats exactly what the uninterrupted run would have done.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -198,16 +199,21 @@ class Trainer:
     """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
     return [evaluate.make_env(self.config, task) for task in tasks for _ in range(group_size)]
 
-  def rollout(self, tasks: Sequence[Task], key: jax.Array) -> tuple[list[Trajectory], dict[str, float]]:
-    """B×G scored trajectories of ``tasks`` with the current policy."""
+  def rollout(
+    self, tasks: Sequence[Task], key: jax.Array, group_size: int | None = None
+  ) -> tuple[list[Trajectory], dict[str, float]]:
+    """B×G scored trajectories of ``tasks`` with the current policy (G = ``group_size``, default the run's)."""
     self._sync_samplers()
-    real = self.unfold_cfg.env_mode == "real"
-    envs = self.envs_for(tasks, self.unfold_cfg.group_size) if real else None
+    unfold_cfg = self.unfold_cfg
+    if group_size is not None and group_size != unfold_cfg.group_size:
+      unfold_cfg = dataclasses.replace(unfold_cfg, group_size=group_size)
+    real = unfold_cfg.env_mode == "real"
+    envs = self.envs_for(tasks, unfold_cfg.group_size) if real else None
     out = unfold(
       tasks,
       self.policy_samplers(),
       self.model.tokenizer,
-      self.unfold_cfg,
+      unfold_cfg,
       key,
       reference_sampler=self.samplers.get("reference"),
       envs=envs,
@@ -249,6 +255,14 @@ class Trainer:
     if not self.grpo_cfg.use_kl:
       return batch
     return logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
+
+  def apply_update(self, batch: TrainBatch, supervised: bool) -> dict[str, float]:
+    """One update of ``self.state`` on ``batch`` (with the reference's logprobs when the loss has a KL term), at the
+    warm-up's learning rate when ``supervised``; returns the update step's metrics as floats."""
+    batch = self.with_reference(batch)
+    state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=supervised)
+    self.state, update_metrics = self.update(state, batch)
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
 
   # -- the supervised warm-up (train.sft_warmup_steps) ------------------------------------------------------------
 
@@ -307,19 +321,14 @@ class Trainer:
       batch = None
     if batch is not None:
       old = self.policy_logprobs(batch)
-      batch = self.with_reference(batch.replace(old_logprobs=old))
       mask, row_role = np.asarray(batch.loss_mask), np.asarray(batch.row_role)
       scalars["sft/nll"] = float(-old[mask].sum() / max(mask.sum(), 1))
       for role in self.grpo_cfg.trained_roles:
         role_mask = mask & (row_role == role)[..., None]
         if role_mask.any():
           scalars[f"sft/nll/{Role(role).name.lower()}"] = float(-old[role_mask].sum() / role_mask.sum())
-      state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=True)
-      self.state, update_metrics = self.update(state, batch)
-      update_metrics = jax.device_get(update_metrics)
-      for k in ("tokens", "grad_norm", "kl"):
-        if k in update_metrics:
-          scalars[f"sft/{k}"] = float(np.asarray(update_metrics[k]))
+      update_metrics = self.apply_update(batch.replace(old_logprobs=old), supervised=True)
+      scalars.update({f"sft/{k}": update_metrics[k] for k in ("tokens", "grad_norm", "kl") if k in update_metrics})
     scalars["time/step_s"] = time.perf_counter() - start
     return scalars
 
@@ -342,12 +351,9 @@ class Trainer:
       scalars["update/skipped"] = 1.0
       batch = None
     if batch is not None:
-      batch = self.with_reference(batch)
-      state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=False)
-      self.state, update_metrics = self.update(state, batch)
-      update_metrics = jax.device_get(update_metrics)
-      scalars.update({f"update/{k}": float(np.asarray(v)) for k, v in update_metrics.items()})
-      trained = float(np.asarray(update_metrics.get("tokens", 0)))
+      update_metrics = self.apply_update(batch, supervised=False)
+      scalars.update({f"update/{k}": v for k, v in update_metrics.items()})
+      trained = update_metrics.get("tokens", 0.0)
       scalars["update/tokens_per_s"] = trained / max(time.perf_counter() - update_start, 1e-9)
       scalars["update/row_tokens"] = float(np.asarray(batch.valid).sum())
     scalars["time/update_s"] = time.perf_counter() - update_start

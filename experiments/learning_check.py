@@ -23,7 +23,6 @@ steps of B=1 x G=4, the fixed set 9 tasks x 2); 28 min per seed with ``--steps=1
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import sys
 import tempfile
@@ -32,18 +31,15 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python experiments/learning_check.py` puts experiments/ first on the path
+  sys.path.insert(0, str(ROOT))
+
+from experiments import common  # noqa: E402
 
 
 def load_config(args, seed: int):
   """The training config of one seed (``args``: this script's arguments)."""
-  spec = importlib.util.spec_from_file_location(
-    "tau2_config", ROOT / "configs" / ("tiny.py" if args.model == "tiny" else "tau2.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config() if args.model == "tiny" else module.get_config("mock")
-  c.seed = seed
-  c.env.data_dir = args.data_dir
+  c = common.make_config(args.model, "mock", seed, args.data_dir)
   c.train.steps = args.sft_steps + args.steps
   c.train.sft_warmup_steps = args.sft_steps
   c.train.eval_tasks = 0
@@ -60,16 +56,9 @@ def load_config(args, seed: int):
 
 def fixed_set_reward(trainer, tasks, seed: int, group: int) -> float:
   """Mean rule-checklist reward of the current policy on ``tasks`` (``group`` rollouts each, a fixed key)."""
-  import dataclasses
-
   import jax
 
-  train_cfg = trainer.unfold_cfg
-  trainer.unfold_cfg = dataclasses.replace(train_cfg, group_size=group)
-  try:
-    trajectories, _ = trainer.rollout(tasks, jax.random.key(10_000 + seed))
-  finally:
-    trainer.unfold_cfg = train_cfg
+  trajectories, _ = trainer.rollout(tasks, jax.random.key(10_000 + seed), group_size=group)
   rewards = [t.reward.reward for t in trajectories if t.reward is not None and t.reward.valid]
   return float(np.mean(rewards)) if rewards else float("nan")
 
@@ -109,7 +98,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--fixed-group", type=int, default=2, help="rollouts per task on the fixed set")
   parser.add_argument("--max-turns", type=int, default=2, help="ACT generations per trajectory (mock: call, reply)")
   parser.add_argument("--max-new-tokens", type=int, default=64, help="per generation, every role")
-  parser.add_argument("--data-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds"))
+  parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
   parser.add_argument("--out", default="learning_check.png")
   args = parser.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",")]

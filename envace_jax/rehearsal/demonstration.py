@@ -33,9 +33,6 @@ from envace_jax.rehearsal.episode import Episode, UnfoldConfig, initial_conversa
 from envace_jax.rehearsal.trajectory import Termination, Trajectory
 from envace_jax.sampling.stopping import FinishReason
 
-BENCHMARKS = DEMONSTRATED_BENCHMARKS
-"""Benchmarks with gold calls to demonstrate (others have no executable reference conversation)."""
-
 
 def reference_conversation(task: Task, env: ToolEnv) -> list[ChatMessage]:
   """The benchmark's reference conversation of ``task``, with every gold call executed on ``env`` (reset here).
@@ -45,7 +42,8 @@ def reference_conversation(task: Task, env: ToolEnv) -> list[ChatMessage]:
   turn its ground-truth calls and their real results).
 
   Raises:
-    EnvError: a benchmark outside `BENCHMARKS`, or gold actions the oracle cannot play (τ² user-side actions).
+    EnvError: a benchmark outside ``config_check.DEMONSTRATED_BENCHMARKS``, or gold actions the oracle cannot
+      play (τ² user-side actions).
   """
   if task.benchmark == "tau2":
     from envace_jax.envs import tau2
@@ -57,7 +55,7 @@ def reference_conversation(task: Task, env: ToolEnv) -> list[ChatMessage]:
     return bfcl.oracle_conversation(task, env)
   raise EnvError(
     f"task {task.id!r} of benchmark {task.benchmark!r} has no reference conversation to demonstrate; the supervised "
-    f"warm-up supports {', '.join(BENCHMARKS)} (set train.sft_warmup_steps=0)"
+    f"warm-up supports {', '.join(DEMONSTRATED_BENCHMARKS)} (set train.sft_warmup_steps=0)"
   )
 
 

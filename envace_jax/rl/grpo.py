@@ -205,6 +205,11 @@ class GrpoConfig:
     return cls(**items)
 
   @property
+  def injects_learning_rate(self) -> bool:
+    """The warm-up has its own rate: AdamW's rate lives in the optimizer state (`make_optimizer`)."""
+    return bool(self.sft_steps and self.sft_learning_rate)
+
+  @property
   def per_role(self) -> bool:
     return self.mode == "per_role"
 
@@ -485,7 +490,7 @@ def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
   ``optax.inject_hyperparams``: its learning rate lives in the optimizer state and `with_learning_rate` sets it per
   training step (a schedule on the optimizer's own count would drift when a step has nothing to train).
   """
-  adamw = optax.inject_hyperparams(optax.adamw) if cfg.sft_steps and cfg.sft_learning_rate else optax.adamw
+  adamw = optax.inject_hyperparams(optax.adamw) if cfg.injects_learning_rate else optax.adamw
   return optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
     adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
@@ -497,7 +502,7 @@ def with_learning_rate(cfg: GrpoConfig, state: TrainState, supervised: bool) -> 
 
   Unchanged when the optimizer has no injected rate (no warm-up at its own rate: ``learning_rate`` throughout).
   """
-  if not (cfg.sft_steps and cfg.sft_learning_rate):
+  if not cfg.injects_learning_rate:
     return state
   rate = cfg.sft_learning_rate if supervised else cfg.learning_rate
 
