@@ -204,6 +204,9 @@ class Checkpointer:
       _META: ocp.JsonCheckpointHandler(),
     }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    # Orbax removes those tmp folders on a background thread and only waits for it at the next save; wait here so
+    # that a writer's start-up is done when the constructor returns (the method is private, hence the guard).
+    getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
   @classmethod
   def from_config(cls, workdir: str | os.PathLike, config: ml_collections.ConfigDict, **kwargs) -> Checkpointer:
