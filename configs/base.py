@@ -90,6 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.data_path = ""
   c.env.split = "train"  # the split training draws tasks from (τ² mock: "base"; BFCL has only "test")
   c.env.eval_split = "test"  # the split evaluation runs on
+  # Train on these tasks of env.split only: comma-separated task ids ("": every task), e.g. to overfit a few tasks as
+  # experiments/learning_check.py does. Evaluation is unaffected.
+  c.env.train_task_ids = ""
   # Where prepared task datasets live (TFDS array_record, envace_jax.envs.datasets.prepare); TFDS's own default.
   c.env.data_dir = os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
 

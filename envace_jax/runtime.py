@@ -7,6 +7,7 @@ same thing everywhere (see ``config_check.weights_source``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from absl import logging
 
 from envace_jax import config_check
 from envace_jax.envs import datasets
+from envace_jax.envs.base import Task
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.tokenizer import Tokenizer
@@ -110,3 +112,37 @@ def load_split(config, split: str) -> datasets.TaskSource:
   name = dataset_config(config)
   datasets.prepare(config.env.benchmark, name, config.env.data_dir)
   return datasets.load(config.env.benchmark, name, split, config.env.data_dir)
+
+
+def _few(ids: list[str], n: int = 12) -> str:
+  return ", ".join(ids[:n]) + (f", ... ({len(ids)} in all)" if len(ids) > n else "")
+
+
+def training_tasks(config) -> Sequence[Task]:
+  """The tasks training draws from: ``config.env.split``, cut to ``config.env.train_task_ids`` when it is set.
+
+  Returns the split itself (a ``datasets.TaskSource``) or, with ids, a list of its tasks in the order given.
+
+  Raises:
+    config_check.ConfigError: an id that is not in the split (the message lists the split's ids), or
+      ``train.tasks_per_step`` larger than the number of tasks kept.
+  """
+  source = load_split(config, config.env.split)
+  wanted = [s.strip() for s in config.env.train_task_ids.split(",") if s.strip()]
+  if wanted:
+    index = {source[i].id: i for i in range(len(source))}
+    missing = [w for w in wanted if w not in index]
+    if missing:
+      where = f"{config.env.benchmark} {config.env.domain} split {config.env.split!r}"
+      raise config_check.ConfigError(
+        [f"env.train_task_ids: {', '.join(missing)} not in {where}; its tasks are {_few(list(index))}"]
+      )
+    source = source.get_many(index[w] for w in dict.fromkeys(wanted))
+  if config.train.tasks_per_step > len(source):
+    raise config_check.ConfigError(
+      [
+        f"train.tasks_per_step={config.train.tasks_per_step} exceeds the {len(source)} training tasks; lower it"
+        " (or keep more tasks in env.train_task_ids)"
+      ]
+    )
+  return source

@@ -127,6 +127,7 @@ class Trainer:
   def __init__(self, config, workdir: str):
     config_check.validate(config)
     self.config, self.workdir = config, workdir
+    self.train_source = runtime.training_tasks(config)  # before the model: a bad task id costs no compute
     self.model = runtime.load_model(config)
     if self.model.tokenizer is None:
       raise config_check.ConfigError(
@@ -146,7 +147,6 @@ class Trainer:
       state = grpo.shard_train_state(state, grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh))
     self.state = state
     self.key = jax.random.key(config.seed)
-    self.train_source = runtime.load_split(config, config.env.split)
     self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)
     self.ckpt = checkpoint_lib.Checkpointer.from_config(workdir, config)
     self.start_step = 0

@@ -56,12 +56,7 @@ if str(ROOT) not in sys.path:  # `python experiments/ablation.py` puts experimen
 
 from experiments import common  # noqa: E402
 
-METHODS: dict[str, dict[str, Any] | None] = {
-  "envace": {"grpo.mode": "envace"},
-  "grpo_real_env": {"grpo.mode": "grpo_real_env", "rollout.env_mode": "real", "grpo.trained_roles": ("act",)},
-  "per_role": {"grpo.mode": "per_role"},
-  "base": None,  # no training
-}
+METHODS: dict[str, dict[str, Any] | None] = {**common.TRAINING_MODES, "base": None}  # base: no training
 LABELS = {"envace": "EnvACE", "grpo_real_env": "GRPO (real env)", "per_role": "per-role", "base": "base policy"}
 PAPER_TAU2_AVG = {"envace": 36.7, "grpo_real_env": 31.2, "per_role": 35.5}  # Qwen3-8B, pass^1 (%)
 CELL_FILE = "cell.json"

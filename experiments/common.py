@@ -139,6 +139,14 @@ def split_overrides(extra: Sequence[str]) -> tuple[list[tuple[str, str]], list[s
   return overrides, rest
 
 
+# The paper's method and its two ablations as config overrides (each goes through the same training loop).
+TRAINING_MODES: dict[str, dict[str, Any]] = {
+  "envace": {"grpo.mode": "envace"},
+  "grpo_real_env": {"grpo.mode": "grpo_real_env", "rollout.env_mode": "real", "grpo.trained_roles": ("act",)},
+  "per_role": {"grpo.mode": "per_role"},
+}
+
+
 def apply_overrides(config, overrides: Sequence[tuple[str, Any]]) -> None:
   for key, value in overrides:
     set_value(config, key, value)

@@ -1,23 +1,26 @@
-"""Does world-rehearsal training raise the reward? Before/after on a fixed task set per seed, the training curve, a PNG.
+"""Does training raise the reward? Before/after on a fixed task set per seed, the training curve, a PNG.
 
-    python experiments/learning_check.py                       # SmolLM2-135M on τ² mock, 3 seeds
-    python experiments/learning_check.py --model=tiny --steps=2 --seeds=0 --sft-steps=1   # a smoke run of the script
+    python experiments/learning_check.py                       # SmolLM2-135M on τ² mock, 3 seeds, EnvACE
+    python experiments/learning_check.py --mode=grpo_real_env  # the same budget, plain GRPO against the real tools
+    python experiments/learning_check.py --model=tiny --steps=1 --seeds=0 --sft-steps=1   # a smoke run of the script
 
 Each seed builds ``train.Trainer`` (the loop of ``python -m envace_jax.main``) on τ² mock with the rule-checklist
-reward, then:
+reward (``--mode=grpo_real_env``: τ²'s own evaluator), training on ``--task-ids`` only (``env.train_task_ids``; by
+default three tasks with one gold call each, every one of them in every step: the loop is asked to fit a fixed
+batch, the simplest setting where learning must show), then:
   1. takes ``--sft-steps`` supervised warm-up steps (``train.sft_warmup_steps``: the tasks' gold calls for ACT, the
      real tools' responses for REHEARSE) at ``--sft-lr``. Without them SmolLM2-135M never calls a tool, every rollout
      of a task gets the same reward and every GRPO advantage is 0 (measured: reward std 0 in all groups, grad norm 0);
-  2. scores the policy on a fixed set: every training task, ``--fixed-group`` rehearsed rollouts each (the same
-     rollout code and reward as training; a fixed key, so the only difference later is the parameters);
-  3. trains ``--steps`` GRPO steps at ``--lr`` (each draws ``--tasks`` tasks: the per-step training reward mostly
-     tells which task came up, so it is printed but not judged);
+  2. scores the policy on the fixed set: every training task, ``--fixed-group`` rollouts each (the same rollout code
+     and reward as training; a fixed key, so the only difference later is the parameters);
+  3. trains ``--steps`` GRPO steps at ``--lr``;
   4. scores the trained policy on the same set with the same key.
 The check passes when, for every seed, the fixed-set reward after the GRPO steps exceeds the one before them (after
-the warm-up): what is judged is reinforcement learning, not the supervised warm-up. Prints a table and the verdict and
-saves ``--out`` (PNG: per-step training reward per seed, and before/after per seed).
-Not a timed test. Measured on 2 CPU cores: 15-16 min per seed with the defaults (SmolLM2; 6 warm-up steps, 6 GRPO
-steps of B=1 x G=4, the fixed set 9 tasks x 2); 28 min per seed with ``--steps=10 --fixed-group=4``.
+the warm-up): what is judged is reinforcement learning, not the supervised warm-up. The per-step training rewards
+(on-policy, a new key each step) are printed and plotted, not judged. Prints a table and the verdict and saves
+``--out`` (PNG: per-step training reward per seed, and before/after per seed).
+Not a timed test. Measured on 2 CPU cores with the defaults (SmolLM2; 2 warm-up steps, 4 GRPO steps of B=3 x G=4,
+the fixed set 3 tasks x 4): about 20 min per seed for EnvACE.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ if str(ROOT) not in sys.path:  # `python experiments/learning_check.py` puts exp
 
 from experiments import common  # noqa: E402
 
+# One gold call each, three different tools: create a task, update a task's status, transfer to a human.
+TASK_IDS = "create_task_1,update_task_1,impossible_task_1"
+
 
 def load_config(args, seed: int):
   """The training config of one seed (``args``: this script's arguments)."""
@@ -45,7 +51,9 @@ def load_config(args, seed: int):
   c.train.eval_tasks = 0
   c.train.eval_every = 0
   c.train.group_size = args.group
-  c.train.tasks_per_step = args.tasks
+  c.env.train_task_ids = args.task_ids
+  common.apply_overrides(c, common.TRAINING_MODES[args.mode].items())
+  c.train.tasks_per_step = args.tasks or len([t for t in args.task_ids.split(",") if t.strip()]) or 1
   c.grpo.learning_rate = args.lr
   c.grpo.sft_learning_rate = args.sft_lr
   c.rollout.max_turns = args.max_turns
@@ -79,7 +87,8 @@ def run_seed(args, seed: int) -> tuple[list[float], list[float], float, float]:
       record = trainer.step(s)
       curve.append(float(record["reward/mean"]))
       print(f"seed {seed} step {s}: reward {curve[-1]:.3f} std {record['reward/std']:.3f}, "
-            f"grad norm {record.get('update/grad_norm', float('nan')):.3f}", flush=True)  # fmt: skip
+            f"grad norm {record.get('update/grad_norm', float('nan')):.3f}, {record['time/step_s']:.0f} s "
+            f"(update {record['time/update_s']:.0f} s)", flush=True)  # fmt: skip
     after = fixed_set_reward(trainer, tasks, seed, args.fixed_group)
     print(f"seed {seed}: before {before:.3f}, after {after:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
   return nll, curve, before, after
@@ -89,13 +98,15 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=6, help="GRPO steps after the warm-up")
+  parser.add_argument("--mode", default="envace", choices=list(common.TRAINING_MODES), help="what is trained")
+  parser.add_argument("--steps", type=int, default=4, help="GRPO steps after the warm-up")
   parser.add_argument("--lr", type=float, default=1e-5, help="GRPO learning rate")
-  parser.add_argument("--sft-steps", type=int, default=6, help="supervised warm-up steps, B tasks each (0: none)")
+  parser.add_argument("--sft-steps", type=int, default=2, help="supervised warm-up steps, B tasks each (0: none)")
   parser.add_argument("--sft-lr", type=float, default=1e-4, help="warm-up learning rate")
   parser.add_argument("--group", type=int, default=4, help="G rollouts per task")
-  parser.add_argument("--tasks", type=int, default=1, help="B tasks per step")
-  parser.add_argument("--fixed-group", type=int, default=2, help="rollouts per task on the fixed set")
+  parser.add_argument("--task-ids", default=TASK_IDS, help="the training tasks (env.train_task_ids; '': all 9)")
+  parser.add_argument("--tasks", type=int, default=0, help="B tasks per step (0: one per task id; 1 without)")
+  parser.add_argument("--fixed-group", type=int, default=4, help="rollouts per task on the fixed set")
   parser.add_argument("--max-turns", type=int, default=2, help="ACT generations per trajectory (mock: call, reply)")
   parser.add_argument("--max-new-tokens", type=int, default=64, help="per generation, every role")
   parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
@@ -105,19 +116,20 @@ def main(argv: list[str]) -> int:
   results = {seed: run_seed(args, seed) for seed in seeds}
   curves = {seed: r[1] for seed, r in results.items()}
 
-  print(f"\nτ² mock, {args.model}: {args.sft_steps} warm-up steps at lr {args.sft_lr}, then {args.steps} GRPO steps "
-        f"(B={args.tasks}, G={args.group}, lr={args.lr})")  # fmt: skip
+  print(f"\nτ² mock, {args.model}, {args.mode}, tasks {args.task_ids or 'all'}: {args.sft_steps} warm-up steps at lr "
+        f"{args.sft_lr}, then {args.steps} GRPO steps (B={load_config(args, 0).train.tasks_per_step}, G={args.group}, "
+        f"lr={args.lr})")  # fmt: skip
   if args.sft_steps:
     print("warm-up NLL per step (nats per trained token, before each update):")
     for seed, r in results.items():
       print(f"{seed:>4} | " + " ".join(f"{x:5.3f}" for x in r[0]))
-  print("GRPO training reward per step (a different task each step):")
+  print("GRPO training reward per step (on-policy, a new key each step):")
   print("seed | " + " ".join(f"{s:>5}" for s in range(1, args.steps + 1)))
   for seed, curve in curves.items():
     print(f"{seed:>4} | " + " ".join(f"{r:5.2f}" for r in curve))
   mean = np.mean(list(curves.values()), axis=0)
   print(" all | " + " ".join(f"{r:5.2f}" for r in mean))
-  print(f"fixed set (every training task x {args.fixed_group}, same key), before and after the GRPO steps:")
+  print(f"fixed set (every training task x {args.fixed_group}, one key), before and after the GRPO steps:")
   print("  seed | before  after   gain")
   ok = True
   for seed, (_, _, before, after) in results.items():

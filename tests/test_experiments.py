@@ -184,6 +184,7 @@ def test_learning_check_smoke_run(tmp_path, data_dir, capsys):
 
   out_png = tmp_path / "learning_check.png"
   args = ["--model=tiny", "--steps=1", "--seeds=0", "--sft-steps=1", "--max-new-tokens=16", "--fixed-group=2"]
+  args += ["--task-ids=create_task_1,update_task_1", "--tasks=1"]
   code = learning_check.main([*args, f"--data-dir={data_dir}", f"--out={out_png}"])
   out = capsys.readouterr().out
   assert code in (0, 1) and "learning check (after > before the GRPO steps on the fixed set, every seed)" in out

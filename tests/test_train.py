@@ -135,6 +135,14 @@ def test_ablation_modes_run(tmp_path, data_dir, overrides):
     ({"train.sft_warmup_steps": 3}, "train.sft_warmup_steps=3 must be <= train.steps=2"),
     ({"chat_template": "qwen3"}, r"chat_template='qwen3' is not valid .*; choose one of '', 'chatml'"),
     ({"train.eval_tasks": -2}, r"train.eval_tasks=-2 must be >= -1 \(-1: every task of eval_split, 0: no evaluation\)"),
+    (
+      {"env.train_task_ids": "create_task_1, no_such_task"},
+      r"env.train_task_ids: no_such_task not in tau2 mock split 'base'; its tasks are create_task_1, ",
+    ),
+    (
+      {"env.train_task_ids": "create_task_1", "train.tasks_per_step": 2},
+      r"train.tasks_per_step=2 exceeds the 1 training tasks",
+    ),
   ],
 )
 def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, overrides, message):
@@ -145,6 +153,12 @@ def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, ov
   with pytest.raises(config_check.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(data_dir, **overrides), str(tmp_path))
   assert not os.listdir(tmp_path)
+
+
+def test_train_task_ids_keep_those_tasks_in_the_order_given(data_dir):
+  config = tiny_config(data_dir, **{"env.train_task_ids": "impossible_task_1, create_task_1,impossible_task_1"})
+  assert [t.id for t in runtime.training_tasks(config)] == ["impossible_task_1", "create_task_1"]
+  assert len(runtime.training_tasks(tiny_config(data_dir))) == 9  # "": the whole split
 
 
 def test_a_scorer_that_raises_scores_zero_and_is_recorded():
@@ -198,6 +212,32 @@ def test_pretrained_weights_are_stored_in_param_dtype(smollm2):
   np.testing.assert_array_equal(
     np.asarray(leaves[0], np.float32), np.asarray(reference[0].astype(jnp.bfloat16), np.float32)
   )
+
+
+@pytest.mark.parametrize("mode", ["envace", "per_role"])
+def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mode):
+  """End to end through the Trainer (rollout, role-wise advantages, batch, update): one small step raises the
+  advantage-weighted logprob of the trained tokens, sum_t A_t (log p_new - log p_old) > 0 -- the first-order change
+  of the surrogate. Rewards are set by hand (the random tiny model would score every rollout the same); a sign error
+  or advantages paired with the wrong rows would fail it."""
+  from envace_jax.envs.base import RewardInfo
+
+  config = tiny_config(data_dir, **{"grpo.mode": mode, "train.group_size": 4, "grpo.learning_rate": 1e-4})
+  trainer = train.Trainer(config, str(tmp_path))
+  trajectories, _ = trainer.rollout(trainer.stream.next_batch(), jax.random.key(3))
+  for i, traj in enumerate(trajectories):
+    traj.reward = RewardInfo(reward=float(i % 4 in (0, 3)))  # per group of 4: 1, 0, 0, 1
+  adv, _ = trainer.advantages(trajectories)
+  batch = trainer.training_batch(trajectories, adv)
+  before = trainer.policy_logprobs(batch)
+  trainer.apply_update(batch, supervised=False)
+  delta = trainer.policy_logprobs(batch) - before
+  token_adv = np.zeros(delta.shape, np.float32)  # [K, M, T]: each trained token's advantage, from the I layout
+  k, m, i = np.nonzero(np.asarray(batch.target_mask))
+  token_adv[k, m, np.asarray(batch.target_index)[k, m, i]] = np.asarray(batch.target_advantages)[k, m, i]
+  assert np.count_nonzero(token_adv > 0) and np.count_nonzero(token_adv < 0)
+  moved = float(np.sum(np.where(np.asarray(batch.loss_mask), token_adv * delta, 0.0)))
+  assert moved > 0.0, moved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
