@@ -53,7 +53,7 @@ def load_config(args, seed: int):
   c.train.group_size = args.group
   c.env.train_task_ids = args.task_ids
   common.apply_overrides(c, common.TRAINING_MODES[args.mode].items())
-  c.train.tasks_per_step = args.tasks or len([t for t in args.task_ids.split(",") if t.strip()]) or 1
+  c.train.tasks_per_step = args.tasks or len(common.parse_names(args.task_ids)) or 1
   c.grpo.learning_rate = args.lr
   c.grpo.sft_learning_rate = args.sft_lr
   c.rollout.max_turns = args.max_turns
