@@ -43,6 +43,11 @@ from experiments import common  # noqa: E402
 TASK_IDS = "create_task_1,update_task_1,impossible_task_1"
 
 
+def tasks_per_step(args) -> int:
+  """B: ``--tasks``, else one per ``--task-ids`` id (every training task in every step), else 1."""
+  return args.tasks or len(common.parse_names(args.task_ids)) or 1
+
+
 def load_config(args, seed: int):
   """The training config of one seed (``args``: this script's arguments)."""
   c = common.make_config(args.model, "mock", seed, args.data_dir)
@@ -53,7 +58,7 @@ def load_config(args, seed: int):
   c.train.group_size = args.group
   c.env.train_task_ids = args.task_ids
   common.apply_overrides(c, common.TRAINING_MODES[args.mode].items())
-  c.train.tasks_per_step = args.tasks or len(common.parse_names(args.task_ids)) or 1
+  c.train.tasks_per_step = tasks_per_step(args)
   c.grpo.learning_rate = args.lr
   c.grpo.sft_learning_rate = args.sft_lr
   c.rollout.max_turns = args.max_turns
@@ -117,7 +122,7 @@ def main(argv: list[str]) -> int:
   curves = {seed: r[1] for seed, r in results.items()}
 
   print(f"\nτ² mock, {args.model}, {args.mode}, tasks {args.task_ids or 'all'}: {args.sft_steps} warm-up steps at lr "
-        f"{args.sft_lr}, then {args.steps} GRPO steps (B={load_config(args, 0).train.tasks_per_step}, G={args.group}, "
+        f"{args.sft_lr}, then {args.steps} GRPO steps (B={tasks_per_step(args)}, G={args.group}, "
         f"lr={args.lr})")  # fmt: skip
   if args.sft_steps:
     print("warm-up NLL per step (nats per trained token, before each update):")
