@@ -156,6 +156,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.grounding_max_tokens = 1024
   c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message
   c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too
+  # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
+  # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
+  c.rollout.scenario_opening = False
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()
@@ -188,6 +191,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
   c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
   c.grpo.sft_learning_rate = 0.0  # AdamW during train.sft_warmup_steps; 0: learning_rate
+  # The first RL step after the warm-up starts from a fresh AdamW state (the warm-up's momentum would otherwise keep
+  # pushing the supervised direction for about ten more steps); the warm-up's parameters are kept.
+  c.grpo.fresh_optimizer_after_sft = True
   c.grpo.weight_decay = 0.01
   c.grpo.adam_b1 = 0.9
   c.grpo.adam_b2 = 0.999

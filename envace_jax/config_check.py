@@ -369,7 +369,7 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   env_mode = ck.one_of("rollout.env_mode", ENV_MODES)
   ck.one_of("rollout.on_malformed", ON_MALFORMED)
   ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
-  for key in ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue"):
+  for key in ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue", "scenario_opening"):
     ck.boolean(f"rollout.{key}")
   grounding = ck.integer("rollout.grounding_max_tokens", 0)
   capacities = {}
@@ -442,6 +442,7 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
       roles = ()
   ck.one_of("grpo.weighting", WEIGHTINGS)
   ck.boolean("grpo.std_normalize")
+  ck.boolean("grpo.fresh_optimizer_after_sft")
   ck.number("grpo.adv_eps", lambda x: x > 0, "> 0")
   ck.number("grpo.clip_eps_low", lambda x: 0 <= x < 1, "in [0, 1)")
   ck.number("grpo.clip_eps_high", lambda x: x >= 0, ">= 0")

@@ -334,9 +334,13 @@ class Trainer:
 
   def step(self, step: int) -> dict[str, float]:
     """Runs training step ``step`` (1-based: the step-th update) and returns its metrics; the first
-    ``train.sft_warmup_steps`` steps are supervised (`sft_step`)."""
-    if step <= self.config.train.sft_warmup_steps:
+    ``train.sft_warmup_steps`` steps are supervised (`sft_step`), and the first RL step after them starts from a fresh
+    optimizer state unless ``grpo.fresh_optimizer_after_sft`` is False."""
+    warmup = self.config.train.sft_warmup_steps
+    if step <= warmup:
       return self.sft_step(step)
+    if warmup and step == warmup + 1 and self.grpo_cfg.fresh_optimizer_after_sft:
+      self.state = grpo.fresh_optimizer_state(self.grpo_cfg, self.state)
     start = time.perf_counter()
     tasks = self.stream.next_batch()
     trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))

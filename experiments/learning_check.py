@@ -62,6 +62,7 @@ def load_config(args, seed: int):
   c.grpo.learning_rate = args.lr
   c.grpo.sft_learning_rate = args.sft_lr
   c.rollout.max_turns = args.max_turns
+  c.rollout.scenario_opening = not args.simulated_opening
   for role in ("act", "rehearse", "user"):
     c.rollout[f"{role}_max_new_tokens"] = args.max_new_tokens
   return c
@@ -104,8 +105,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--mode", default="envace", choices=list(common.TRAINING_MODES), help="what is trained")
-  parser.add_argument("--steps", type=int, default=4, help="GRPO steps after the warm-up")
-  parser.add_argument("--lr", type=float, default=5e-6, help="GRPO learning rate")
+  parser.add_argument("--steps", type=int, default=6, help="GRPO steps after the warm-up")
+  parser.add_argument("--lr", type=float, default=2e-5, help="GRPO learning rate")
   parser.add_argument("--sft-steps", type=int, default=2, help="supervised warm-up steps, B tasks each (0: none)")
   parser.add_argument("--sft-lr", type=float, default=1e-4, help="warm-up learning rate")
   parser.add_argument("--group", type=int, default=4, help="G rollouts per task")
@@ -114,6 +115,12 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--fixed-group", type=int, default=8, help="rollouts per task on the fixed set")
   parser.add_argument("--max-turns", type=int, default=2, help="ACT generations per trajectory (mock: call, reply)")
   parser.add_argument("--max-new-tokens", type=int, default=64, help="per generation, every role")
+  parser.add_argument(
+    "--simulated-opening",
+    action="store_true",
+    help="the user simulator writes the user's first message (default: the task's scenario is it; "
+    "rollout.scenario_opening)",
+  )
   parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
   parser.add_argument("--out", default="learning_check.png")
   args = parser.parse_args(argv)

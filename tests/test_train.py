@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
@@ -307,6 +308,39 @@ def test_sft_steps_lower_the_nll_then_rl_takes_over(tmp_path, data_dir):
   assert last["sft/nll"] < first["sft/nll"] - 1.5, (first["sft/nll"], last["sft/nll"])  # nats per token
   assert int(trainer.state.step) == 3  # three updates in four warm-up steps
   trainer.stream.next_batch = lambda: tasks
+  warm_mu = _adam_moments(trainer.state.opt_state)
   rl = trainer.step(5)
   assert "reward/mean" in rl and "sft/nll" not in rl
   assert rate() == pytest.approx(config.grpo.learning_rate)
+  # The RL step started from a fresh AdamW state: one step counted, and its first moment is (1 - b1) x the clipped
+  # gradient alone, with nothing of the warm-up's momentum (b1 x warm_mu) in it.
+  assert _adam_counts(trainer.state.opt_state) == {1}
+  mu = _adam_moments(trainer.state.opt_state)
+  assert np.linalg.norm(warm_mu) > 0
+  if rl["update/grad_norm"] > 0.0:  # |mu| = (1 - b1) |clipped gradient|; with the warm-up's momentum it would not be
+    ratio = np.linalg.norm(mu) / (1 - config.grpo.adam_b1) / min(rl["update/grad_norm"], config.grpo.max_grad_norm)
+    assert ratio == pytest.approx(1.0, rel=1e-3), ratio
+  else:  # every advantage 0: a fresh moment stays 0, the warm-up's would be b1 x warm_mu
+    assert not mu.any()
+
+
+def _adam_counts(opt_state) -> set[int]:
+  return {int(c) for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")}
+
+
+def _adam_moments(opt_state) -> np.ndarray:
+  """AdamW's first moment, all leaves flattened into one float64 vector."""
+  (_, mu), *_ = optax.tree_utils.tree_get_all_with_path(opt_state, "mu")
+  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(mu)])
+
+
+def test_fresh_optimizer_after_sft_off_keeps_the_warm_up_moments(tmp_path, data_dir):
+  config = tiny_config(
+    data_dir,
+    **{"train.steps": 2, "train.sft_warmup_steps": 1, "train.eval_tasks": 0, "grpo.fresh_optimizer_after_sft": False},
+  )
+  trainer = train.Trainer(config, str(tmp_path))
+  trainer.step(1)
+  assert _adam_counts(trainer.state.opt_state) == {1}
+  trainer.step(2)
+  assert _adam_counts(trainer.state.opt_state) == {2}

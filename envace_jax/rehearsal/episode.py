@@ -65,6 +65,10 @@ class UnfoldConfig:
     rehearse_sees_dialogue: the REHEARSE view shows the user/agent messages ("User: ..." / "Agent: ...").
     greeting: the agent's fixed first message (τ²'s orchestrator sends "Hi! How can I help you today?") for tasks
       with a simulated user and no logged history; "" lets the user speak first.
+    scenario_opening: for those tasks, the user's first message is the task's user scenario verbatim (as in the
+      supervised warm-up's demonstrations), not a generation of the user simulator; later user turns are simulated.
+      For a user simulator too weak to state the scenario (SmolLM2-135M's replies rarely mention the request, so
+      ACT cannot know the task): the agent is told the task the way BFCL and checklist data tell it theirs.
     agent_stop_markers: texts in an ACT reply that end the trajectory with ``AGENT_STOP``.
     rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
     user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
@@ -91,6 +95,7 @@ class UnfoldConfig:
   parallel_calls: bool = False
   rehearse_sees_dialogue: bool = True
   greeting: str = "Hi! How can I help you today?"
+  scenario_opening: bool = False
   agent_stop_markers: tuple[str, ...] = ()
   rehearse_prompt: str = views.REHEARSE_PROMPT
   user_prompt: str = views.USER_PROMPT
@@ -261,6 +266,10 @@ class Episode:
       if config.greeting:
         ep.share(ChatMessage("assistant", config.greeting))
       ep.need = Role.USER
+      if config.scenario_opening:  # every view, the USER view included (as the user's own message), shows it
+        ep.share(ChatMessage("user", task.user_scenario))
+        ep.traj.count("scenario_opening")
+        ep.need = Role.ACT
     return ep
 
   def copy(self, index: int, sample: int) -> Episode:

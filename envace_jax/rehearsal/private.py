@@ -285,8 +285,9 @@ def openings(
 ) -> list[tuple[ChatMessage, ...]]:
   """The messages before the agent's first decision, per (task, trial), task-major: the greeting and the user's first
   message, written by the evaluation's user (``user_sampler`` playing ``config.user_prompt``, or
-  ``user_simulator``). Tasks with logged user turns or a benchmark initial conversation get () (their first user
-  message is already given). A user that fails gets () too: the committed execution then asks it again.
+  ``user_simulator``), or with ``config.scenario_opening`` the task's user scenario itself (no user is asked). Tasks
+  with logged user turns or a benchmark initial conversation get () (their first user message is already given). A
+  user that fails gets () too: the committed execution then asks it again.
 
   Raises:
     PrivateRehearsalError: a simulated user but neither ``user_sampler`` nor ``user_simulator``.
@@ -295,9 +296,14 @@ def openings(
   need = [b for b, t in enumerate(tasks) if not t.user_turns and not initial_conversation(t)]
   if not need:
     return out
+  greeting = (ChatMessage("assistant", config.greeting),) if config.greeting else ()
+  if config.scenario_opening:
+    for b in need:
+      for trial in range(num_trials):
+        out[b * num_trials + trial] = (*greeting, ChatMessage("user", tasks[b].user_scenario))
+    return out
   if user_sampler is None and user_simulator is None:
     raise PrivateRehearsalError("the opening needs the user simulator: a user_sampler or a user_simulator")
-  greeting = (ChatMessage("assistant", config.greeting),) if config.greeting else ()
   chats = []
   for b in need:
     chat = [Message("system", views.user_system_prompt(tasks[b], config.user_prompt))]

@@ -103,6 +103,10 @@ class GrpoConfig:
     sft_steps: the run's first updates are the supervised warm-up (``train.sft_warmup_steps``; `sft_step`).
     sft_learning_rate: AdamW's rate during those steps (`with_learning_rate`); 0: the same ``learning_rate`` (and
       no injected rate in the optimizer state).
+    fresh_optimizer_after_sft: the first RL update after the warm-up starts from a fresh AdamW state (moments and
+      count zeroed, the warm-up's parameters kept; `fresh_optimizer_state`), as an RL run started from the warm-up's
+      checkpoint would. False keeps the warm-up's moments: their momentum (b1 = 0.9 decays it over about ten
+      steps) then carries the supervised direction into the first RL updates.
     max_grad_norm: ``optax.clip_by_global_norm`` before AdamW.
     micro_batch_size: rows per micro-batch (M); on a mesh, a multiple of the batch shards.
     length_bucket: rows are padded to a power of two up to this, then to a multiple of it (bounds compiles).
@@ -130,6 +134,7 @@ class GrpoConfig:
   learning_rate: float = 1e-6
   sft_steps: int = 0
   sft_learning_rate: float = 0.0
+  fresh_optimizer_after_sft: bool = True
   weight_decay: float = 0.01
   max_grad_norm: float = 1.0
   adam_b1: float = 0.9
@@ -514,6 +519,21 @@ def with_learning_rate(cfg: GrpoConfig, state: TrainState, supervised: bool) -> 
   opt_state = state.opt_state
   opt_state = {n: set_rate(opt_state[n]) for n in ROLE_TREES} if cfg.per_role else set_rate(opt_state)
   return state.replace(opt_state=opt_state)
+
+
+def fresh_optimizer_state(cfg: GrpoConfig, state: TrainState) -> TrainState:
+  """``state`` with its optimizer state re-initialised (AdamW's moments and count zeroed; per_role: both trees'),
+  each leaf placed like the one it replaces (same sharding); params and step are kept. Used at the first RL update
+  after the supervised warm-up (``fresh_optimizer_after_sft``)."""
+  opt = make_optimizer(cfg)
+  if cfg.per_role:
+    fresh = {name: opt.init(state.params[name]) for name in ROLE_TREES}
+  else:
+    fresh = opt.init(state.params)
+  placed = jax.tree.map(
+    lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new, fresh, state.opt_state
+  )
+  return state.replace(opt_state=placed)
 
 
 def _is_split(params: Any) -> bool:

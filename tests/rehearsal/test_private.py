@@ -122,6 +122,14 @@ def test_rehearsals_see_only_what_the_agent_knows(tokenizer, task):
   assert seen.system_prompt == task.system_prompt and seen.tools == task.tools
 
 
+def test_scenario_opening_needs_no_user_for_the_first_message(tokenizer, task):
+  config = dataclasses.replace(CONFIG, scenario_opening=True)
+  heads = private.openings([task], 2, tokenizer, config, jax.random.key(0))  # no user sampler, no simulator
+  assert [[m.content for m in head] for head in heads] == [[CONFIG.greeting, task.user_scenario]] * 2
+  with pytest.raises(private.PrivateRehearsalError, match="user simulator"):
+    private.openings([task], 1, tokenizer, CONFIG, jax.random.key(0))
+
+
 def test_sequential_rehearsal_sees_earlier_rehearsals_and_assessments(tokenizer, task):
   policy = Policy(tokenizer)
   cfg = private.PrivateRehearsalConfig(mode="sequential", num_rehearsals=3, digest_max_tokens=200)

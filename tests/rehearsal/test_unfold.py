@@ -26,7 +26,7 @@ from envace_jax.model import tool_format, transformer
 from envace_jax.model.config import get_model_config
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import IM_END, ChatTemplateError, Message, Tokenizer
-from envace_jax.rehearsal import views
+from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.trajectory import Termination
 from envace_jax.rehearsal.unfold import UnfoldConfig, UnfoldConfigError, unfold
 from envace_jax.rehearsal.users import ExternalUserConfig, UserEndpointError, UserSimulator
@@ -608,6 +608,36 @@ def test_any_user_simulator_can_play_the_user(tokenizer, mock_tasks):
   out, _, _ = _scripted(tokenizer, [_task(mock_tasks, "create_task_1")], config, plans, user_simulator=user)
   assert all(t.termination == Termination.USER_STOP for t in out.trajectories) and len(user.seen) == 4
   assert user.seen[-1][-1] == {"role": "user", "content": "On it."}
+
+
+def test_scenario_opening_tells_the_agent_the_task_as_the_warm_up_does(tokenizer, mock_tasks):
+  """rollout.scenario_opening: the user's first message is the scenario itself (the simulated user speaks only from
+  its second turn), in every view; the agent's first prompt is token for token the warm-up demonstration's."""
+  task = _task(mock_tasks, "create_task_1")
+  config = dataclasses.replace(FAST, scenario_opening=True, user_mode="policy")
+  plans = {Role.ACT: [CALL_CREATE, "Done."], Role.REHEARSE: [RESPONSE], Role.USER: ["###STOP###"]}
+  out, _, _ = _scripted(tokenizer, [task], config, plans)
+  for traj, view_set in zip(out.trajectories, out.views, strict=True):
+    opening = [("assistant", FAST.greeting), ("user", task.user_scenario)]
+    assert [(m.role, m.content) for m in traj.messages[:2]] == opening
+    assert traj.counts["scenario_opening"] == 1 and traj.counts["generations_user"] == 1  # only the stop
+    assert traj.termination == Termination.USER_STOP and traj.messages[-1].content == "###STOP###"
+    user_view = view_set[Role.USER].messages
+    assert user_view[2] == Message("assistant", task.user_scenario, author=Role.USER)  # the user's own message
+  env = tau2.Tau2Env("mock")
+  demo = demonstration.demonstration(
+    config, task, demonstration.reference_conversation(task, env), tokenizer, views.ChatFormat.of(tokenizer), 0
+  )
+
+  def first_prompt(row):
+    return row.tokens[: int(np.argmax(row.loss_mask))].tolist()
+
+  rollout_prompt = first_prompt(out.trajectories[0].rows[int(Role.ACT)])
+  assert rollout_prompt == first_prompt(demo.rows[int(Role.ACT)])
+  assert task.user_scenario in tokenizer.decode(rollout_prompt)
+  # Without it the simulated user writes the first message: the agent's first prompt is not the demonstration's.
+  out, _, _ = _scripted(tokenizer, [task], dataclasses.replace(config, scenario_opening=False), plans)
+  assert out.trajectories[0].messages[1].content == "###STOP###"
 
 
 def test_chat_format_refuses_templates_that_rewrite_content(tokenizer):
