@@ -187,7 +187,8 @@ def test_learning_check_smoke_run(tmp_path, data_dir, capsys):
   args += ["--task-ids=create_task_1,update_task_1", "--tasks=1"]
   code = learning_check.main([*args, f"--data-dir={data_dir}", f"--out={out_png}"])
   out = capsys.readouterr().out
-  assert code in (0, 1) and "learning check (after > before the GRPO steps on the fixed set, every seed)" in out
+  assert code in (0, 1) and "fixed set, after > before the GRPO steps for every seed: " in out
+  assert f"learning check: {'PASSED' if code == 0 else 'FAILED'}" in out
   lines = out.splitlines()
   nll_row = lines[lines.index("warm-up NLL per step (nats per trained token, before each update):") + 1]
   seed, nll = nll_row.split("|")
