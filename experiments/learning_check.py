@@ -24,7 +24,8 @@ states it, the training reward at the last GRPO step, averaged over the seeds, e
 rollouts come from the policy before any GRPO update). Prints a table and the verdict and saves ``--out`` (PNG:
 per-step training reward per seed, and before/after per seed).
 Not a timed test. Measured on 2 CPU cores with the defaults (SmolLM2; 2 warm-up steps, 6 GRPO steps of B=3 x G=4
-at lr 2e-5, the fixed set 3 tasks x 8): MEASURED.
+at lr 2e-5, the fixed set 3 tasks x 8): 25 min per seed for EnvACE; PASSED, fixed-set gains +0.27, +0.23,
++0.23, mean training reward 0.25 at the first GRPO step and 0.50 at the last (README's table).
 """
 
 from __future__ import annotations
