@@ -525,11 +525,7 @@ def fresh_optimizer_state(cfg: GrpoConfig, state: TrainState) -> TrainState:
   """``state`` with its optimizer state re-initialised (AdamW's moments and count zeroed; per_role: both trees'),
   each leaf placed like the one it replaces (same sharding); params and step are kept. Used at the first RL update
   after the supervised warm-up (``fresh_optimizer_after_sft``)."""
-  opt = make_optimizer(cfg)
-  if cfg.per_role:
-    fresh = {name: opt.init(state.params[name]) for name in ROLE_TREES}
-  else:
-    fresh = opt.init(state.params)
+  fresh = _init_opt_state(cfg, state.params)
   placed = jax.tree.map(
     lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new, fresh, state.opt_state
   )
@@ -548,14 +544,17 @@ def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
     params: one parameter tree. In per_role mode either that (both role trees start as copies of it, as the
       paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
   """
+  if cfg.per_role and not _is_split(params):
+    params = {name: jax.tree.map(jnp.array, params) for name in ROLE_TREES}  # copies: each tree owns its buffers
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_init_opt_state(cfg, params))
+
+
+def _init_opt_state(cfg: GrpoConfig, params: Any) -> Any:
+  """A fresh optimizer state for ``params`` (per_role: one per role tree of the split params)."""
   opt = make_optimizer(cfg)
   if cfg.per_role:
-    if not _is_split(params):
-      params = {name: jax.tree.map(jnp.array, params) for name in ROLE_TREES}  # copies: each tree owns its buffers
-    opt_state = {name: opt.init(params[name]) for name in ROLE_TREES}
-  else:
-    opt_state = opt.init(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    return {name: opt.init(params[name]) for name in ROLE_TREES}
+  return opt.init(params)
 
 
 def _apply_updates(opt, grads, opt_state, params, has_tokens):

@@ -635,7 +635,7 @@ def test_scenario_opening_tells_the_agent_the_task_as_the_warm_up_does(tokenizer
   rollout_prompt = first_prompt(out.trajectories[0].rows[int(Role.ACT)])
   assert rollout_prompt == first_prompt(demo.rows[int(Role.ACT)])
   assert task.user_scenario in tokenizer.decode(rollout_prompt)
-  # Without it the simulated user writes the first message: the agent's first prompt is not the demonstration's.
+  # Without it the simulated user writes the first message (here its stop marker).
   out, _, _ = _scripted(tokenizer, [task], dataclasses.replace(config, scenario_opening=False), plans)
   assert out.trajectories[0].messages[1].content == "###STOP###"
 
