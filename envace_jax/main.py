@@ -4,6 +4,10 @@ Parses flags and hands over; nothing else lives here. ``train`` (the default) ru
 held-out evaluation (``train.train_and_evaluate``); ``eval`` evaluates the latest checkpoint in DIR (or the base
 weights) with test-time private rehearsal off / parallel / sequential (``evaluate.run``); ``demo`` samples one ACT
 turn on real weights.
+
+Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
+``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
+line per problem (the key, its value, the valid values) and exits with status 2, before anything loads.
 """
 
 from __future__ import annotations
@@ -22,20 +26,28 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if _MODE.value == "demo":
-    from envace_jax import demo
+  from envace_jax import config_check, console
 
-    demo.run(_CONFIG.value, _WORKDIR.value)
-  elif _MODE.value == "train":
-    if not _WORKDIR.value:
-      raise app.UsageError("--mode=train needs --workdir=DIR (checkpoints, metrics.jsonl, TensorBoard events)")
-    from envace_jax import train
+  console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)
+  try:
+    if _MODE.value == "demo":
+      from envace_jax import demo
 
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  elif _MODE.value == "eval":
-    from envace_jax import evaluate
+      demo.run(_CONFIG.value, _WORKDIR.value)
+    elif _MODE.value == "train":
+      if not _WORKDIR.value:
+        raise app.UsageError("--mode=train needs --workdir=DIR (checkpoints, metrics.jsonl, TensorBoard events)")
+      config_check.validate(_CONFIG.value)  # before the training loop's imports: a bad value costs seconds
+      from envace_jax import train
 
-    evaluate.run(_CONFIG.value, _WORKDIR.value)
+      train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    elif _MODE.value == "eval":
+      config_check.validate(_CONFIG.value)
+      from envace_jax import evaluate
+
+      evaluate.run(_CONFIG.value, _WORKDIR.value)
+  except config_check.ConfigError as e:
+    console.config_error(e)
 
 
 if __name__ == "__main__":

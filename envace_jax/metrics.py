@@ -1,4 +1,4 @@
-"""Per-step scalars to TensorBoard and to ``workdir/metrics.jsonl``, and a progress bar.
+"""Per-step scalars to TensorBoard and to ``workdir/metrics.jsonl``, a progress bar and one line per step.
 
     start = restored_step + 1 if restored_step is not None else 1
     with MetricsWriter(workdir, total_steps=config.train.steps, start_step=start) as writer:
@@ -20,6 +20,10 @@ earlier run at or after that step (written after its last checkpoint, and about 
 JSONL file, and TensorBoard hides its events from that step on (tensorboardX's ``purge_step``), so a resumed run
 never shows a step twice.
 
+On the console (``progress=True``): a tqdm bar on stderr (step, reward, ETA) and, on stdout, one line per step
+(``step_line``: "step 1/2: reward 0.500 ± 0.000, loss 0.0123, ..., 18.1 s"), written above the bar (``print_line``).
+``format_eval_summary`` is the training run's held-out table (``train.Trainer.run`` prints it).
+
 Only process 0 writes (multi-host runs log once).
 """
 
@@ -29,6 +33,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -132,6 +137,108 @@ def read_jsonl(workdir: str | os.PathLike, name: str = JSONL_NAME) -> list[dict[
   return rows
 
 
+def print_line(text: str) -> None:
+  """Writes ``text`` and a newline to stdout at once (flushed), with tqdm's bars cleared first and redrawn below it,
+  so a line never lands inside a progress bar (in a terminal and in a notebook alike)."""
+  import tqdm
+
+  with tqdm.tqdm.external_write_mode(file=sys.stdout):
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _num(value: Any, spec: str) -> str:
+  """``value`` formatted with ``spec``; "-" for a missing value or NaN (a metric undefined at that step)."""
+  if value is None or (isinstance(value, float) and math.isnan(value)):
+    return "-"
+  return format(value, spec)
+
+
+def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
+  """One step's console line: "step S/N:" and those of its scalars a newcomer watches, when the step has them.
+
+  In order: the reward ("reward/mean" ± "reward/std", or "reward"), invalid trajectories and scoring errors when
+  nonzero ("reward/invalid", "reward/scoring_errors"), the warm-up's "sft/nll", the update's loss, KL, entropy and
+  gradient norm ("update/*", or a plain "loss"), a skipped update ("update/skipped"), tool-call validity, an
+  in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"). Every scalar is in
+  ``metrics.jsonl``.
+
+    step_line(1, 2, {"reward/mean": 0.5, "reward/std": 0.0, "update/loss": 0.0123, "time/step_s": 18.1})
+    # 'step 1/2: reward 0.500 ± 0.000, loss 0.0123, 18.1 s'
+  """
+  get = values.get
+  parts = []
+  if "reward/mean" in values:
+    reward = f"reward {_num(get('reward/mean'), '.3f')}"
+    parts.append(reward + (f" ± {_num(get('reward/std'), '.3f')}" if "reward/std" in values else ""))
+  elif "reward" in values:
+    parts.append(f"reward {_num(get('reward'), '.3f')}")
+  for key, label in (("reward/invalid", "invalid"), ("reward/scoring_errors", "scoring errors")):
+    if get(key):
+      parts.append(f"{label} {_num(get(key), '.0f')}")
+  for key, label, spec in (
+    ("sft/nll", "warm-up NLL", ".3f"),
+    ("update/loss", "loss", ".3g"),
+    ("loss", "loss", ".3g"),
+    ("update/kl", "KL", ".3g"),
+    ("update/entropy", "entropy", ".3g"),
+    ("update/grad_norm", "grad norm", ".3g"),
+    ("rollout/tool_call_validity", "tool-call validity", ".2f"),
+    ("eval/reward", "held-out reward", ".3f"),
+  ):
+    if key in values and not (key == "loss" and "update/loss" in values):
+      parts.append(f"{label} {_num(get(key), spec)}")
+  if get("update/skipped"):
+    parts.append("update skipped")
+  if "time/step_s" in values:
+    parts.append(f"{_num(get('time/step_s'), '.1f')} s")
+  head = f"step {step}" + (f"/{total}" if total else "")
+  return f"{head}: {', '.join(parts)}" if parts else head
+
+
+def format_eval_summary(summary: Mapping[str, float], step: int) -> str:
+  """The training run's held-out evaluation (``evaluate.committed_execution``'s ``eval/*`` scalars, also appended to
+  ``workdir/eval.jsonl``) as a short table: pass^k, reward, invalid trajectories, scoring errors, turns and tool
+  calls; REHEARSE's fidelity on the committed runs' real tool calls and on the benchmark's gold calls (when
+  measured); the rehearsal-vs-real reward gap (when measured). A NaN (nothing to measure) shows as "-".
+
+  Raises:
+    KeyError: ``summary`` lacks "eval/tasks" or "eval/trials".
+  """
+  g = summary.get
+  tasks, trials = int(summary["eval/tasks"]), int(summary["eval/trials"])
+  passes = sorted((k for k in summary if k.startswith("eval/pass^")), key=lambda k: int(k.rsplit("^", 1)[1]))
+  lines = [
+    f"held-out evaluation after step {step}: {tasks} task{'s' * (tasks != 1)} x {trials} "
+    f"trial{'s' * (trials != 1)} against the real tools, scored by the benchmark",
+  ]
+  cols = [(k.removeprefix("eval/"), _num(g(k), ".3f")) for k in passes] + [
+    ("reward", _num(g("eval/reward"), ".3f")),
+    ("invalid", _num(g("eval/reward/invalid"), ".0f")),
+    ("scoring errors", _num(g("eval/reward/scoring_errors"), ".0f")),
+    ("turns", _num(g("eval/turns"), ".2f")),
+    ("tool calls", _num(g("eval/tool_calls"), ".2f")),
+  ]
+  widths = [max(len(name), len(value)) for name, value in cols]
+  lines.append("  " + "  ".join(f"{name:>{w}}" for (name, _), w in zip(cols, widths, strict=True)))
+  lines.append("  " + "  ".join(f"{value:>{w}}" for (_, value), w in zip(cols, widths, strict=True)))
+  measures = ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement")
+  sources = (("committed runs' calls", "fidelity"), ("gold calls", "fidelity_gold"))
+  rows = [(label, prefix) for label, prefix in sources if f"eval/{prefix}/calls" in summary]
+  if rows:
+    lines.append(f"  {'REHEARSE fidelity on':<22}  calls   json  exact  keyF1  value  error")
+    for label, prefix in rows:
+      cells = "  ".join(f"{_num(g(f'eval/{prefix}/{m}'), '.2f'):>5}" for m in measures)
+      lines.append(f"  {label:<22}  {_num(g(f'eval/{prefix}/calls'), '.0f'):>5}  {cells}")
+  if "eval/gap/gap" in summary:
+    lines.append(
+      f"  rehearsal-vs-real reward gap {_num(g('eval/gap/gap'), '.3f')}: rehearsed "
+      f"{_num(g('eval/gap/rehearsed_reward'), '.3f')} (rule checklist, {_num(g('eval/gap/trajectories'), '.0f')} "
+      f"trajectories), real {_num(g('eval/gap/real_reward'), '.3f')} (benchmark)"
+    )
+  return "\n".join(lines)
+
+
 def _truncate_jsonl(path: str, start_step: int) -> int:
   """Drops lines with step >= start_step (and unparseable ones); returns how many lines were dropped."""
   if not os.path.exists(path):
@@ -168,7 +275,7 @@ class MetricsWriter:
       the restored checkpoint's step + 1 after a resume. Earlier JSONL lines with step >= start_step are dropped,
       and TensorBoard hides events from that step on.
     tensorboard: write TensorBoard event files.
-    progress: show a progress bar (on stderr).
+    progress: show a progress bar (on stderr) and each step's ``step_line`` (on stdout, above the bar).
     progress_keys: scalars shown on the bar when a step has them (the first present of "reward/mean", "reward" is
       shown as "reward"; a supervised warm-up step shows its "sft/nll").
     is_primary: whether this process writes; default ``jax.process_index() == 0``.
@@ -203,6 +310,7 @@ class MetricsWriter:
     self._tb = None
     self._bar = None
     self._last_step: int | None = None
+    self._total = total_steps
     if not is_primary:
       return
     os.makedirs(self.workdir, exist_ok=True)
@@ -228,7 +336,7 @@ class MetricsWriter:
       self._bar = tqdm.tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
-    """Logs one step: a JSONL line, TensorBoard scalars, and the progress bar advanced to ``step``.
+    """Logs one step: a JSONL line, TensorBoard scalars, its console line and the progress bar advanced to ``step``.
 
     Args:
       step: the step these scalars belong to (ints; a step may be written once).
@@ -267,6 +375,7 @@ class MetricsWriter:
           shown[label] = f"{values[key]:.4g}"
       self._bar.set_postfix(shown, refresh=False)
       self._bar.update(max(step - self._bar.n, 0))
+      print_line(step_line(step, self._total, values))
     return record
 
   def close(self) -> None:

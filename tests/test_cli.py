@@ -1,0 +1,109 @@
+"""The command line, `python -m envace_jax.main` (envace_jax/main.py, envace_jax/console.py): what the tiny 2-step
+run prints and writes, and a bad config value's one line and exit status 2."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import config_check, metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _main(*args: str, timeout: float = 900) -> tuple[int, str]:
+  """(exit status, stdout and stderr together as the bytes arrived, decoded) of the main job with ``args``."""
+  cmd = [sys.executable, "-m", "envace_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", *args]
+  proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+  return proc.returncode, proc.stdout.decode("utf-8")
+
+
+def visible_lines(text: str) -> list[str]:
+  """The lines a terminal shows for ``text``: a carriage return moves back to the line's start and what follows
+  overwrites it (tqdm redraws its bar so), trailing blanks dropped, no line after a final newline."""
+  lines = []
+  for segment in text.split("\n"):
+    line: list[str] = []
+    column = 0
+    for char in segment:
+      if char == "\r":
+        column = 0
+        continue
+      if column < len(line):
+        line[column] = char
+      else:
+        line.append(char)
+      column += 1
+    lines.append("".join(line).rstrip())
+  if lines and not lines[-1]:
+    lines.pop()
+  return lines
+
+
+def test_visible_lines_keep_what_the_last_redraw_left():
+  bar = "\rtrain:   0%|  | 0/2\r            \rstep 1/2: reward 0.500\n\rtrain:  50%|# | 1/2\rtrain: 100%|##| 2/2\n"
+  assert visible_lines(bar) == ["step 1/2: reward 0.500", "train: 100%|##| 2/2"]
+  assert visible_lines("a\n\nb") == ["a", "", "b"]
+
+
+@pytest.mark.slow
+def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path):
+  """Rollouts, updates, checkpoints, metrics and the held-out evaluation against the real τ² tools, through the
+  command line; by default it prints the step lines, the bar and the held-out table, and no library's INFO/DEBUG
+  log (orbax, TFDS, JAX, τ²'s loguru)."""
+  workdir = tmp_path / "run"
+  code, out = _main(f"--workdir={workdir}", f"--config.env.data_dir={tmp_path / 'tfds'}", "--config.train.eval_tasks=1")
+  assert code == 0, out
+  lines = visible_lines(out)
+  assert len(lines) <= 30, out
+
+  records = metrics.read_jsonl(workdir)
+  assert [r["step"] for r in records] == [1, 2]
+  for key in ("reward/mean", "update/loss", "update/clip_frac_low", "update/entropy", "rollout/tool_call_validity"):
+    assert key in records[-1], key
+  assert records[-1]["update/tokens"] > 0
+  assert checkpoint_lib.Checkpointer(workdir).all_steps() == [1, 2]
+  (held_out,) = metrics.read_jsonl(workdir, "eval.jsonl")
+  assert held_out["step"] == 2 and held_out["eval/tasks"] == 1 and 0.0 <= held_out["eval/reward"] <= 1.0
+
+  # Every visible line, in order: the two step lines, the bar, the evaluation's start and its table.
+  for step, line in zip((1, 2), lines[:2], strict=True):
+    r = records[step - 1]
+    assert line.startswith(f"step {step}/2: reward {r['reward/mean']:.3f} ± {r['reward/std']:.3f}, loss "), line
+    assert line.endswith(f", tool-call validity {r['rollout/tool_call_validity']:.2f}, {r['time/step_s']:.1f} s")
+  assert re.fullmatch(r"train: 100%\|█+\| 2/2 \[\d\d:\d\d<00:00, .*step, reward=.*\]", lines[2]), lines[2]
+  assert lines[3] == "evaluating on 1 held-out task (base split, 1 trial each) against the real tools..."
+  assert lines[4:] == metrics.format_eval_summary(held_out, 2).splitlines()
+  assert lines[4] == (
+    "held-out evaluation after step 2: 1 task x 1 trial against the real tools, scored by the benchmark"
+  )
+  assert lines[5].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
+  assert lines[6].split()[:2] == [f"{held_out['eval/pass^1']:.3f}", f"{held_out['eval/reward']:.3f}"]
+  assert len(lines) == 11, out  # the table: header, columns, values, fidelity header and two rows, the reward gap
+  # Nothing else reached the terminal, not even what the bar's redraws hid: no log line of any library.
+  assert not re.search(r"(^|[\r\n])[IDW]\d{4} \d\d:\d\d", out), out  # absl's "I1201 08:37:09.864 ..." lines
+  assert "| DEBUG" not in out and "| INFO" not in out and "Generating" not in out and "Downloading" not in out
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_bad_config_values_print_one_line_each_and_exit_2(tmp_path, mode):
+  """A bad value fails before anything loads or is prepared (no data under env.data_dir, no workdir): one line per
+  bad key naming the key, its value and the valid values, exit status 2, no traceback."""
+  workdir, data_dir = tmp_path / "run", tmp_path / "tfds"
+  args = [f"--mode={mode}", f"--workdir={workdir}", f"--config.env.data_dir={data_dir}"]
+  code, out = _main(*args, "--config.grpo.mode=ppo", timeout=300)
+  modes = ", ".join(repr(m) for m in config_check.MODES)
+  assert code == 2 and out.splitlines() == [f"invalid config: grpo.mode='ppo' is not valid; choose one of {modes}"]
+  assert "'envace', 'per_role', 'grpo_real_env'" in out
+  code, out = _main(*args, "--config.grpo.mode=ppo", "--config.rollout.env_mode=imagined", timeout=300)
+  env_modes = ", ".join(repr(m) for m in config_check.ENV_MODES)
+  assert code == 2 and sorted(out.splitlines()) == [
+    f"invalid config: grpo.mode='ppo' is not valid; choose one of {modes}",
+    f"invalid config: rollout.env_mode='imagined' is not valid; choose one of {env_modes}",
+  ]
+  assert "Traceback" not in out and not workdir.exists() and not data_dir.exists()
