@@ -38,57 +38,16 @@ import jax
 import numpy as np
 from absl import logging
 
-from envace_jax import config_check, runtime
-from envace_jax.envs.base import ChatMessage, RewardInfo, Task, ToolEnv
+from envace_jax import config_check, metrics, runtime, scoring
+from envace_jax.envs.base import ChatMessage, Task, ToolEnv
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal import fidelity as fidelity_lib
 from envace_jax.rehearsal import private
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
-from envace_jax.rl import rewards
 
 RESULTS_FILE = "eval_results.json"
-
-
-@functools.lru_cache(maxsize=4)
-def _shared_judge(base_url: str, model: str, api_key_env: str):
-  """One `rl.judge.ChecklistJudge` per endpoint for all environments (its client and threads are reused)."""
-  from envace_jax.rl import judge
-
-  return judge.ChecklistJudge(judge.JudgeConfig(base_url=base_url, model=model, api_key_env=api_key_env))
-
-
-def make_env(config, task: Task) -> ToolEnv:
-  """A real environment for ``task``'s benchmark (not yet reset; ``unfold`` resets it).
-
-  Raises:
-    config_check.ConfigError: a benchmark without real tools to execute against.
-  """
-  if task.benchmark == "tau2":
-    from envace_jax.envs import tau2
-
-    return tau2.Tau2Env(task.domain)
-  if task.benchmark == "bfcl":
-    from envace_jax.envs import bfcl
-
-    return bfcl.BfclEnv()
-  if task.benchmark == "checklist":
-    from envace_jax.envs import checklist
-
-    return checklist.ChecklistEnv(scorer=rewards.rule_checklist)
-  if task.benchmark == "vitabench":
-    from envace_jax.envs import vitabench
-
-    # The rubric judge of config.reward; without one, evaluate() returns an invalid reward (envs/vitabench.py).
-    r = config.reward
-    scorer = _shared_judge(r.judge_url, r.judge_model, r.judge_api_key_env) if r.judge_url and r.judge_model else None
-    return vitabench.VitaBenchEnv(scorer=scorer)
-  if task.benchmark == "finmcp":
-    from envace_jax.envs import finmcp
-
-    return finmcp.FinMcpEnv()
-  raise config_check.ConfigError([f"benchmark {task.benchmark!r} has no real environment to evaluate against"])
 
 
 def pass_hat_k(successes: Sequence[int], trials: int, k: int) -> float:
@@ -102,25 +61,6 @@ def pass_hat_k(successes: Sequence[int], trials: int, k: int) -> float:
   if any(not 0 <= c <= trials for c in successes):
     raise ValueError(f"success counts must lie in 0..{trials}, got {list(successes)}")
   return float(np.mean([math.comb(c, k) / math.comb(trials, k) for c in successes])) if successes else float("nan")
-
-
-def scoring_failure(trajectory, error: Exception) -> RewardInfo:
-  """The reward of a trajectory its scorer raised on (e.g. arguments nested too deep for the benchmark's checker):
-  0, recorded on the trajectory (``counts["scoring_error"]``, ``events``) and logged, so one bad model output never
-  stops a training step or an evaluation."""
-  trajectory.count("scoring_error")
-  trajectory.events.append({"scoring_error": f"{type(error).__name__}: {error}"[:2000]})
-  logging.warning("task %s: scoring failed (%s: %s); reward 0", trajectory.task.id, type(error).__name__, error)
-  return RewardInfo(reward=0.0, info={"scoring_error": f"{type(error).__name__}: {error}"[:2000]})
-
-
-def rule_reward(config, task: Task, trajectory: Trajectory) -> RewardInfo:
-  """The rule-checklist reward (``config.reward``'s settings) of ``trajectory``'s conversation against ``task``'s
-  gold actions and required information (`rl.rewards.rule_checklist`)."""
-  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
-  return rewards.rule_checklist(
-    task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
-  )
 
 
 def replay_for_real(task: Task, messages: Sequence[ChatMessage], env: ToolEnv) -> list[ChatMessage]:
@@ -148,59 +88,63 @@ def reward_gap(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]
     tasks: the original task of each trajectory (with its gold actions).
     trajectories: rehearsed trajectories.
   Returns:
-    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real), "gap/trajectories"}; means over the
-    trajectories both scorers accepted.
+    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real): means over the trajectories both
+    scorers accepted, "gap/trajectories": how many those are, "gap/invalid": how many either scorer could not score
+    (`scoring.score`), "gap/scoring_errors": how many of those a scorer failed on}.
   """
-  rehearsed, real = [], []
+  rehearsed, real, invalid, errors = [], [], 0, 0
   for task, traj in zip(tasks, trajectories, strict=True):
-    try:
-      r = rule_reward(config, task, traj)
-    except Exception as e:  # noqa: BLE001 — see scoring_failure
-      r = scoring_failure(traj, e)
-    env = make_env(config, task)
-    try:
-      replayed = replay_for_real(task, traj.messages, env)
-      q = env.evaluate(replayed)
-    except Exception as e:  # noqa: BLE001 — see scoring_failure
-      q = scoring_failure(traj, e)
+    r = scoring.score(config, traj, task=task)
+    env = scoring.make_env(config, task)
+    replayed = Trajectory(task, traj.group, traj.sample, replay_for_real(task, traj.messages, env))
+    q = scoring.score(config, replayed, env=env)
+    errors += bool(traj.counts.get(scoring.SCORING_ERROR) or replayed.counts.get(scoring.SCORING_ERROR))
     if r.valid and q.valid:
       rehearsed.append(r.reward)
       real.append(q.reward)
+    else:
+      invalid += 1
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
   return {
     "gap/rehearsed_reward": mean(rehearsed),
     "gap/real_reward": mean(real),
     "gap/gap": mean(rehearsed) - mean(real),
     "gap/trajectories": float(len(real)),
+    "gap/invalid": float(invalid),
+    "gap/scoring_errors": float(errors),
   }
 
 
+def is_success(reward: float) -> bool:
+  """τ²-bench's success of one trial (``tau2.metrics.agent_metrics.is_successful``): |reward - 1| <= 1e-6."""
+  return 1.0 - 1e-6 <= reward <= 1.0 + 1e-6
+
+
 def score_committed(
-  trajectories: Sequence[Trajectory], envs: Sequence[ToolEnv], num_tasks: int, num_trials: int
+  config, trajectories: Sequence[Trajectory], envs: Sequence[ToolEnv], num_tasks: int, num_trials: int
 ) -> dict[str, float]:
-  """Scores committed executions (task-major, ``num_trials`` per task) with each one's environment's evaluator.
+  """Scores committed executions (task-major, ``num_trials`` per task) with each one's environment's evaluator
+  (`scoring.score`); sets each trajectory's ``reward``.
+
+  An invalid trial (its scorer failed, or the external user did) is left out of the mean reward and counts as a
+  failed trial in pass^k: a task's c counts its successful trials (`is_success`) out of all ``num_trials``.
 
   Returns:
-    {"reward": mean reward, "pass^1".."pass^n", "tasks", "trials", "invalid", "turns", "tool_calls"}.
+    {"reward": mean reward of the valid trials (NaN when none is), "pass^1".."pass^n", "tasks", "trials",
+    "reward/invalid", "reward/scoring_errors" (`scoring.counts`), "turns", "tool_calls" (means per trial)}.
   """
-  rewards_, invalid = [], 0
+  rewards_ = []
   successes = [0] * num_tasks
   for i, traj in enumerate(trajectories):
-    try:
-      info = envs[i].evaluate(traj.messages)
-    except Exception as e:  # noqa: BLE001 — see scoring_failure
-      info = scoring_failure(traj, e)
-    traj.reward = info
-    if not info.valid:
-      invalid += 1
-      continue
-    rewards_.append(info.reward)
-    successes[i // num_trials] += int(info.reward >= 1.0 - 1e-6)
+    traj.reward = scoring.score(config, traj, env=envs[i])
+    if traj.reward.valid:
+      rewards_.append(traj.reward.reward)
+      successes[i // num_trials] += int(is_success(traj.reward.reward))
   summary = {
     "reward": float(np.mean(rewards_)) if rewards_ else float("nan"),
     "tasks": float(num_tasks),
     "trials": float(num_trials),
-    "invalid": float(invalid),
+    **scoring.counts(trajectories),
     "turns": float(np.mean([t.counts.get("generations_act", 0) for t in trajectories])),
     "tool_calls": float(np.mean([t.counts.get("tool_calls", 0) for t in trajectories])),
   }
@@ -260,7 +204,7 @@ def evaluate_policy(
     num_trials: n trials per task (pass^1..pass^n).
     fidelity, gap, gold: override ``config.eval.fidelity`` / ``config.eval.reward_gap`` / ``config.eval.fidelity_gold``.
   Returns:
-    (summary: reward, pass^k, tasks, trials, invalid, turns, tool_calls, ``fidelity/*`` (the committed runs' real
+    (summary: `score_committed`'s keys, ``fidelity/*`` (the committed runs' real
     calls), ``fidelity_gold/*`` (the benchmark's gold calls after each task's opening: `fidelity.gold_trajectories`),
     ``gap/*``, ``cost/*``, ``memory_tokens``; the `private.PrivateRun` with every rehearsal, memory and committed
     trajectory).
@@ -268,13 +212,9 @@ def evaluate_policy(
   fidelity = config.eval.fidelity if fidelity is None else fidelity
   gap = config.eval.reward_gap if gap is None else gap
   gold = config.eval.fidelity_gold if gold is None else gold
-  fields = config_check.unfold_fields(config)
-  fields.update(group_size=1)
-  if fields["user_mode"] == "policy" and "reference" in samplers:
-    fields["user_mode"] = "reference"  # the evaluation's user should not be the policy under test
-  ucfg = UnfoldConfig.from_dict(fields)
+  ucfg = evaluation_unfold_config(config, samplers)
   policy = policy_of(samplers)
-  envs = [make_env(config, task) for task in tasks for _ in range(num_trials)]
+  envs = [scoring.make_env(config, task) for task in tasks for _ in range(num_trials)]
   result = private.run(
     tasks,
     policy,
@@ -286,7 +226,7 @@ def evaluate_policy(
     num_trials=num_trials,
     reference_sampler=samplers.get("reference"),
   )
-  summary = score_committed(result.committed, envs, len(tasks), num_trials)
+  summary = score_committed(config, result.committed, envs, len(tasks), num_trials)
   summary.update(private.summary_costs(result.costs))
   if mode != "off":
     summary["memory_tokens"] = float(np.mean([p.memory_tokens for p in result.prepared]))
@@ -298,16 +238,29 @@ def evaluate_policy(
     firsts = {}
     for item in result.prepared:  # one opening per task (its first trial)
       firsts.setdefault(item.task.id, (item.task, item.opening))
-    gold_runs = fidelity_lib.gold_trajectories(list(firsts.values()), functools.partial(make_env, config))
+    gold_runs = fidelity_lib.gold_trajectories(list(firsts.values()), functools.partial(scoring.make_env, config))
     summary.update(_fidelity("fidelity_gold", rehearse_sampler, tokenizer, gold_runs, ucfg, jax.random.fold_in(key, 9)))
   if gap:
-    rcfg = dataclasses.replace(ucfg, env_mode="rehearse", group_size=num_trials)
+    # Held-out tasks are rehearsed as training rolls out, but with no grounding: the task's reference interactions
+    # are its gold actions executed for real, which REHEARSE must not see when the task is the one being judged.
+    rcfg = dataclasses.replace(ucfg, env_mode="rehearse", group_size=num_trials, grounding_max_tokens=0)
     out = unfold(
       tasks, policy, tokenizer, rcfg, jax.random.fold_in(key, 8), reference_sampler=samplers.get("reference")
     )
     summary.update(reward_gap(config, [t.task for t in out.trajectories], out.trajectories))
     summary["cost/gap/seconds"] = float(out.stats.get("time_total_s", 0.0))
   return summary, result
+
+
+def evaluation_unfold_config(config, samplers: Mapping[str, Any]) -> UnfoldConfig:
+  """The rollout settings of an evaluation: ``config.rollout`` with one trajectory per (task, trial), and the
+  reference weights as the user where the run trains a policy-played user (the evaluation's user should not be the
+  policy under test)."""
+  fields = config_check.unfold_fields(config)
+  fields.update(group_size=1)
+  if fields["user_mode"] == "policy" and "reference" in samplers:
+    fields["user_mode"] = "reference"
+  return UnfoldConfig.from_dict(fields)
 
 
 def _fidelity(prefix: str, sampler, tokenizer, trajectories, ucfg: UnfoldConfig, key: jax.Array) -> dict[str, float]:
@@ -337,11 +290,13 @@ def committed_execution(
 
 
 def write_summary(workdir: str, step: int, summary: Mapping[str, float]) -> str:
-  """Appends ``{"step": step, **summary}`` to ``workdir/eval.jsonl``; returns the path."""
+  """Appends ``{"step": step, **summary}`` to ``workdir/eval.jsonl`` as ``metrics.jsonl`` is written (NaN as the
+  string "NaN"; ``metrics.read_jsonl(workdir, "eval.jsonl")`` reads it back); returns the path."""
   path = os.path.join(workdir, "eval.jsonl")
   os.makedirs(workdir, exist_ok=True)
+  record = metrics.to_json_safe({"step": int(step), **{k: float(v) for k, v in summary.items()}})
   with open(path, "a", encoding="utf-8") as f:
-    f.write(json.dumps({"step": int(step), **{k: float(v) for k, v in summary.items()}}) + "\n")
+    f.write(json.dumps(record, allow_nan=False) + "\n")
   return path
 
 
@@ -395,15 +350,17 @@ def run(config, workdir: str | None) -> dict[str, Any]:
     same openings), "reward_gap": the gap summary}; also printed as a table and written to
     ``workdir/eval_results.json``.
   Raises:
-    config_check.ConfigError: a bad config value (before any compute).
+    config_check.ConfigError: a bad config value or a scorer that cannot work (`scoring.check_scorers`), before any
+      compute.
   """
   config_check.validate(config)
+  tasks = eval_tasks(config)
+  scoring.check_scorers(config, tasks)  # before the model loads: a misconfigured scorer costs no compute
   model = runtime.load_model(config)
   if model.tokenizer is None:
     raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
   params, step = restore_policy(config, model, workdir)
   mesh = runtime.make_mesh(config)
-  tasks = eval_tasks(config)
   n = len(tasks)
   rows_hint = n * config.eval.num_trials
   per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
@@ -423,25 +380,15 @@ def run(config, workdir: str | None) -> dict[str, Any]:
       key,
       mode=mode,
       num_trials=config.eval.num_trials,
-      gap=False,
-      gold=i == 0 and config.eval.fidelity_gold,  # the same openings in every mode: measured once
+      # The same openings in every mode: REHEARSE on the gold calls and the reward gap are measured once.
+      gap=i == 0 and config.eval.reward_gap,
+      gold=i == 0 and config.eval.fidelity_gold,
     )
-    if i == 0 and config.eval.fidelity_gold:
-      gold = {k: summary.pop(k) for k in list(summary) if k.startswith(("fidelity_gold/", "cost/fidelity_gold/"))}
+    if i == 0:
+      gold = _pop(summary, ("fidelity_gold/", "cost/fidelity_gold/")) or None
+      gap = _pop(summary, ("gap/", "cost/gap/")) or None
     summary.update(rehearsal=mode, N=0 if mode == "off" else config.eval.rehearsal_n)
     rows.append(summary)
-    if i == 0 and config.eval.reward_gap:
-      fields = config_check.unfold_fields(config)
-      fields.update(group_size=config.eval.num_trials, env_mode="rehearse")
-      out = unfold(
-        tasks,
-        policy_of(samplers),
-        model.tokenizer,
-        UnfoldConfig.from_dict(fields),
-        jax.random.fold_in(key, 8),
-        reference_sampler=samplers["reference"],
-      )
-      gap = reward_gap(config, [t.task for t in out.trajectories], out.trajectories)
   result = {
     "weights": model.source if step is None else f"{workdir} step {step}",
     "checkpoint_step": step,
@@ -460,6 +407,10 @@ def run(config, workdir: str | None) -> dict[str, Any]:
   return result
 
 
+def _pop(summary: dict[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any]:
+  return {k: summary.pop(k) for k in list(summary) if k.startswith(prefixes)}
+
+
 def _f(x: Any, digits: int = 3) -> str:
   if x is None or (isinstance(x, float) and math.isnan(x)):
     return "-"
@@ -474,12 +425,13 @@ def format_table(result: Mapping[str, Any]) -> str:
   head = (
     f"{'domain':<10} {'rehearsal':<10} {'N':>2} {'tasks':>5} "
     + " ".join(f"{p:>7}" for p in passes)
-    + f" {'reward':>6} {'calls':>5} | {'json':>5} {'exact':>5} {'keyF1':>5} {'value':>5} {'error':>5} | "
+    + f" {'reward':>6} {'invalid':>7} {'calls':>5} | {'json':>5} {'exact':>5} {'keyF1':>5} {'value':>5} {'error':>5} | "
     + f"{'rehearse tok':>12} {'rehearse s':>10} {'memory tok':>10} {'commit tok':>10} {'commit s':>8}"
   )
   lines = [
     f"Evaluation of {result['weights']} on {result['benchmark']} {result['domain']} ({result['split']} split); "
-    "pass^k = mean over tasks of C(c,k)/C(n,k); fidelity = REHEARSE's prediction of each real tool response "
+    "pass^k = mean over tasks of C(c,k)/C(n,k) (an invalid trial, one its scorer failed on, counts as failed; "
+    "reward is the mean over valid trials); fidelity = REHEARSE's prediction of each real tool response "
     "(json valid, exact match, key-set F1, value accuracy on shared keys, error agreement); costs in generated "
     "tokens and seconds (rehearse = rehearsals + assessments + memory; seconds include compilation, mostly paid by the "
     "first mode).",
@@ -493,7 +445,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines.append(
       f"{result['domain']:<10} {r['rehearsal']:<10} {r['N']:>2} {int(r['tasks']):>5} "
       + " ".join(f"{_f(r[p]):>7}" for p in passes)
-      + f" {_f(r['reward']):>6} {_f(r['tool_calls'], 1):>5} | "
+      + f" {_f(r['reward']):>6} {int(r['reward/invalid']):>7} {_f(r['tool_calls'], 1):>5} | "
       + " ".join(
         f"{_f(r.get(f'fidelity/{m}'), 2):>5}"
         for m in ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement")
@@ -516,8 +468,9 @@ def format_table(result: Mapping[str, Any]) -> str:
   gap = result.get("reward_gap")
   if gap:
     lines.append(
-      f"rehearsal-vs-real reward gap ({int(gap['gap/trajectories'])} rehearsed trajectories): rule checklist on the "
-      f"rehearsal {_f(gap['gap/rehearsed_reward'])} vs benchmark reward of the same decisions executed for real "
+      f"rehearsal-vs-real reward gap ({int(gap['gap/trajectories'])} rehearsed trajectories, no grounding; "
+      f"{int(gap['gap/invalid'])} left out as unscoreable): rule checklist on the rehearsal "
+      f"{_f(gap['gap/rehearsed_reward'])} vs benchmark reward of the same decisions executed for real "
       f"{_f(gap['gap/real_reward'])}: gap {_f(gap['gap/gap'])}"
     )
   return "\n".join(lines)

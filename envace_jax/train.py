@@ -31,9 +31,9 @@ import numpy as np
 from absl import logging
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, evaluate, metrics, runtime
+from envace_jax import config_check, evaluate, metrics, runtime, scoring
 from envace_jax.envs import datasets
-from envace_jax.envs.base import EnvError, RewardInfo, Task
+from envace_jax.envs.base import EnvError, Task
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.episode import UnfoldConfig
@@ -45,46 +45,16 @@ from envace_jax.rl.batch import TrainBatch
 from envace_jax.sampling import sharding
 
 
-def score(config, trajectory: Trajectory, env=None, judge=None) -> RewardInfo:
-  """The reward of one trajectory.
-
-  Real-environment trajectories (``env`` given: the env the trajectory ran in) get the benchmark's own evaluator.
-  Rehearsed ones have no real state to check: the rule checklist over the task's gold actions and required
-  information (``config.reward.kind="rule"``) or the LLM checklist judge (``"judge"``).
-  """
-  if trajectory.termination is not None and trajectory.termination.value == "user_error":
-    return RewardInfo(reward=float("nan"), valid=False, info={"reason": "the external user failed"})
-  try:
-    if env is not None:
-      return env.evaluate(trajectory.messages)
-    if judge is not None:
-      return judge(trajectory.task, trajectory.messages)
-    return evaluate.rule_reward(config, trajectory.task, trajectory)
-  except Exception as e:  # noqa: BLE001 — a model output the scorer chokes on is a failed trajectory, not a crash
-    return evaluate.scoring_failure(trajectory, e)
-
-
-def make_judge(config):
-  """The LLM checklist judge of ``config.reward``, or None for the rule checklist."""
-  if config.reward.kind != "judge":
-    return None
-  from envace_jax.rl import judge as judge_lib
-
-  return judge_lib.ChecklistJudge(
-    judge_lib.JudgeConfig(
-      base_url=config.reward.judge_url, model=config.reward.judge_model, api_key_env=config.reward.judge_api_key_env
-    )
-  )
-
-
 def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float]) -> dict[str, float]:
-  """Per-step rollout scalars: reward per role's rows, validity rates, turns, termination reasons, throughput."""
+  """Per-step rollout scalars: reward (mean and std over the valid trajectories, and as each role's rows see it),
+  invalid trajectories and scoring errors (`scoring.counts`), validity rates, turns, termination reasons,
+  throughput."""
   out: dict[str, float] = {}
   valid = [t for t in trajectories if t.reward is not None and t.reward.valid]
   r = np.array([t.reward.reward for t in valid], np.float64)
   out["reward/mean"] = float(r.mean()) if len(r) else float("nan")
   out["reward/std"] = float(r.std()) if len(r) else float("nan")
-  out["reward/invalid"] = float(len(trajectories) - len(valid))
+  out.update(scoring.counts(trajectories))
   for role in (Role.ACT, Role.REHEARSE, Role.USER):
     name = role.name.lower()
     had = [t.reward.reward for t in valid if int(role) in t.rows]
@@ -127,7 +97,9 @@ class Trainer:
   def __init__(self, config, workdir: str):
     config_check.validate(config)
     self.config, self.workdir = config, workdir
+    self._eval_tasks: list[Task] | None = None
     self.train_source = runtime.training_tasks(config)  # before the model: a bad task id costs no compute
+    scoring.check_scorers(config, self._scored_tasks())  # so does a scorer that cannot work
     self.model = runtime.load_model(config)
     if self.model.tokenizer is None:
       raise config_check.ConfigError(
@@ -164,8 +136,23 @@ class Trainer:
       logging.info("resumed from step %d in %s", latest, self.ckpt.directory)
     rows = config.train.tasks_per_step * config.train.group_size
     self.samplers = self._samplers(rows)
-    self.judge = make_judge(config)
-    self._eval_source: datasets.TaskSource | None = None
+    self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
+
+  def _scored_tasks(self) -> list[Task]:
+    """The tasks the benchmark's evaluator will score: every training task when rollouts run on the real tools
+    (``rollout.env_mode="real"``), and the held-out evaluation tasks (``train.eval_tasks``). (The warm-up's
+    reference conversations skip a task whose environment cannot be built, `demonstrations`.)"""
+    source = self.train_source
+    tasks = [source[i] for i in range(len(source))] if self.config.rollout.env_mode == "real" else []
+    return tasks + (self.eval_tasks() if self.config.train.eval_tasks else [])
+
+  def eval_tasks(self) -> list[Task]:
+    """The held-out tasks of every evaluation: the first ``train.eval_tasks`` of ``env.eval_split`` (-1: all)."""
+    if self._eval_tasks is None:  # prepared and opened once per run, not at every evaluation
+      source = runtime.load_split(self.config, self.config.env.eval_split)
+      n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
+      self._eval_tasks = [source[i] for i in range(n)]
+    return self._eval_tasks
 
   # -- rollouts ----------------------------------------------------------------------------------------------------
 
@@ -197,7 +184,7 @@ class Trainer:
 
   def envs_for(self, tasks: Sequence[Task], group_size: int):
     """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
-    return [evaluate.make_env(self.config, task) for task in tasks for _ in range(group_size)]
+    return [scoring.make_env(self.config, task) for task in tasks for _ in range(group_size)]
 
   def rollout(
     self, tasks: Sequence[Task], key: jax.Array, group_size: int | None = None
@@ -219,7 +206,7 @@ class Trainer:
       envs=envs,
     )
     for i, traj in enumerate(out.trajectories):
-      traj.reward = score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
+      traj.reward = scoring.score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
     return out.trajectories, out.stats
 
   # -- one step: rollout, advantages, batch, (reference logprobs), update ------------------------------------------
@@ -277,12 +264,12 @@ class Trainer:
     out, skipped = [], 0
     for b, task in enumerate(tasks):
       try:
-        conversation = demonstration.reference_conversation(task, evaluate.make_env(self.config, task))
+        conversation = demonstration.reference_conversation(task, scoring.make_env(self.config, task))
       except EnvError as e:
         logging.warning("supervised warm-up: task %s skipped: %s", task.id, e)
         skipped += 1
         continue
-      env = evaluate.make_env(self.config, task) if self.unfold_cfg.env_mode == "real" else None
+      env = scoring.make_env(self.config, task) if self.unfold_cfg.env_mode == "real" else None
       out.append(
         demonstration.demonstration(self.unfold_cfg, task, conversation, self.model.tokenizer, fmt, b, env=env)
       )
@@ -367,12 +354,19 @@ class Trainer:
   def run(self) -> dict[str, Any]:
     """Trains ``config.train.steps`` steps (from the resumed step), then evaluates on held-out tasks.
 
+    Prints on process 0 (``metrics.py``): the progress bar and a line per step, then, with ``train.eval_tasks``
+    nonzero, a line as the held-out evaluation starts and its table (``metrics.format_eval_summary``) when it ends;
+    a resumed run first says from which step.
+
     Returns:
       {"steps": last step, "last": its metrics, "eval": the evaluation summary or None}.
     """
     cfg = self.config
     total = cfg.train.steps
     last: dict[str, float] = {}
+    say = metrics.print_line if jax.process_index() == 0 else lambda text: None
+    if self.start_step:
+      say(f"resumed from step {self.start_step} in {self.ckpt.directory}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
     try:
       for step in range(self.start_step + 1, total + 1):
@@ -389,12 +383,18 @@ class Trainer:
           metrics=last,
           force=step == total,
         )
+      writer.close()  # the bar ends with the last step; the held-out evaluation is not a step
       self.ckpt.wait()
       summary = None
       if cfg.train.eval_tasks != 0:
+        n, trials = len(self.eval_tasks()), cfg.eval.num_trials
+        say(
+          f"evaluating on {n} held-out task{'s' * (n != 1)} ({cfg.env.eval_split} split, {trials} "
+          f"trial{'s' * (trials != 1)} each) against the real tools..."
+        )
         summary = self.evaluate(total)
-        logging.info("held-out evaluation after step %d: %s", total, summary)
         evaluate.write_summary(self.workdir, total, summary)
+        say(metrics.format_eval_summary(summary, total))
     finally:
       writer.close()
       self.ckpt.close()
@@ -403,14 +403,9 @@ class Trainer:
   def evaluate(self, step: int) -> dict[str, float]:
     """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
     self._sync_samplers()
-    if self._eval_source is None:  # prepared and opened once per run, not at every evaluation
-      self._eval_source = runtime.load_split(self.config, self.config.env.eval_split)
-    source = self._eval_source
-    n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
-    tasks = [source[i] for i in range(n)]
     return evaluate.committed_execution(
       self.config,
-      tasks,
+      self.eval_tasks(),
       self.samplers,
       self.model.tokenizer,
       jax.random.fold_in(jax.random.fold_in(self.key, step), 0x5EED),

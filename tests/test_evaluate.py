@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from envace_jax import evaluate
+from envace_jax.envs.base import RewardInfo
 
 
 def test_pass_hat_k_hand_computed():
@@ -15,6 +16,60 @@ def test_pass_hat_k_hand_computed():
   assert evaluate.pass_hat_k([2], 4, 3) == 0.0
   # Averaged over tasks: (C(4,2)/C(4,2) + C(1,2)/C(4,2)) / 2 = (1 + 0) / 2.
   assert evaluate.pass_hat_k([4, 1], 4, 2) == pytest.approx(0.5)
+
+
+class _KnownEnv:
+  """A stand-in for a benchmark's environment whose evaluator returns a fixed reward, or raises (``None``)."""
+
+  def __init__(self, reward):
+    self.reward = reward
+
+  def evaluate(self, conversation):
+    if self.reward is None:
+      raise RecursionError("maximum recursion depth exceeded")  # as BFCL's checker on arguments nested too deep
+    return RewardInfo(self.reward)
+
+
+def test_score_committed_counts_invalid_trials_as_failures_and_0_999999_as_a_success(create_task):
+  """3 tasks x 3 trials with known rewards, checked against τ²-bench's own `is_successful` and `pass_hat_k`.
+  Task 0: 1.0, 0.999999 (a success: τ² accepts |r - 1| <= 1e-6), 0.0. Task 1: 1.0, a scorer that raises (invalid, a
+  failed trial), 1.0. Task 2: 0.5, 0.9999989 (not a success), an external user that failed (invalid, not a scoring
+  error)."""
+  from tau2.metrics import agent_metrics
+
+  from envace_jax.rehearsal.trajectory import Termination, Trajectory
+
+  rewards = [[1.0, 0.999999, 0.0], [1.0, None, 1.0], [0.5, 0.9999989, 0.25]]
+  trajectories, envs = [], []
+  for b, row in enumerate(rewards):
+    for g, r in enumerate(row):
+      trajectories.append(Trajectory(create_task, b, g, [], counts={"generations_act": b + g, "tool_calls": g}))
+      envs.append(_KnownEnv(r))
+  trajectories[-1].termination = Termination.USER_ERROR
+  summary = evaluate.score_committed(_tiny_config("/unused"), trajectories, envs, num_tasks=3, num_trials=3)
+  valid = [1.0, 0.999999, 0.0, 1.0, 1.0, 0.5, 0.9999989]
+  assert summary["reward"] == pytest.approx(sum(valid) / 7, abs=1e-15)
+  assert (summary["tasks"], summary["trials"]) == (3.0, 3.0)
+  assert (summary["reward/invalid"], summary["reward/scoring_errors"]) == (2.0, 1.0)
+  assert summary["turns"] == 2.0 and summary["tool_calls"] == 1.0  # means over all nine trials
+  successes = [
+    sum(r is not None and agent_metrics.is_successful(r) for r in row[: 2 if b == 2 else 3])
+    for b, row in enumerate(rewards)
+  ]
+  assert successes == [2, 2, 0]
+  assert (
+    [evaluate.is_success(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
+    == [agent_metrics.is_successful(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
+    == [True, True, False, True, False]
+  )
+  for k in (1, 2, 3):
+    want = sum(agent_metrics.pass_hat_k(3, c, k) for c in successes) / 3
+    assert summary[f"pass^{k}"] == pytest.approx(want, abs=1e-15)
+  assert (summary["pass^1"], summary["pass^2"], summary["pass^3"]) == pytest.approx((4 / 9, 2 / 9, 0.0), abs=1e-15)
+  assert [t.reward.valid for t in trajectories] == [True] * 4 + [False] + [True] * 3 + [False]
+  assert (
+    "RecursionError" in trajectories[4].reward.info["scoring_error"] and trajectories[4].counts["scoring_error"] == 1
+  )
 
 
 @pytest.mark.parametrize("successes,n,k", [([1], 2, 0), ([1], 2, 3), ([3], 2, 1), ([-1], 2, 1)])
@@ -73,6 +128,8 @@ def test_reward_gap_hand_computed(create_task):
     "gap/real_reward": 0.5,
     "gap/gap": 0.25,
     "gap/trajectories": 2.0,
+    "gap/invalid": 0.0,
+    "gap/scoring_errors": 0.0,
   }
 
 
@@ -83,18 +140,22 @@ def _tiny_config(data_dir, **overrides):
 
 
 @pytest.mark.slow
-def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys):
-  """Train the tiny config one step, then --mode=eval: the checkpoint is restored, every rehearsal mode runs on the
-  same openings, costs, fidelity and the reward gap are reported, printed and written as JSON."""
+def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
+  """Train one scripted step (tests/test_loop.py's stand-ins), then --mode=eval with the same stand-ins: the
+  checkpoint is restored, every rehearsal mode runs on the same openings (trial 1 asks for the gold task, trial 2 for
+  a wrong one), costs, fidelity and the reward gap are reported, printed and written as JSON."""
   import json
 
-  from envace_jax import train
+  from envace_jax import runtime
+  from tests.test_loop import CALL, DONE, RESPONSE, STOP, Policy, User, _config, _scripted_trainer, _tokens
   from tests.test_train import _params
 
   data_dir = tmp_path / "tfds"
-  config = _tiny_config(data_dir, **{"train.steps": 1, "train.eval_tasks": 0, "eval.num_trials": 2})
-  train.train_and_evaluate(config, str(tmp_path / "run"))
-  model = evaluate.runtime.load_model(config)
+  config = _config(data_dir, "envace", **{"train.eval_tasks": 0, "eval.num_trials": 2})
+  trainer = _scripted_trainer(config, tmp_path / "run")
+  trainer.run()
+  model = runtime.load_model(config)
+  tok = model.tokenizer
   params, step = evaluate.restore_policy(config, model, str(tmp_path / "run"))
   saved = _params(tmp_path / "run", 1)
   assert step == 1 and all(
@@ -102,26 +163,34 @@ def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys):
   )
   assert evaluate.restore_policy(config, model, str(tmp_path / "empty")) == (model.params, None)
 
+  made = iter([Policy(tok), User(tok)])
+  monkeypatch.setattr(runtime, "make_sampler", lambda *args, **kwargs: next(made))
   result = evaluate.run(config, str(tmp_path / "run"))
   table = capsys.readouterr().out
   assert [r["rehearsal"] for r in result["rows"]] == ["off", "parallel", "sequential"]
   assert result["checkpoint_step"] == 1 and "step 1" in result["weights"]
+  n = config.eval.rehearsal_n  # configs/tiny.py: 2
+  # Per (task, trial): the committed execution calls, reads the real response and reports, and the user stops; every
+  # rehearsal does the same with an imagined response and an imagined user.
+  committed = _tokens(tok, CALL["gold"], DONE, STOP, CALL["wrong"], DONE, STOP)
+  rehearsal = _tokens(tok, CALL["gold"], RESPONSE, DONE, STOP, CALL["wrong"], RESPONSE, DONE, STOP)
   for row in result["rows"]:
-    assert row["tasks"] == 1 and row["trials"] == 2 and {"pass^1", "pass^2", "fidelity/calls"} <= set(row)
-    assert row["cost/execution/generated_tokens"] > 0 and row["cost/opening/generated_tokens"] > 0
+    assert row["tasks"] == 1 and row["trials"] == 2
+    assert (row["reward"], row["pass^1"], row["pass^2"]) == (0.5, 0.5, 0.0)  # the wrong title fails τ²'s DB check
+    assert row["cost/execution/generated_tokens"] == committed and row["fidelity/calls"] == 2
     if row["rehearsal"] == "off":
-      assert row["cost/rehearsal/generated_tokens"] == 0 and "memory_tokens" not in row
+      assert row["N"] == 0 and row["cost/rehearsal/generated_tokens"] == 0 and "memory_tokens" not in row
     else:
-      assert row["N"] == 2 and row["cost/rehearsal/generated_tokens"] > 0 and row["cost/assessment/seconds"] > 0
-      assert 0 < row["memory_tokens"] <= 16
-  assert result["reward_gap"]["gap/trajectories"] == 2
+      assert row["N"] == n and row["cost/rehearsal/generated_tokens"] == n * rehearsal
+      assert row["memory_tokens"] == min(config.eval.memory_max_tokens, len(tok.encode(Policy.MEMORY)))
+  gap = result["reward_gap"]  # rule checklist 1.0 and 0.5 (the wrong call), τ² on the real DB 1.0 and 0.0
+  assert (gap["gap/trajectories"], gap["gap/rehearsed_reward"], gap["gap/real_reward"]) == (2, 0.75, 0.5)
   # REHEARSE on the gold calls: measured once (not per mode), one probe per assistant-side gold action of the task.
-  task = evaluate.runtime.load_split(config, config.env.eval_split)[0]
-  gold_calls = sum(a.requestor == "assistant" for a in task.gold_actions)
-  assert gold_calls >= 1 and result["fidelity_gold"]["fidelity_gold/calls"] == gold_calls
-  assert 0.0 <= result["fidelity_gold"]["fidelity_gold/json_valid"] <= 1.0
-  assert not any(k.startswith("fidelity_gold/") for row in result["rows"] for k in row)
+  assert (
+    result["fidelity_gold"]["fidelity_gold/calls"] == 1 and result["fidelity_gold"]["fidelity_gold/json_valid"] == 1
+  )
+  assert not any(k.startswith(("fidelity_gold/", "gap/")) for row in result["rows"] for k in row)
   for word in ("off", "parallel", "sequential", "pass^1", "pass^2", "keyF1", "reward gap", "gold calls"):
     assert word in table
   written = json.loads((tmp_path / "run" / evaluate.RESULTS_FILE).read_text())
-  assert [r["rehearsal"] for r in written["rows"]] == ["off", "parallel", "sequential"]
+  assert json.dumps(written["rows"], sort_keys=True) == json.dumps(result["rows"], sort_keys=True, default=float)

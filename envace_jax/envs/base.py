@@ -255,8 +255,9 @@ class RewardInfo:
     reward: in [0, 1], the benchmark's own reward where it has one.
     breakdown: named components in [0, 1] (e.g. τ²'s DB / ACTION / COMMUNICATE), for metrics.
     valid: False when the score could not be computed (e.g. an LLM-judge transport failure); an invalid trajectory
-      is excluded from the update, never scored 0.
-    info: anything else worth logging (JSON-compatible).
+      is excluded from the update, never scored 0 (``reward`` is then NaN).
+    info: anything else worth logging (JSON-compatible). ``info["scoring_error"]`` says why, when the scorer itself
+      failed (the checker crashed, the judge gave no verdict); `envace_jax/scoring.py` counts those.
   """
 
   reward: float

@@ -516,9 +516,8 @@ class BfclEnv(ToolEnv):
       with guard, _checker_run() as model_name:
         result = checker.multi_turn_checker(turns, ground_truth, test_entry, task.domain, model_name)
     except Exception as e:  # noqa: BLE001 - a checker crash is not the agent's fault: exclude, do not score 0
-      return RewardInfo(
-        0.0, breakdown_fail, valid=False, info={"error_type": "checker_crash", "error_message": repr(e)}
-      )
+      info = {"error_type": "checker_crash", "error_message": repr(e), "scoring_error": f"BFCL's checker: {e!r}"}
+      return RewardInfo(math.nan, breakdown_fail, valid=False, info=info)
     if result.get("valid"):
       return RewardInfo(1.0, {"multi_turn": 1.0}, info={"calls": turns})
     details = result.get("details", {})

@@ -2,8 +2,9 @@
 
 EnvACE (arXiv 2608.06197), following CM2's checklist rewards (github.com/namezhenzhang/CM2-RLCR-Tool-Agent
 `verl/utils/reward_score/checklist_reward.py`): one request per checklist item and user turn, a JSON verdict back; a
-turn scores the weighted sum of its passed items, the episode the mean over turns. A transport failure makes the
-trajectory invalid (`RewardInfo.valid=False`): excluded from the update, never scored 0.
+turn scores the weighted sum of its passed items, the episode the mean over turns. An item the judge gives no verdict
+on (transport failure, unparseable reply, refused request) makes the trajectory invalid (`RewardInfo.valid=False`):
+excluded from the update, never scored 0 (`ChecklistJudge`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -263,11 +265,14 @@ class ChecklistJudge:
   A turn's reward is the weighted sum of its passed items; an annotation's reward the mean over its turns; with
   several annotations (`max_annotations`), the mean over annotations.
 
-  Failures: a reply without a usable verdict after all retries is a *judge failure*: the item counts as not passed
-  and is listed in `info["judge_failures"]`; so is a request the server refuses as bad (HTTP 400/413/422: the
-  prompt, not the server, is at fault). A transport failure (connection refused, timeout, HTTP 408/409/429/5xx
-  after all retries) makes the whole trajectory invalid: `RewardInfo(reward=nan, valid=False)`, so it cannot be
-  mistaken for a 0. HTTP 3xx/401/403/404 raise `RewardConfigError`: retrying cannot fix a wrong URL, model or key.
+  Failures never score 0. A reply without a usable verdict after all retries, or a request the server refuses as bad
+  (HTTP 400/413/422: the prompt, not the server, is at fault), is a *judge failure*; a transport failure
+  (connection refused, timeout, HTTP 408/409/429/5xx after all retries) stops the trajectory's other requests.
+  Either makes the whole trajectory invalid: `RewardInfo(reward=nan, valid=False)` with the reason in
+  `info["scoring_error"]` (and the failed items in `info["judge_failures"]`), excluded from the update and counted
+  as a scoring error (`envace_jax/scoring.py`). HTTP 3xx/401/403/404 raise `RewardConfigError`: retrying cannot fix
+  a wrong URL, model or key. `probe` sends one request at start-up, so a misconfigured judge stops a run before its
+  first rollout.
 
   Usable as a `ChecklistEnv` scorer: `judge(task, conversation) -> RewardInfo`. Thread-safe (trajectories may be
   scored from several threads at once); close it (or use it as a context manager) to release connections and threads.
@@ -309,13 +314,13 @@ class ChecklistJudge:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def _post(self, prompt: str) -> str | None:
+  def _post(self, prompt: str, max_tokens: int | None = None) -> str | None:
     """One request: the reply text, None for a 200 without a chat-completions body."""
     payload = {
       "model": self.config.model,
       "messages": [{"role": "user", "content": prompt}],
       "temperature": self.config.temperature,
-      "max_tokens": self.config.max_tokens,
+      "max_tokens": max_tokens or self.config.max_tokens,
       **self.config.extra_body,
     }
     url = self.config.url()
@@ -337,6 +342,31 @@ class ChecklistJudge:
     except (ValueError, KeyError, IndexError, TypeError):
       return None
     return content if isinstance(content, str) else None
+
+  def probe(self) -> None:
+    """One small request to the endpoint, before any trajectory is judged: a misconfigured judge fails here.
+
+    Any 2xx answer passes (its content is not judged); transport failures and HTTP 408/409/429/5xx are retried as
+    in `judge`.
+
+    Raises:
+      RewardConfigError: HTTP 3xx/401/403/404, or HTTP 400/413/422 (the endpoint refuses even a minimal request:
+        a wrong model name on most servers).
+      JudgeTransportError: the endpoint cannot be reached after all retries.
+    """
+    cfg, last = self.config, ""
+    prompt = 'Reply with the JSON object {"answer": true}.'
+    for attempt in range(cfg.max_retries + 1):
+      if attempt:
+        time.sleep(min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1)))
+      try:
+        self._post(prompt, max_tokens=min(cfg.max_tokens, 16))
+        return
+      except _Retryable as e:
+        last = str(e)
+      except _Refused as e:
+        raise RewardConfigError(f"the judge refused a minimal request ({e}); check the model name") from None
+    raise JudgeTransportError(f"{last} (after {cfg.max_retries + 1} attempts)")
 
   def judge(self, prompt: str, stop: threading.Event | None = None) -> Verdict:
     """Sends one judge prompt, retrying with exponential backoff.
@@ -426,7 +456,21 @@ class ChecklistJudge:
       concurrent.futures.wait(jobs.values())
       if isinstance(e, RewardConfigError):
         raise
-      return RewardInfo(math.nan, valid=False, info={"error": f"judge transport failure: {e}", "requests": len(jobs)})
+      return RewardInfo(
+        math.nan, valid=False, info={"scoring_error": f"judge transport failure: {e}", "requests": len(jobs)}
+      )
+    failures = {k: v.error for k, v in verdicts.items() if v.passed is None}
+    if failures:
+      item, why = next(iter(failures.items()))
+      return RewardInfo(
+        math.nan,
+        valid=False,
+        info={
+          "scoring_error": f"{len(failures)} of {len(jobs)} judge requests gave no verdict; first: {item}: {why}",
+          "judge_failures": failures,
+          "requests": len(jobs),
+        },
+      )
 
     breakdown: dict[str, float] = {}
     annotation_rewards = []
@@ -436,7 +480,7 @@ class ChecklistJudge:
         score = 0.0
         for item in items:
           key = f"{prefix(a)}turn[{t}]/{item['id']}"
-          passed = bool(verdicts[key].passed) if key in verdicts else False
+          passed = bool(verdicts[key].passed) if key in verdicts else False  # an unreached turn scores 0
           breakdown[key] = float(passed)
           score += item["weight"] * passed
         breakdown[f"{prefix(a)}turn[{t}]"] = score
@@ -445,8 +489,8 @@ class ChecklistJudge:
     reward = min(1.0, max(0.0, math.fsum(annotation_rewards) / len(annotation_rewards)))
     info = {
       "requests": len(jobs),
-      "judge_failures": {k: v.error for k, v in verdicts.items() if v.passed is None},
+      "judge_failures": {},
       "unreached_turns": unreached,
-      "analysis": {k: v.analysis for k, v in verdicts.items() if v.passed is not None},
+      "analysis": {k: v.analysis for k, v in verdicts.items()},
     }
     return RewardInfo(reward=reward, breakdown=breakdown, info=info)

@@ -304,16 +304,16 @@ def test_checklist_judge_scores_the_rubrics(monkeypatch):
 
 
 def test_make_env_wires_the_judge_of_the_config():
-  from envace_jax import evaluate
+  from envace_jax import scoring
   from envace_jax.rl import judge
 
   rice, _ = _tasks()
   config = _load_config("vitabench.py")
-  env = evaluate.make_env(config, rice)
+  env = scoring.make_env(config, rice)
   assert isinstance(env, vitabench.VitaBenchEnv) and env._scorer is None
   config.reward.judge_url, config.reward.judge_model = "http://127.0.0.1:9/v1", "judge-model"
-  env = evaluate.make_env(config, rice)
-  assert isinstance(env._scorer, judge.ChecklistJudge) and env._scorer is evaluate.make_env(config, rice)._scorer
+  env = scoring.make_env(config, rice)
+  assert isinstance(env._scorer, judge.ChecklistJudge) and env._scorer is scoring.make_env(config, rice)._scorer
 
 
 # ----------------------------------------------------------------------------------------- config and dataset

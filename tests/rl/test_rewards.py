@@ -476,7 +476,7 @@ def test_several_annotations_are_averaged(serve):
     assert judge(chitchat, conversation).reward == 1.0
 
 
-def test_unparseable_verdict_after_retries_is_a_judge_failure(serve):
+def test_unparseable_verdict_after_retries_makes_the_trajectory_invalid(serve):
   def respond(body, n):
     if "get_weather for Oslo" in _question(body):
       return 200, _completion("I think it passes, answer: yes"), 0.0
@@ -486,19 +486,20 @@ def test_unparseable_verdict_after_retries_is_a_judge_failure(serve):
   weather = checklist.load_tasks(FIXTURE)[0]
   with _judge(server.url, max_retries=2) as judge:
     info = judge(weather, _fixture_conversation("weather-001"))
-  assert info.valid and info.reward == pytest.approx((0.75 + 0.6) / 2, abs=1e-12)
+  assert not info.valid and math.isnan(info.reward)  # not the 0.675 it would be with C1 failed
   assert list(info.info["judge_failures"]) == ["turn[0]/C1"]
   assert "no usable verdict" in info.info["judge_failures"]["turn[0]/C1"]
+  assert info.info["scoring_error"].startswith("1 of 5 judge requests gave no verdict; first: turn[0]/C1: ")
   assert sum("get_weather for Oslo" in p for p in server.prompts()) == 3  # first attempt + 2 retries
 
 
-def test_refused_request_is_a_judge_failure_without_retry(serve):
+def test_refused_request_makes_the_trajectory_invalid_without_retry(serve):
   server = serve(lambda body, n: (400, '{"error": "context length exceeded"}', 0.0))
   chitchat = checklist.load_tasks(FIXTURE)[2]
   with _judge(server.url) as judge:
     info = judge(chitchat, _fixture_conversation("chitchat-003"))
-  assert info.valid and info.reward == 0.0 and len(server.requests) == 1
-  assert "HTTP 400" in info.info["judge_failures"]["turn[0]/C0"]
+  assert not info.valid and math.isnan(info.reward) and len(server.requests) == 1
+  assert "HTTP 400" in info.info["judge_failures"]["turn[0]/C0"] and "HTTP 400" in info.info["scoring_error"]
 
 
 def test_500_then_200_is_retried(serve):
@@ -521,17 +522,17 @@ def test_transport_failures_make_the_trajectory_invalid(serve):
 
   with _judge(f"http://127.0.0.1:{_closed_port()}/v1") as judge:  # connection refused
     info = judge(chitchat, conversation)
-  assert not info.valid and math.isnan(info.reward) and "ConnectError" in info.info["error"]
+  assert not info.valid and math.isnan(info.reward) and "ConnectError" in info.info["scoring_error"]
 
   server = serve(lambda body, n: (503, "overloaded", 0.0))
   with _judge(server.url, max_retries=2) as judge:
     info = judge(chitchat, conversation)
-  assert not info.valid and "HTTP 503" in info.info["error"] and len(server.requests) == 3
+  assert not info.valid and "HTTP 503" in info.info["scoring_error"] and len(server.requests) == 3
 
   slow = serve(lambda body, n: (200, _completion(_verdict(True)), 1.0))
   with _judge(slow.url, timeout_s=0.2, max_retries=0) as judge:
     info = judge(chitchat, conversation)
-  assert not info.valid and "ReadTimeout" in info.info["error"]
+  assert not info.valid and "ReadTimeout" in info.info["scoring_error"]
 
 
 def test_one_transport_failure_invalidates_the_whole_trajectory(serve):
@@ -559,6 +560,27 @@ def test_configuration_errors(serve, monkeypatch):
       judge(chitchat, _fixture_conversation("chitchat-003"))
   assert server.requests[0]["headers"]["Authorization"] == "Bearer sk-test"
   assert os.environ["ENVACE_TEST_JUDGE_KEY"] == "sk-test"
+
+
+def test_probe_passes_on_any_answer_and_raises_what_a_run_cannot_survive(serve):
+  """`ChecklistJudge.probe`: one small request; 2xx passes whatever it says, configuration statuses raise
+  RewardConfigError (400 too: a minimal request refused), an unreachable endpoint JudgeTransportError after retries."""
+  ok = serve(lambda body, n: (200, _completion("not a verdict"), 0.0))
+  with _judge(ok.url) as j:
+    j.probe()
+  assert len(ok.requests) == 1 and ok.requests[0]["body"]["max_tokens"] == 16
+  for code in (401, 404, 400):
+    refusing = serve(lambda body, n, code=code: (code, '{"error": "no"}', 0.0))
+    with _judge(refusing.url, max_retries=2) as j, pytest.raises(RewardConfigError, match=f"HTTP {code}"):
+      j.probe()
+    assert len(refusing.requests) == 1  # not retried
+  flaky = serve(lambda body, n: (503, "", 0.0) if n == 0 else (200, _completion(_verdict(True)), 0.0))
+  with _judge(flaky.url, max_retries=1) as j:
+    j.probe()
+  assert len(flaky.requests) == 2
+  with _judge(f"http://127.0.0.1:{_closed_port()}/v1", max_retries=1) as j:
+    with pytest.raises(judge.JudgeTransportError, match="ConnectError.*after 2 attempts"):
+      j.probe()
 
 
 def test_derived_checklist_for_a_task_without_annotations(serve):

@@ -1,0 +1,187 @@
+"""How a trajectory gets its reward, and what a scorer's failure becomes.
+
+Three scorers (paper §3.3; DESIGN.md, "One training step", item 5):
+  * the benchmark's own evaluator on the real environment the trajectory ran in (τ²: ``evaluate_simulation``; BFCL:
+    its multi-turn checker): committed executions, ``grpo_real_env`` rollouts, the reward gap's replay;
+  * the rule checklist (`rl.rewards.rule_checklist`, ``reward.kind="rule"``) for rehearsed trajectories, which have
+    no real state to check;
+  * the LLM checklist judge (`rl.judge.ChecklistJudge`, ``reward.kind="judge"``).
+
+A failure is never a valid 0:
+  * **configuration errors** stop the run with a `config_check.ConfigError` that names the config key: a judge that
+    refuses the configuration (`RewardConfigError`: wrong URL, model or key), a judge that cannot be reached at
+    start-up, a benchmark whose evaluator cannot be set up for a task (`EnvError` from the adapter). `check_scorers`
+    finds them before the first rollout; a `RewardConfigError` raised later (a key revoked mid-run) stops the run too.
+  * **a model output a scorer cannot handle** (arguments nested past the checker's recursion limit, a conversation
+    the τ² evaluator cannot replay, a judge reply with no verdict, a judge request refused as too large) makes the
+    trajectory invalid: ``RewardInfo(reward=nan, valid=False)``, excluded from the group baselines and the loss
+    (`rl.advantages`), a failed trial in pass^k (`evaluate.score_committed`), and counted.
+
+Counts (`counts`): ``reward/scoring_errors`` (trajectories whose scorer raised or reported its own failure) and
+``reward/invalid`` (every invalid trajectory: scoring errors and, e.g., an external user that failed), in every
+training step's metrics and every evaluation's summary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+from absl import logging
+
+from envace_jax import config_check
+from envace_jax.envs.base import EnvError, RewardInfo, Task, ToolEnv
+from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rl import rewards
+
+SCORING_ERROR = "scoring_error"  # the `RewardInfo.info` key and `Trajectory.counts` key of a scorer's failure
+
+
+def make_env(config, task: Task) -> ToolEnv:
+  """A real environment for ``task``'s benchmark (not yet reset; ``unfold`` resets it).
+
+  Raises:
+    config_check.ConfigError: a benchmark without real tools to execute against.
+  """
+  if task.benchmark == "tau2":
+    from envace_jax.envs import tau2
+
+    return tau2.Tau2Env(task.domain)
+  if task.benchmark == "bfcl":
+    from envace_jax.envs import bfcl
+
+    return bfcl.BfclEnv()
+  if task.benchmark == "checklist":
+    from envace_jax.envs import checklist
+
+    return checklist.ChecklistEnv(scorer=rewards.rule_checklist)
+  if task.benchmark == "vitabench":
+    from envace_jax.envs import vitabench
+
+    # The rubric judge of config.reward; without one, evaluate() returns an invalid reward (envs/vitabench.py).
+    return vitabench.VitaBenchEnv(scorer=make_judge(config))
+  if task.benchmark == "finmcp":
+    from envace_jax.envs import finmcp
+
+    return finmcp.FinMcpEnv()
+  raise config_check.ConfigError([f"benchmark {task.benchmark!r} has no real environment to evaluate against"])
+
+
+def make_judge(config):
+  """The LLM checklist judge of ``config.reward`` (one per endpoint, shared by every caller), or None when
+  ``reward.judge_url`` or ``reward.judge_model`` is unset.
+
+  Raises:
+    config_check.ConfigError: the judge refuses its settings (e.g. ``reward.judge_api_key_env`` names an unset
+      variable); the message names the keys.
+  """
+  r = config.reward
+  if not (r.judge_url and r.judge_model):
+    return None
+  try:
+    return _judge(r.judge_url, r.judge_model, r.judge_api_key_env)
+  except rewards.RewardConfigError as e:
+    raise _judge_config_error(config, e) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _judge(base_url: str, model: str, api_key_env: str):
+  from envace_jax.rl import judge
+
+  return judge.ChecklistJudge(judge.JudgeConfig(base_url=base_url, model=model, api_key_env=api_key_env))
+
+
+def _judge_config_error(config, error: Exception) -> config_check.ConfigError:
+  r = config.reward
+  keys = f"reward.judge_url={r.judge_url!r}, reward.judge_model={r.judge_model!r}, "
+  keys += f"reward.judge_api_key_env={r.judge_api_key_env!r}"
+  return config_check.ConfigError([f"{keys}: {error}"])
+
+
+def rule_reward(config, task: Task, trajectory: Trajectory) -> RewardInfo:
+  """The rule-checklist reward (``config.reward``'s settings) of ``trajectory``'s conversation against ``task``'s
+  gold actions and required information (`rl.rewards.rule_checklist`)."""
+  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  return rewards.rule_checklist(
+    task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
+  )
+
+
+def score(config, trajectory: Trajectory, *, env: ToolEnv | None = None, judge=None, task: Task | None = None):
+  """The reward of one trajectory; failures as the module docstring says (never a valid 0).
+
+  Args:
+    config: the run config (``reward.*``).
+    trajectory: the trajectory; its ``counts[SCORING_ERROR]`` and ``events`` record a scorer's failure.
+    env: the real environment the trajectory ran in (reset with its task): scored by the benchmark's evaluator.
+    judge: without ``env``: the LLM checklist judge; without both, the rule checklist.
+    task: the task the rule checklist or judge compares against (default ``trajectory.task``).
+  Returns:
+    The `RewardInfo`; ``valid=False`` with ``info[SCORING_ERROR]`` when the scorer failed.
+  Raises:
+    config_check.ConfigError: the judge refuses the configuration (HTTP 3xx/401/403/404).
+  """
+  if trajectory.termination is not None and trajectory.termination.value == "user_error":
+    return RewardInfo(reward=math.nan, valid=False, info={"reason": "the external user failed"})
+  task = task or trajectory.task
+  try:
+    if env is not None:
+      info = env.evaluate(trajectory.messages)
+    elif judge is not None:
+      info = judge(task, trajectory.messages)
+    else:
+      info = rule_reward(config, task, trajectory)
+  except rewards.RewardConfigError as e:
+    raise _judge_config_error(config, e) from None
+  except Exception as e:  # noqa: BLE001 — a model output the scorer chokes on: invalid and counted, not a crash
+    info = RewardInfo(reward=math.nan, valid=False, info={SCORING_ERROR: f"{type(e).__name__}: {e}"[:2000]})
+  if not info.valid and SCORING_ERROR in info.info:
+    trajectory.count(SCORING_ERROR)
+    trajectory.events.append({SCORING_ERROR: info.info[SCORING_ERROR]})
+    logging.warning("task %s: scoring failed, trajectory invalid: %s", task.id, info.info[SCORING_ERROR])
+  return info
+
+
+def counts(trajectories: Sequence[Trajectory], prefix: str = "reward/") -> dict[str, float]:
+  """``{prefix}invalid`` (trajectories whose reward is missing or invalid) and ``{prefix}scoring_errors``
+  (trajectories a scorer failed on) as floats."""
+  invalid = sum(t.reward is None or not t.reward.valid for t in trajectories)
+  errors = sum(t.counts.get(SCORING_ERROR, 0) > 0 for t in trajectories)
+  return {f"{prefix}invalid": float(invalid), f"{prefix}scoring_errors": float(errors)}
+
+
+def check_scorers(config, real_tasks: Sequence[Task] = ()) -> None:
+  """Start-up check of every scorer the run will use, before any rollout.
+
+  With ``reward.kind="judge"`` the judge is built and probed with one request (`ChecklistJudge.probe`). Each task of
+  ``real_tasks`` (those the benchmark's evaluator will score: the evaluation tasks, and training tasks when they run
+  on the real tools) gets a real environment and is reset on it, which is where the adapters set the benchmark up
+  (τ²: the domain's DB and the task's evaluation criteria; BFCL: its backends; VitaBench: the `vita` package).
+
+  Raises:
+    config_check.ConfigError: the message names the config key (``reward.judge_*``, ``env.benchmark``).
+  """
+  if config.reward.kind == "judge":
+    from envace_jax.rl import judge as judge_lib
+
+    judge = make_judge(config)
+    if judge is None:
+      raise config_check.ConfigError(["reward.kind='judge' needs reward.judge_url and reward.judge_model"])
+    try:
+      judge.probe()
+    except rewards.RewardConfigError as e:
+      raise _judge_config_error(config, e) from None
+    except judge_lib.JudgeTransportError as e:
+      raise config_check.ConfigError(
+        [f"reward.judge_url={config.reward.judge_url!r}: the judge cannot be reached ({e}); start it or fix the URL"]
+      ) from None
+  for task in real_tasks:
+    try:
+      env = make_env(config, task)
+      env.reset(task)
+    except EnvError as e:
+      where = f"env.benchmark={task.benchmark!r}, env.domain={task.domain!r}"
+      raise config_check.ConfigError(
+        [f"{where}: the benchmark's evaluator cannot score task {task.id!r}: {e}"]
+      ) from None
