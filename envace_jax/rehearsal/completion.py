@@ -41,15 +41,6 @@ class Completion:
   prompt_tokens: int
 
 
-def _pad_multiple(sampler) -> int:
-  mesh = getattr(sampler, "mesh", None)
-  if mesh is None:
-    return 1
-  from envace_jax.sampling import sharding
-
-  return sharding.batch_size_multiple(mesh)
-
-
 def complete(
   sampler,
   tokenizer: Tokenizer,
@@ -104,7 +95,7 @@ def complete(
     groups.setdefault(prefix, []).append(i)
   order = list(groups.items())
   size = max(len(members) for _, members in order)
-  mult = _pad_multiple(sampler)
+  mult = sampler.batch_multiple
   n_groups = -(-len(order) // mult) * mult
   context = getattr(getattr(sampler, "config", None), "max_seq_len", None)
   longest = max(len(ids) for ids, _ in rendered) + max_new_tokens

@@ -161,6 +161,8 @@ class _Unfolder:
       s = _sampler_for(sampler, roles[row // len(openings)])
       by_sampler.setdefault(id(s), (s, []))[1].append(row)
     first = next(iter(by_sampler.values()))[0]
+    pad = -len(prompts) % first.batch_multiple  # on a mesh the rows must split over its batch shards: empty rows
+    prompts, prompt_roles = prompts + [[]] * pad, prompt_roles + [[]] * pad
     cache = first.init_cache(batch=len(prompts), capacity=capacity)
     for s, rows in by_sampler.values():
       mine = set(rows)
@@ -207,7 +209,7 @@ class _Unfolder:
       samplers[id(s)] = s
       by_params.setdefault((id(s), self.cfg.sampling(job.role)), []).append(job)
     slot = {role: i for i, role in enumerate(roles)}
-    rows = len(roles) * self.n
+    rows = int(self.caches[name].lengths.shape[0])  # len(roles) * n, and the padding rows at the end on a mesh
     results = []
     for k, ((sampler_id, sampling), group) in enumerate(by_params.items()):
       sampler = samplers[sampler_id]

@@ -187,6 +187,11 @@ class Sampler:
     self._jitted = {}
 
   @property
+  def batch_multiple(self) -> int:
+    """What every cache's batch (rows) must be a multiple of: the mesh's batch shards, 1 off the mesh."""
+    return sharding.batch_size_multiple(self.mesh, self.rules) if self.mesh is not None else 1
+
+  @property
   def params(self):
     """The parameter tree sampled from, layers unstacked (``layers_0 ..``). Assigning new weights (either layout)
     unstacks them and re-places them on the mesh; nothing recompiles."""

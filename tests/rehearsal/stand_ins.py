@@ -41,6 +41,8 @@ def _finish(tokenizer, ids, max_new, stops) -> tuple[list[int], FinishReason]:
 class _Recorder:
   """Records every generate call: {row: (role, prompt length, ids, logprobs)} plus the prefills."""
 
+  batch_multiple = 1  # no mesh
+
   def __init__(self, tokenizer, script, n_rows_hint=None):
     self.tokenizer, self.script = tokenizer, script
     self.calls, self.prefills = [], []
@@ -128,6 +130,10 @@ class ForcingSampler(_Recorder):
     super().__init__(tokenizer, script)
     self.sampler, self.n = sampler, n
 
+  @property
+  def batch_multiple(self):
+    return self.sampler.batch_multiple
+
   def init_cache(self, batch, capacity):
     return self.sampler.init_cache(batch, capacity)
 
@@ -172,11 +178,13 @@ class ForcingSampler(_Recorder):
 
 class ContextSampler(ScriptedSampler):
   """Like `ScriptedSampler`, but ``script(role, context) -> text | None`` reads the row's whole decoded context (the
-  cache row plus this call's prompt); None generates a lone eos. Records every (role, context, text)."""
+  cache row plus this call's prompt); None generates a lone eos. With ``by_row``, ``script(role, context, row)`` also
+  gets the cache row (e.g. the G forks of one opening share a context but not a row). Records every
+  (role, context, text)."""
 
-  def __init__(self, tokenizer, script):
+  def __init__(self, tokenizer, script, by_row: bool = False):
     super().__init__(tokenizer, None, 1)
-    self.context_script = script
+    self.context_script = script if by_row else (lambda role, context, row: script(role, context))
     self.seen: list[tuple[Role, str, str]] = []
 
   def generate(self, cache, prompts, prompt_roles, *, role, key, max_new_tokens, sampling, stop_strings, active, **kw):
@@ -186,7 +194,7 @@ class ContextSampler(ScriptedSampler):
     pending = {}
     for b in range(len(prompts)):
       if active[b]:
-        text = self.context_script(Role(int(role_rows[b])), contexts[b])
+        text = self.context_script(Role(int(role_rows[b])), contexts[b], b)
         self.seen.append((Role(int(role_rows[b])), contexts[b], text))
         pending[b] = text if text is not None else ""
     self.script = lambda r, t, k, pending=pending: pending.get(t)

@@ -1,0 +1,471 @@
+"""A resumed run ends where the uninterrupted run ends, bit for bit; and the training loop on a device mesh.
+
+Interrupted in-process (the first Trainer raises where a kill would have stopped it, a fresh Trainer resumes on the
+same workdir) in the warm-up, per_role, grpo_real_env and eval_every configurations; SIGKILLed in a subprocess while
+orbax commits a checkpoint; and the loop on a 2x2x2 mesh of 8 fake devices against the same loop on one device.
+
+The tiny random model never calls a tool, so every rollout of a task gets the same checklist reward, every advantage
+is 0 and an RL update moves nothing (AdamW's weight decay at lr 1e-6 is below float32's resolution): parameters
+that "match" would prove nothing. ``shaped_rollout`` therefore replaces each training trajectory's reward by a
+deterministic function of the tokens it generated, so advantages are non-zero, every step has a gradient and a later
+step samples from visibly updated weights; a resumed run that sampled anything else would get other rewards.
+
+The module turns on JAX's persistent compilation cache (a fresh folder; the same programs, so the same results): the
+interrupted run and the killed subprocess load the uninterrupted run's executables instead of compiling them again.
+A resumed run still compiles its own: its restored arrays are committed to a device, a fresh run's are not, and that
+changes the programs' cache keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import metrics, runtime, train
+from envace_jax.rl import grpo
+from envace_jax.sampling import sampler as sampler_lib
+from envace_jax.sampling import sharding
+from tests.test_train import _adam_counts, tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Wall-clock values, the only metrics two runs may disagree on: time, time/*, */tokens_per_s, cost/*/seconds.
+WALL_CLOCK = re.compile(r"(^|/)time(/|$)|tokens_per_s$|seconds")
+_CACHE_FLAGS = {
+  "jax_compilation_cache_dir": None,
+  "jax_persistent_cache_min_compile_time_secs": 0.0,
+  "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  """JAX's persistent compilation cache in a fresh folder for this module's tests (restored afterwards)."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  directory = str(tmp_path_factory.mktemp("jax_cache"))
+  saved = {name: getattr(jax.config, name) for name in _CACHE_FLAGS}
+  for name, value in {**_CACHE_FLAGS, "jax_compilation_cache_dir": directory}.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()  # whether the cache is used is decided once per process, at the first compile
+  yield directory
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
+def shaped_rollout(rollout):
+  """``Trainer.rollout`` whose trajectories' rewards are (sum of their generated token ids mod 101) / 100: varied
+  within a group and a function of what was sampled (see the module docstring)."""
+
+  def shaped(self, tasks, key, group_size=None):
+    trajectories, stats = rollout(self, tasks, key, group_size)
+    for traj in trajectories:
+      generated = sum(int(row.tokens[row.loss_mask].sum()) for row in traj.rows.values())
+      traj.reward = dataclasses.replace(traj.reward, reward=(generated % 101) / 100)
+    return trajectories, stats
+
+  return shaped
+
+
+@pytest.fixture
+def shaped_rewards(monkeypatch):
+  monkeypatch.setattr(train.Trainer, "rollout", shaped_rollout(train.Trainer.rollout))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What two runs that must be equal are compared on
+
+
+def _same(x, y) -> bool:
+  return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+
+
+def _deterministic(row: dict) -> dict:
+  return {k: v for k, v in row.items() if not WALL_CLOCK.search(k)}
+
+
+def assert_same_rows(rows, expected) -> None:
+  """Same steps, same keys, same values (NaN equal to NaN), wall-clock keys aside."""
+  assert [r["step"] for r in rows] == [r["step"] for r in expected]
+  for row, want in zip(rows, expected, strict=True):
+    got, want = _deterministic(row), _deterministic(want)
+    assert got.keys() == want.keys(), (row["step"], sorted(got.keys() ^ want.keys()))
+    differ = {k: (got[k], want[k]) for k in got if not _same(got[k], want[k])}
+    assert not differ, (row["step"], differ)
+
+
+def assert_same_trees(tree, expected, name: str) -> None:
+  """Same structure (optax namedtuples included), every leaf bitwise equal."""
+  assert jax.tree.structure(tree) == jax.tree.structure(expected), name
+  flat, _ = jax.tree_util.tree_flatten_with_path(expected)
+  for (path, want), got in zip(flat, jax.tree.leaves(tree), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name}{jax.tree_util.keystr(path)}")
+
+
+def assert_same_state(trainer: train.Trainer, expected: train.Trainer) -> None:
+  """Parameters, the whole optimizer state, the update count, the RNG key and the data position."""
+  assert_same_trees(trainer.state.params, expected.state.params, "params")
+  assert_same_trees(trainer.state.opt_state, expected.state.opt_state, "opt_state")
+  assert int(trainer.state.step) == int(expected.state.step)
+  assert str(jax.random.key_impl(trainer.key)) == str(jax.random.key_impl(expected.key))
+  np.testing.assert_array_equal(jax.random.key_data(trainer.key), jax.random.key_data(expected.key))
+  assert trainer.stream.state() == expected.stream.state()
+
+
+def assert_same_workdir(workdir, expected) -> None:
+  """metrics.jsonl and eval.jsonl rows, the retained checkpoints and the last one's saved metadata."""
+  assert_same_rows(metrics.read_jsonl(workdir), metrics.read_jsonl(expected))
+  assert_same_rows(metrics.read_jsonl(workdir, "eval.jsonl"), metrics.read_jsonl(expected, "eval.jsonl"))
+  ours, theirs = (checkpoint_lib.Checkpointer(d, read_only=True) for d in (workdir, expected))
+  assert ours.all_steps() == theirs.all_steps()
+  meta, want = ours.read_meta(), theirs.read_meta()
+  assert (meta["step"], meta["rng"], meta["data_state"]) == (want["step"], want["rng"], want["data_state"])
+  assert_same_rows([{"step": 0, **meta["metrics"]}], [{"step": 0, **want["metrics"]}])
+
+
+def moved_from(params, initial) -> bool:
+  """Whether any parameter of ``params`` differs from ``initial`` (a tree of the same structure)."""
+  pairs = zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
+  return any(np.any(np.asarray(a) != np.asarray(b)) for a, b in pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Interrupted in-process, resumed by a fresh Trainer
+
+
+class Interrupted(Exception):
+  pass
+
+
+def interrupted_run(config, workdir, at_save: int) -> None:
+  """Runs ``config`` until step ``at_save`` is about to be checkpointed and stops it there: step ``at_save - 1``'s
+  checkpoint is the last, step ``at_save``'s metrics row is already written (a kill between the two)."""
+  trainer = train.Trainer(config, str(workdir))
+  save = trainer.ckpt.save
+
+  def save_or_stop(step, **kwargs):
+    if step == at_save:
+      raise Interrupted(step)
+    return save(step, **kwargs)
+
+  trainer.ckpt.save = save_or_stop
+  with pytest.raises(Interrupted):
+    trainer.run()
+
+
+_FAST = {"grpo.learning_rate": 1e-3}  # with the shaped rewards, an update moves the policy a visible amount
+RESUMES = {
+  # Two parameter trees, each with its own AdamW state. Interrupted after step 1, the warm-up's only step: step 2,
+  # the first RL step, resets both trees' AdamW states and switches their injected learning rate from the warm-up's
+  # in the resumed process.
+  "per_role_warmup": {
+    "train.steps": 2,
+    "train.sft_warmup_steps": 1,
+    "grpo.sft_learning_rate": 1e-2,
+    "grpo.mode": "per_role",
+    "train.eval_tasks": 0,
+  },
+  # Plain GRPO against the real tools (fresh environments per rollout in the resumed process), plain AdamW state;
+  # step 2 evaluates on a held-out task (eval_every=2) in the resumed process, step 3 does not, then the final
+  # evaluation. The evaluation's fidelity and reward-gap probes are off: they cost compiles and no resume logic.
+  "grpo_real_env_eval_every": {
+    "train.steps": 3,
+    "grpo.mode": "grpo_real_env",
+    "rollout.env_mode": "real",
+    "grpo.trained_roles": ("act",),
+    "train.eval_every": 2,
+    "train.eval_tasks": 1,
+    "eval.fidelity": False,
+    "eval.fidelity_gold": False,
+    "eval.reward_gap": False,
+  },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, name):
+  """Stopped after step 1's checkpoint with step 2 already logged, resumed by a new Trainer: parameters, every leaf
+  of the optimizer state, the update count, the RNG key, the data position, every metrics row (the evaluation of
+  step 2 included), the final evaluation and the last checkpoint's metadata equal the uninterrupted run's."""
+  overrides = RESUMES[name]
+  config = tiny_config(data_dir, **_FAST, **overrides)
+  steps, warmup = overrides["train.steps"], overrides.get("train.sft_warmup_steps", 0)
+  whole = train.Trainer(config, str(tmp_path / "whole"))
+  whole_result = whole.run()
+
+  workdir = tmp_path / "interrupted"
+  interrupted_run(config, workdir, at_save=2)
+  assert checkpoint_lib.Checkpointer(workdir, read_only=True).all_steps() == [1]
+  assert [r["step"] for r in metrics.read_jsonl(workdir)] == [1, 2]  # step 2 was logged, never checkpointed
+
+  resumed = train.Trainer(config, str(workdir))
+  assert resumed.start_step == 1
+  result = resumed.run()
+
+  assert_same_state(resumed, whole)
+  assert_same_workdir(workdir, tmp_path / "whole")
+  assert (result["eval"] is None) == (whole_result["eval"] is None)
+  assert_same_rows([{"step": steps, **(result["eval"] or {})}], [{"step": steps, **(whole_result["eval"] or {})}])
+  # What makes the comparison mean something: the weights moved, the RL steps had a gradient, and the switches
+  # that fall across the restart happened in the resumed process.
+  rows = metrics.read_jsonl(workdir)
+  trees = resumed.state.params.values() if config.grpo.mode == "per_role" else [resumed.state.params]
+  assert all(moved_from(tree, resumed.model.params) for tree in trees)
+  assert all(r["update/grad_norm"] > 0 for r in rows[warmup:]), [r.get("update/grad_norm") for r in rows]
+  if warmup:  # per_role: ACT stepped at step 2 only, from the fresh state; REHEARSE (the tiny model calls no tool,
+    # so RL has no REHEARSE row) stepped in the warm-up, then reset and never stepped again
+    assert "sft/nll" in rows[0] and "sft/nll" not in rows[1]
+    assert {n: _adam_counts(resumed.state.opt_state[n]) for n in ("act", "rehearse")} == {"act": {1}, "rehearse": {0}}
+  if config.train.eval_every:  # step 2's evaluation, redone by the resumed run; the final one after step 3
+    assert [any(k.startswith("eval/") for k in r) for r in rows] == [False, True, False]
+    assert [r["step"] for r in metrics.read_jsonl(workdir, "eval.jsonl")] == [steps]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. SIGKILL while orbax commits a checkpoint
+
+# Runs the main job with two test-only changes: the shaped rewards, and orbax's commit of step HANG_STEP's checkpoint
+# (the rename of its tmp folder to the step's folder, after every item is written) held forever once it has written
+# HANG_MARKER.
+_MAIN_WITH_A_HANGING_SAVE = """
+import asyncio, os, pathlib, runpy, sys
+from orbax.checkpoint._src.path import atomicity
+from envace_jax import train
+from tests.test_resume import shaped_rollout
+
+train.Trainer.rollout = shaped_rollout(train.Trainer.rollout)
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def hang_before_commit(self, *args, **kwargs):
+  if self.get_final().name == os.environ["HANG_STEP"]:
+    pathlib.Path(os.environ["HANG_MARKER"]).write_text(str(self.get()))
+    await asyncio.sleep(3600)
+  return await finalize(self, *args, **kwargs)
+
+atomicity.AtomicRenameTemporaryPath.finalize = hang_before_commit
+sys.argv[0] = "envace_jax.main"
+runpy.run_module("envace_jax.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def _wait_for(condition, proc, log, what: str, timeout: float = 600) -> None:
+  deadline = time.time() + timeout
+  while not condition():
+    if proc.poll() is not None:
+      raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+    if time.time() > deadline:
+      raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
+    time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, compile_cache):
+  """The main job (a subprocess) is SIGKILLed while orbax commits step 2's checkpoint, after step 3 was logged: the
+  workdir then holds step 1 and step 2's unfinished tmp folder, which is no checkpoint. A new run resumes from step 1,
+  removes the tmp folder, redoes steps 2 and 3, and ends with the uninterrupted run's parameters and optimizer state
+  (in memory and in the step-3 checkpoint) and its metrics rows [1, 2, 3]."""
+  overrides = {"train.steps": 3, "train.eval_tasks": 0, **_FAST}
+  config = tiny_config(data_dir, **overrides)
+  whole = train.Trainer(config, str(tmp_path / "whole"))
+  whole.run()
+
+  killed, marker, log = tmp_path / "killed", tmp_path / "hanging_save", tmp_path / "main.log"
+  cmd = [
+    sys.executable,
+    "-c",
+    _MAIN_WITH_A_HANGING_SAVE,
+    f"--config={ROOT / 'configs' / 'tiny.py'}",
+    f"--workdir={killed}",
+    f"--config.env.data_dir={data_dir}",
+    *(f"--config.{k}={v}" for k, v in overrides.items()),
+  ]
+  env = {
+    **os.environ,
+    "HANG_STEP": "2",
+    "HANG_MARKER": str(marker),
+    **{
+      name.upper(): str(value) for name, value in {**_CACHE_FLAGS, "jax_compilation_cache_dir": compile_cache}.items()
+    },
+  }
+  with open(log, "wb") as out:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+  try:
+    _wait_for(marker.exists, proc, log, "step 2's save reached its commit")
+    rows = lambda: [r["step"] for r in metrics.read_jsonl(killed)]  # noqa: E731
+    _wait_for(lambda: rows() == [1, 2, 3], proc, log, "step 3 was logged")  # the run went on; save(3) waits on 2
+    tmp = pathlib.Path(marker.read_text())
+    assert tmp.is_dir() and (tmp / "state").is_dir()  # every item written, only the commit missing
+    proc.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  listed = sorted(os.listdir(killed / checkpoint_lib.CHECKPOINT_SUBDIR))
+  assert listed == ["1", tmp.name] and tmp.name.startswith("2.orbax-checkpoint-tmp"), listed
+  assert checkpoint_lib.Checkpointer(killed, read_only=True).all_steps() == [1]
+
+  resumed = train.Trainer(config, str(killed))
+  assert resumed.start_step == 1
+  resumed.run()
+  assert sorted(os.listdir(killed / checkpoint_lib.CHECKPOINT_SUBDIR)) == ["2", "3"]  # keep_checkpoints=2
+  assert_same_state(resumed, whole)
+  assert_same_workdir(killed, tmp_path / "whole")
+  on_disk = [checkpoint_lib.Checkpointer(d, read_only=True).restore(3) for d in (killed, tmp_path / "whole")]
+  assert_same_trees(on_disk[0].params, on_disk[1].params, "params")
+  assert_same_trees(on_disk[0].opt_state, on_disk[1].opt_state, "opt_state")
+  rows = metrics.read_jsonl(killed)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert rows[0]["time"] < killed_at < rows[1]["time"]  # the killed run's rows 2 and 3 were dropped and redone
+  assert moved_from(resumed.state.params, resumed.model.params) and all(r["update/grad_norm"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. The training loop on a mesh
+
+_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}  # batch shards: data x fsdp = 4
+# B x G = 4 rollout rows and micro-batches of 4 rows divide the 4 batch shards; the B = 2 openings, prefilled once per
+# task before the fork, do not: unfold pads their cache with empty rows.
+_ON_MESH = {
+  "train.steps": 2,
+  "train.eval_tasks": 0,
+  "train.tasks_per_step": 2,
+  "train.group_size": 2,
+  "grpo.micro_batch_size": 4,
+  "grpo.learning_rate": 1e-4,
+}
+
+
+def _one_device_mesh(config):
+  """What the Trainer builds instead of ``runtime.make_mesh(config)`` to run on one device: a config cannot ask
+  for it while 8 devices are visible (the mesh spans them all)."""
+  return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _placement(tree) -> list[tuple[str, jax.sharding.Sharding, int]]:
+  """(path, sharding, rank) of every array of ``tree``, kept apart from the arrays (donated buffers die)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path), x.sharding, x.ndim) for path, x in flat]
+
+
+def _assert_placed(placement, shardings, name: str) -> None:
+  """Every array of a ``_placement`` is laid out as the matching leaf of the tree ``shardings`` says."""
+  for (path, got, ndim), want in zip(placement, jax.tree.leaves(shardings), strict=True):
+    assert got.is_equivalent_to(want, ndim), (name + path, got, want)
+
+
+def _recorded_run(config, workdir, single_device: bool):
+  """Runs ``config`` with the shaped rewards. Returns the trainer, each step's trajectories, each ``generate`` call
+  as (sampler, its params' placement, the KV cache's placement as passed in and as returned, the cache shardings
+  the rules give on the sampler's mesh), and the shape [K, M, T] of each update's batch."""
+  rollouts, generations, batches = [], [], []
+  rollout, generate = shaped_rollout(train.Trainer.rollout), sampler_lib.Sampler.generate
+
+  def recording_rollout(self, tasks, key, group_size=None):
+    trajectories, stats = rollout(self, tasks, key, group_size)
+    rollouts.append(trajectories)
+    return trajectories, stats
+
+  def recording_generate(self, cache, *args, **kwargs):
+    params, before = _placement(self.params), _placement(cache)  # the cache is donated
+    expected = sharding.cache_shardings(self.config, self.mesh, cache) if self.mesh is not None else None
+    out, new = generate(self, cache, *args, **kwargs)
+    generations.append((self, params, before, _placement(new), expected))
+    return out, new
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train.Trainer, "rollout", recording_rollout)
+    patch.setattr(sampler_lib.Sampler, "generate", recording_generate)
+    if single_device:
+      patch.setattr(runtime, "make_mesh", _one_device_mesh)
+    trainer = train.Trainer(config, str(workdir))
+    update = trainer.update
+    trainer.update = lambda state, batch: (batches.append(np.shape(batch.tokens)), update(state, batch))[1]
+    trainer.run()
+  return trainer, rollouts, generations, batches
+
+
+def _devices(placement) -> set:
+  return {d for _, s, _ in placement for d in s.device_set}
+
+
+@pytest.mark.slow
+def test_training_loop_on_a_2x2x2_mesh_matches_one_device(tmp_path, data_dir):
+  """Two steps of the Trainer on a (data 2, fsdp 2, tensor 2) mesh of 8 fake CPU devices: the sampler's parameters
+  and every KV cache it decodes into, and the train state's parameters and AdamW moments, are sharded over the mesh
+  as the logical-axis rules say. The same two steps on one device sample the same tokens (same keys; the logits
+  differ by float rounding only), and end with parameters equal to 1e-5 (each moved ~2e-4 from the initial weights).
+  """
+  single, single_rollouts, single_calls, single_batches = _recorded_run(
+    tiny_config(data_dir, **_ON_MESH), tmp_path / "one", single_device=True
+  )
+  meshed, rollouts, calls, batches = _recorded_run(
+    tiny_config(data_dir, **_ON_MESH, **_MESH), tmp_path / "mesh", single_device=False
+  )
+
+  # One device: the update off the mesh; the state, the sampler's parameters and its caches on device 0.
+  assert single.mesh.size == 1 and single.update_mesh is None
+  assert _devices(_placement(single.state)) == {jax.devices()[0]}
+  assert {d for _, *placements, _ in single_calls for p in placements for d in _devices(p)} == {jax.devices()[0]}
+
+  # The mesh: the sampler (the policy's and the reference user's) decodes on it, parameters and every KV cache
+  # sharded by the rules; the update takes micro-batches of 4 rows (one per batch shard) and returns the state
+  # sharded by the rules.
+  mesh = meshed.mesh
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and meshed.update_mesh is mesh
+  assert all(s.mesh is mesh for s in meshed.samplers.values())
+  assert {id(s) for s, *_ in calls} == {id(s) for s in meshed.samplers.values()}
+  for s, params, before, after, expected in calls:
+    _assert_placed(params, sharding.param_shardings(s.config, mesh), "sampler params")
+    embed = dict((path, sh) for path, sh, _ in params)["['embed']"]  # [vocab, embed]: over tensor and fsdp
+    assert embed.spec == PartitionSpec("tensor", "fsdp") and len(embed.device_set) == 8
+    _assert_placed(before, expected, "cache passed in")
+    _assert_placed(after, expected, "cache returned")
+    layer0_v = dict((path, sh) for path, sh, _ in after)[".v[0]"]  # [B, K, S, H]: rows over data x fsdp, heads
+    assert layer0_v.is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "tensor")), 4)
+  assert batches and {m for _, m, _ in batches} == {4} and single_batches == batches
+  state_shardings = grpo.train_state_shardings(meshed.model.config, meshed.grpo_cfg, mesh)
+  _assert_placed(_placement(meshed.state.params), state_shardings.params, "params")
+  _assert_placed(_placement(meshed.state.opt_state), state_shardings.opt_state, "opt_state")
+  up = meshed.state.params["layers"]["mlp"]["up_proj"]  # [layers, embed, mlp]
+  assert up.sharding.spec == PartitionSpec(None, "fsdp", "tensor") and len(up.sharding.device_set) == 8
+  (_, mu), *_ = optax.tree_utils.tree_get_all_with_path(meshed.state.opt_state, "mu")
+  assert mu["layers"]["mlp"]["up_proj"].sharding.spec == up.sharding.spec  # AdamW's moments sharded like params
+
+  # The same rollouts: every row's tokens, roles and loss mask exactly, the sampler's logprobs to float rounding.
+  assert len(rollouts) == len(single_rollouts) == 2
+  for step, (ours, theirs) in enumerate(zip(rollouts, single_rollouts, strict=True), 1):
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs, strict=True):
+      assert a.rows.keys() == b.rows.keys() and a.reward.reward == b.reward.reward, step
+      for role in a.rows:
+        for field in ("tokens", "roles", "loss_mask"):
+          np.testing.assert_array_equal(getattr(a.rows[role], field), getattr(b.rows[role], field), err_msg=field)
+        np.testing.assert_allclose(a.rows[role].logprobs, b.rows[role].logprobs, atol=1e-5)
+  # Then the parameters after two sharded updates equal the single-device ones.
+  leaves = zip(jax.tree.leaves(single.state.params), jax.tree.leaves(single.model.params), strict=True)
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in leaves)
+  assert moved > 1e-4, moved  # so that agreeing to 1e-5 says something about the updates
+  for a, b in zip(jax.tree.leaves(meshed.state.params), jax.tree.leaves(single.state.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
