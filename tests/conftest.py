@@ -1,4 +1,6 @@
-"""Shared fixtures. Real-weight fixtures are session-scoped: SmolLM2 loads once per test process."""
+"""Shared fixtures. Real-weight fixtures are session-scoped: SmolLM2 loads once per test process. A test that needs only
+SmolLM2's tokenizer takes ``smollm2_tokenizer`` (no weights read); tests that take ``smollm2`` or ``hf_smollm2`` are
+marked ``slow``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,16 @@ def smollm2():
   from envace_jax.model import weights
 
   return weights.load_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+  """SmolLM2-135M-Instruct's tokenizer without its weights, as ``runtime.load_model`` gives it to the random tiny
+  model of configs/tiny.py: for tests that render chats in SmolLM2's vocabulary but run no SmolLM2 forward."""
+  from envace_jax.model import weights
+  from envace_jax.model.tokenizer import Tokenizer
+
+  return Tokenizer.from_hf_dir(weights.resolve("smollm2-135m"))
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,9 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   assert records[-1]["update/tokens"] > 0
   assert checkpoint_lib.Checkpointer(workdir).all_steps() == [1, 2]
   (held_out,) = metrics.read_jsonl(workdir, "eval.jsonl")
-  assert held_out["step"] == 2 and held_out["eval/tasks"] == 1 and 0.0 <= held_out["eval/reward"] <= 1.0
+  assert held_out["step"] == 2 and held_out["eval/tasks"] == 1 and held_out["eval/reward/invalid"] == 0
+  # One task, one trial, τ²'s reward (a product of 0/1 checks): pass^1 is that trial's success, i.e. its reward.
+  assert held_out["eval/reward"] in (0.0, 1.0) and held_out["eval/pass^1"] == held_out["eval/reward"]
 
   # Every visible line, in order: the two step lines, the bar, the evaluation's start and its table.
   for step, line in zip((1, 2), lines[:2], strict=True):

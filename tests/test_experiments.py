@@ -6,16 +6,48 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import ml_collections
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import metrics
+from envace_jax import evaluate, metrics
 from experiments import ablation, common, test_time_rehearsal
 
-# The tiny smoke budget shared by the runs below: one step of B=1 x G=2, one test task, one trial, no compile cache
-# (JAX's persistent cache is process-wide: a test must not leave it pointing at its tmp dir).
+# The tiny smoke budget shared by the runs below: one step of B=1 x G=2, one test task, one trial. The scripts' own
+# compile cache is off (it would leave JAX's process-wide cache pointing at a test's tmp dir); `shared_compilation`
+# gives this module one instead.
 SMOKE = ["--model=tiny", "--steps=1", "--group=2", "--tasks=1", "--eval-tasks=1", "--trials=1", "--compile-cache=none"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation(tmp_path_factory):
+  """JAX's persistent compilation cache for this module's runs, off again when the module ends. Every cell of the
+  scripts builds fresh samplers and update steps with the same shapes, which JAX otherwise compiles anew each time
+  (a new ``jax.jit`` per sampler); with the cache a later cell loads what an earlier one compiled, as a user's run
+  of the scripts does with its ``--workdir/jax_cache``."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  keys = ("compilation_cache_dir", "persistent_cache_min_compile_time_secs", "persistent_cache_min_entry_size_bytes")
+  before = {f"jax_{k}": getattr(jax.config, f"jax_{k}") for k in keys}  # the cache sets the entry size when it starts
+  compilation_cache.reset_cache()  # JAX decides once whether a cache is used: make it look again
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield
+  for k, v in before.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
+
+
+def _pass1_of_one_trial(reward: float) -> float:
+  """pass^1 of one task with one trial (SMOKE): 1 when the trial succeeded by τ²'s rule (|reward - 1| <= 1e-6; an
+  invalid trial's NaN reward fails), else 0."""
+  return float(abs(reward - 1.0) <= 1e-6)
+
+
+def _canonical(value) -> str:
+  """JSON text with sorted keys: equal for equal values, NaN included (NaN != NaN in a plain comparison)."""
+  return json.dumps(value, sort_keys=True)
 
 
 def _run_ablation(tmp, data_dir, *extra):
@@ -45,10 +77,15 @@ def test_ablation_envace_vs_base_rows_and_resume(envace_vs_base, data_dir, capsy
     ("base", "mock", 0),
   ]
   for cell in result["cells"]:
-    assert 0.0 <= cell["pass^1"] <= 1.0 and 0.0 <= cell["reward"] <= 1.0
     assert cell["eval"]["tasks"] == 1 and cell["eval"]["trials"] == 1 and cell["eval"]["rehearsal"] == "off"
+    assert cell["pass^1"] == _pass1_of_one_trial(cell["reward"]) == cell["eval"]["pass^1"]
+    assert cell["reward"] == cell["eval"]["reward"] and cell["eval"]["reward/invalid"] == 0.0
     assert cell["checkpoint_step"] == (1 if cell["method"] == "envace" else None)
-    assert (tmp / cell["method"] / "mock" / f"seed{cell['seed']}" / ablation.CELL_FILE).exists()
+    cell_dir = tmp / cell["method"] / "mock" / f"seed{cell['seed']}"
+    assert _canonical(json.loads((cell_dir / ablation.CELL_FILE).read_text())) == _canonical(cell)
+    evaluated = json.loads((cell_dir / evaluate.RESULTS_FILE).read_text())  # what evaluate.run wrote
+    assert evaluated["checkpoint_step"] == cell["checkpoint_step"]
+    assert _canonical(evaluated["rows"]) == _canonical([cell["eval"]])
   for row in result["rows"]:
     (cell,) = [c for c in result["cells"] if c["method"] == row["method"]]
     assert row["seeds"] == [0] and row["mock"] == (cell["pass^1"], 0.0) and row["average"] == row["mock"]
@@ -85,7 +122,9 @@ def test_ablation_baselines(tmp_path, data_dir, method):
   """Plain GRPO against the real tools and per-role parameters train and evaluate through the same cell code."""
   result = _run_ablation(tmp_path, data_dir, f"--methods={method}", "--seeds=0")
   ((cell,), (row,)) = result["cells"], result["rows"]
-  assert row["method"] == method and cell["checkpoint_step"] == 1 and 0.0 <= cell["pass^1"] <= 1.0
+  assert row["method"] == method and cell["checkpoint_step"] == 1
+  assert cell["pass^1"] == _pass1_of_one_trial(cell["reward"]) == cell["eval"]["pass^1"]
+  assert row["mock"] == row["average"] == (cell["pass^1"], 0.0)  # one seed: its pass^1, std 0
   with checkpoint_lib.Checkpointer(tmp_path / method / "mock" / "seed0") as ckpt:
     config = ckpt.read_config()
     trees = {name.split("/")[1] for name in ckpt.saved_arrays() if name.startswith("params/")}
@@ -120,7 +159,7 @@ def test_test_time_rehearsal_grid(envace_vs_base, data_dir, tmp_path):
   }
   cell = {(c["method"], c["seed"]): c for c in abl["cells"]}
   for r in rows:
-    assert 0.0 <= r["pass^1"] <= 1.0 and r["execution_tokens"] > 0
+    assert r["pass^1"] == _pass1_of_one_trial(r["reward"]) and r["execution_tokens"] > 0
     if r["N"] == 0:
       assert r["rehearsal_tokens"] == 0 and r["memory_tokens"] == 0
       same = [q for q in rows if q["policy"] == r["policy"] and q["N"] == 0]
@@ -176,21 +215,35 @@ def test_set_value_converts_flag_text():
 
 
 @pytest.mark.slow
-def test_learning_check_smoke_run(tmp_path, data_dir, capsys):
+def test_learning_check_smoke_run(tmp_path, data_dir, capsys, monkeypatch):
   """experiments/learning_check.py on the tiny model: a warm-up step, a GRPO step, the fixed set before and after,
   the verdict and the PNG. The random tiny model's first warm-up NLL is that of a near-uniform next-token
-  distribution, ln(vocab size)."""
+  distribution, ln(vocab size). The printed table and verdict are checked against the per-seed numbers `run_seed`
+  returned: with one GRPO step the last step is the first, so "last > first" is false and the check must fail."""
   from experiments import learning_check
 
+  seeds = {}
+  run_seed = learning_check.run_seed
+  monkeypatch.setattr(learning_check, "run_seed", lambda a, seed: seeds.setdefault(seed, run_seed(a, seed)))
   out_png = tmp_path / "learning_check.png"
   args = ["--model=tiny", "--steps=1", "--seeds=0", "--sft-steps=1", "--max-new-tokens=16", "--fixed-group=2"]
   args += ["--task-ids=create_task_1,update_task_1", "--tasks=1"]
   code = learning_check.main([*args, f"--data-dir={data_dir}", f"--out={out_png}"])
   out = capsys.readouterr().out
-  assert code in (0, 1) and "fixed set, after > before the GRPO steps for every seed: " in out
-  assert f"learning check: {'PASSED' if code == 0 else 'FAILED'}" in out
+  (nll, curve, before, after) = seeds[0]
+  assert len(nll) == 1 and nll[0] == pytest.approx(math.log(49152), abs=0.1)
+  assert len(curve) == 1 and not math.isnan(before) and not math.isnan(after)
   lines = out.splitlines()
-  nll_row = lines[lines.index("warm-up NLL per step (nats per trained token, before each update):") + 1]
-  seed, nll = nll_row.split("|")
-  assert int(seed) == 0 and float(nll) == pytest.approx(math.log(49152), abs=0.1)
+  warm_up = lines.index("warm-up NLL per step (nats per trained token, before each update):")
+  assert lines[warm_up + 1] == f"   0 | {nll[0]:5.3f}"
+  grpo = lines.index("GRPO training reward per step (on-policy, a new key each step):")
+  assert lines[grpo + 1 : grpo + 4] == ["seed |     1", f"   0 | {curve[0]:5.2f}", f" all | {curve[0]:5.2f}"]
+  fixed = lines.index("  seed | before  after   gain")
+  assert lines[fixed + 1] == f"     0 | {before:6.3f} {after:6.3f} {after - before:+6.3f}"
+  improved = after > before
+  assert lines[fixed + 2] == f"fixed set, after > before the GRPO steps for every seed: {'yes' if improved else 'no'}"
+  assert lines[fixed + 3] == (
+    f"training reward, mean over seeds, last GRPO step > first: {curve[0]:.3f} vs {curve[0]:.3f}: no"
+  )
+  assert code == 1 and lines[fixed + 4] == "learning check: FAILED"
   assert out_png.stat().st_size > 0

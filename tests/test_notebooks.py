@@ -1,66 +1,95 @@
-"""Every notebook in notebooks/ runs top to bottom in a fresh kernel of this environment, at its smallest settings.
+"""Every notebook in notebooks/ runs top to bottom in a fresh kernel of this environment, at its smallest settings, and
+shows values that an independent computation in this process reproduces.
 
 Convention: with ``ENVACE_NOTEBOOK_SMALL=1`` a notebook picks its smallest settings (a tiny model, few steps), so the
 whole notebook runs in minutes on 2 CPU cores. The kernel is ipykernel's ``python3`` in this environment (the
 kernelspec ``pip install ipykernel`` puts under ``sys.prefix``; jupyter_client starts its ``python`` as
 ``sys.executable``), started in the notebook's folder as Jupyter does.
+
+Each notebook has a check here (``CHECKS``) that reads values from the executed notebook's printed outputs and compares
+them with what this process computes from the notebook's inputs or artifacts: the shapes of a preset, a checkpoint
+restored here, a reward recomputed by the benchmark's evaluator from the conversation the notebook shows.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+import math
 import os
 import pathlib
+import pickle
 import re
 import sys
 
+import jax
+import nbclient
+import nbformat
+import numpy as np
 import pytest
 
-nbclient = pytest.importorskip("nbclient")
-nbformat = pytest.importorskip("nbformat")
+from envace_jax import metrics
+from envace_jax.checkpoint import Checkpointer
+from envace_jax.envs import tau2
+from envace_jax.model import config as config_lib
+from envace_jax.model import transformer, weights
+from envace_jax.rl import rewards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 1200  # one cell; the quickstart's training cell is the longest
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_OURS = "envace_test"  # metadata key of the cells this test inserts
 
 
 def _kernel_env(tmp_dir: pathlib.Path) -> dict[str, str]:
   """This process's environment with ENVACE_NOTEBOOK_SMALL=1 and TMPDIR=tmp_dir (a notebook's temporary runs land in
   pytest's tmp_path, which pytest prunes), without the 8 fake CPU devices tests/conftest.py asks XLA for: the
-  notebook sees the machine as a user's kernel would."""
+  notebook sees the machine as a user's kernel would.
+
+  XLA compiles at backend optimisation level 0. At these sizes the notebooks compile more than they run (the
+  quickstart compiles 44 sampler programs, 12 of them SmolLM2's, and the update step, and runs most of them a few
+  times), and LLVM's optimisation passes cost more than they save: measured on 2 busy cores, the quickstart's kernel
+  used 185 CPU-s at the default level and 145 at level 0, inspect_checkpoint's 54 and 43. No value a notebook shows
+  depends on it (the random model's text may differ)."""
   env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir))
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-  if flags:
-    env["XLA_FLAGS"] = flags
-  else:
-    env.pop("XLA_FLAGS", None)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
+  env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
   return env
 
 
-def _failure(path: pathlib.Path, nb, offset: int) -> str:
+def _failure(path: pathlib.Path, nb) -> str:
   """The first cell with an error output (numbered from 1 among the notebook's own cells, markdown included): its
   source and the error without terminal colours."""
-  for index, cell in enumerate(nb.cells):
+  own = [id(cell) for cell in nb.cells if not cell.metadata.get(_OURS)]
+  for cell in nb.cells:
     for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
       if output.output_type == "error":
         trace = _ANSI.sub("", "\n".join(output.get("traceback", [])))
+        where = f"cell {own.index(id(cell)) + 1} of {len(own)}" if id(cell) in own else "a cell of this test"
         return (
-          f"{path.name}: cell {index - offset + 1} of {len(nb.cells) - offset} failed\n"
-          f"--- source ---\n{cell.source}\n--- error ---\n"
+          f"{path.name}: {where} failed\n--- source ---\n{cell.source}\n--- error ---\n"
           f"{output.ename}: {output.evalue}\n{trace}"
         )
   return f"{path.name}: the kernel failed outside a cell"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+def _our_cell(source: str):
+  cell = nbformat.v4.new_code_cell(source)
+  cell.metadata[_OURS] = True
+  return cell
+
+
+def _execute(path: pathlib.Path, tmp_path: pathlib.Path, before: dict[str, str] | None = None):
+  """The notebook executed in a fresh kernel, with a first cell of ours (the kernel is this environment's Python) and
+  ``before``'s cells: {marker: source} puts ``source`` right before the first cell whose source contains marker."""
   nb = nbformat.read(path, as_version=4)
-  # First, a cell of ours: the kernel is this environment's Python (not another kernelspec named python3).
-  check = nbformat.v4.new_code_cell(
-    f"import sys\nassert sys.prefix == {sys.prefix!r}, f'the python3 kernel runs {{sys.executable}}, not this venv'"
-  )
-  nb.cells.insert(0, check)
+  for marker, source in (before or {}).items():
+    index = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and marker in c.source)
+    nb.cells.insert(index, _our_cell(source))
+  check = f"import sys\nassert sys.prefix == {sys.prefix!r}, f'the kernel runs {{sys.executable}}, not this venv'"
+  nb.cells.insert(0, _our_cell(check))
   client = nbclient.NotebookClient(
     nb,
     kernel_name="python3",
@@ -71,8 +100,162 @@ def test_notebook_runs(path, tmp_path):
   try:
     client.execute(env=_kernel_env(tmp_path))
   except nbclient.exceptions.CellExecutionError:
-    failure = _failure(path, nb, offset=1)
+    failure = _failure(path, nb)
   except nbclient.exceptions.CellTimeoutError as e:
     failure = f"{path.name}: a cell ran past {CELL_TIMEOUT_S} s: {e}"
   if failure:  # outside the except: the report is the cell and its error, not nbclient's chained traceback
     pytest.fail(failure, pytrace=False)
+  return nb
+
+
+def _printed(nb, marker: str) -> str:
+  """What the first code cell whose source contains ``marker`` printed (stdout)."""
+  cell = next(c for c in nb.cells if c.cell_type == "code" and marker in c.source and not c.metadata.get(_OURS))
+  return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+
+
+def _after(text: str, prefix: str) -> str:
+  """The rest of the first line of ``text`` that starts with ``prefix``."""
+  return next(line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix))
+
+
+def _shapes(config: config_lib.ModelConfig) -> dict[str, tuple[int, ...]]:
+  """{"layers/attn/q_proj": shape, ...} of a freshly initialised model of ``config``, without computing it."""
+  tree = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
+  return {"/".join(k.key for k in path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# -- quickstart --------------------------------------------------------------------------------------------------------
+
+_QUICKSTART_DUMP = """import pickle
+with open({path!r}, "wb") as f:  # the inputs of what the test recomputes (a cell of tests/test_notebooks.py)
+  pickle.dump({{
+    "S": vars(S), "workroot": str(WORKROOT), "task": task,
+    "demo_messages": list(trajectory.messages), "demo_malformed": trajectory.counts.get("malformed_act", 0),
+    "committed_messages": list(committed.messages),
+  }}, f)
+"""
+
+
+def _check_quickstart(nb, facts: dict) -> None:
+  sizes = facts["S"]  # the notebook's S: its settings under ENVACE_NOTEBOOK_SMALL=1
+  # Section 2: SmolLM2's size, as the preset's shapes give it (no weights read here).
+  loaded = _printed(nb, "smollm2 = runtime.load_model(demo_config)")
+  preset = config_lib.PRESETS["smollm2-135m"]
+  count = sum(math.prod(shape) for shape in _shapes(preset).values())
+  assert count == 134_515_008 + preset.num_roles * preset.d_model  # tests/model/test_weights.py: the GGUF's count
+  assert loaded.splitlines()[0] == str(weights.resolve("smollm2-135m"))
+  want = f"{count / 1e6:.1f}M parameters, {preset.num_layers} layers, d_model {preset.d_model}, "
+  want += f"vocab {preset.vocab_size}, context {preset.max_seq_len}; loaded in "
+  assert want in loaded, loaded
+
+  # Section 3: the rule-checklist reward of the trajectory shown, recomputed from its conversation.
+  unfolded = _printed(nb, "out = unfold([task], sampler")
+  task, config = facts["task"], _tau2_mock_config()
+  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  reward = rewards.rule_checklist(task, facts["demo_messages"], facts["demo_malformed"], config=rule)
+  assert f"rule-checklist reward {reward.reward:.2f}\n" in unfolded, unfolded
+  assert ast.literal_eval(_after(unfolded, "reward items: ")) == dict(reward.breakdown)
+  assert _after(unfolded, "9 mock tasks; this one: ").startswith("create_task_1, gold actions ['create_task']")
+
+  # Section 4: one line per training step.
+  trained = _printed(nb, "trainer = train.Trainer(train_config")
+  assert re.findall(r"^step (\d+): reward", trained, re.M) == [str(s) for s in range(1, sizes["steps"] + 1)]
+  shape = f"{sizes['steps']} steps of {sizes['tasks_per_step']} task(s) x G={sizes['group']} rollouts with "
+  assert sizes["train_model"] == "tiny"  # ENVACE_NOTEBOOK_SMALL=1: the random tiny model of configs/tiny.py trains
+  assert _after(trained, shape).startswith("random init (seed 0) in "), trained
+
+  # Section 5: N rehearsals, a memory within its bound, and the committed run's τ² reward, recomputed by τ²-bench's
+  # evaluator on a fresh mock environment from the conversation the notebook shows.
+  assert f"private rehearsal (N={sizes['rehearsal_n']}, parallel)" in _printed(nb, "private_run = private.run(")
+  rehearsed = _printed(nb, "private.transcript(prepared.opening)")
+  assert re.findall(r"^--- rehearsal (\d+) ", rehearsed, re.M) == [str(i) for i in range(1, sizes["rehearsal_n"] + 1)]
+  (memory_tokens,) = re.findall(r"^=== rehearsal memory \((\d+) tokens\) ===$", rehearsed, re.M)
+  assert 0 < int(memory_tokens) <= sizes["memory"]
+  env = tau2.Tau2Env("mock")
+  env.reset(task)
+  real = env.evaluate(facts["committed_messages"])
+  calls = sum(m.role == "tool" for m in facts["committed_messages"])
+  committed = _printed(nb, "act_row = committed.rows")
+  want = f"{calls} real tool call(s); τ²-bench reward {real.reward:.2f} (valid: {real.valid}) {dict(real.breakdown)}"
+  assert want in committed, committed
+
+  # The last cell removes the run's directory.
+  assert _printed(nb, "KEEP_WORKDIR = False") == f"{facts['workroot']}: removed\n"
+  assert not pathlib.Path(facts["workroot"]).exists()
+
+
+def _tau2_mock_config():
+  """configs/tau2.py:mock, which the quickstart's SmolLM2 sections run (its reward settings)."""
+  spec = importlib.util.spec_from_file_location("envace_config_tau2_for_test", ROOT / "configs" / "tau2.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("mock")
+
+
+# -- inspect_checkpoint ------------------------------------------------------------------------------------------------
+
+
+def _check_inspect_checkpoint(nb, facts: dict) -> None:
+  del facts
+  run = _printed(nb, "train.train_and_evaluate(config, WORKDIR)")
+  workdir = pathlib.Path(_after(run, "workdir: "))
+  steps = 2  # the notebook trains configs/tiny.py for config.train.steps = 2, a checkpoint after every step
+  assert _after(run, "checkpoints of steps: ") == str(list(range(1, steps + 1)))
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+  with Checkpointer(workdir) as ckpt:  # restored here, independently of the notebook's kernel
+    restored = ckpt.restore()
+  assert restored.step == steps
+  assert _after(_printed(nb, "restored = ckpt.restore()"), "step (updates done): ") == str(steps)
+
+  # The parameter table: every array of the tiny model over SmolLM2's vocabulary, its norm recomputed here.
+  shapes = _shapes(config_lib.get_model_config("tiny", vocab_size=49152))
+  arrays = {"/".join(k.key for k in p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(restored.params)}
+  assert {path: a.shape for path, a in arrays.items()} == shapes
+  table = _printed(nb, "ckpt_inspect.param_table(restored.params)")
+  count = sum(math.prod(s) for s in shapes.values())
+  norm = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays.values()))
+  head = re.fullmatch(r"parameters: (\d+) arrays, ([\d,]+) values per tree; policy: global L2 norm ([\d.e+-]+)",
+                      table.splitlines()[0])  # fmt: skip
+  assert head, table.splitlines()[0]
+  assert (int(head[1]), int(head[2].replace(",", ""))) == (len(shapes), count)
+  np.testing.assert_allclose(float(head[3]), norm, rtol=1e-5)
+  rows = {m[1]: (m[2], float(m[3])) for m in re.finditer(r"^  (\S+) +(\w+\[[\d, ]*\]) +(\S+)$", table, re.M)}
+  assert set(rows) == set(shapes)
+  for path, a in arrays.items():
+    assert rows[path][0] == f"float32[{', '.join(map(str, a.shape))}]", path
+    np.testing.assert_allclose(rows[path][1], np.linalg.norm(a.astype(np.float64)), rtol=1e-5, err_msg=path)
+
+  # AdamW's count and the metrics table: the restored optimizer state and metrics.jsonl read here.
+  counts = [int(np.asarray(x)) for p, x in jax.tree_util.tree_leaves_with_path(restored.opt_state) if "count" in str(p)]
+  assert counts and set(counts) == {steps}
+  optimizer = _printed(nb, "ckpt_inspect.optimizer_steps(restored.opt_state)")
+  assert optimizer == f"optimizer steps: {{'policy': {steps}}}\ncheckpoint step: {steps}\n"
+  records = metrics.read_jsonl(workdir)
+  lines = _printed(nb, "ckpt_inspect.metrics_table(records)").splitlines()
+  assert lines[0].split()[:2] == ["step", "reward/mean"]
+  assert [line.split()[:2] for line in lines[1:]] == [[str(r["step"]), f"{r['reward/mean']:.4g}"] for r in records]
+  assert [r["step"] for r in records] == [1, 2]
+
+
+CHECKS = {  # notebook stem: (cells inserted before a marker, {marker: source with {path}}, check(nb, facts))
+  "quickstart": ({"KEEP_WORKDIR = False": _QUICKSTART_DUMP}, _check_quickstart),
+  "inspect_checkpoint": ({}, _check_inspect_checkpoint),
+}
+
+
+def test_every_notebook_has_a_check():
+  assert sorted(p.stem for p in NOTEBOOKS) == sorted(CHECKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_and_shows_what_it_computes(path, tmp_path):
+  inserts, check = CHECKS[path.stem]
+  facts_path = tmp_path / "facts.pickle"
+  nb = _execute(path, tmp_path, {marker: source.format(path=str(facts_path)) for marker, source in inserts.items()})
+  facts = {}
+  if inserts:
+    with facts_path.open("rb") as f:
+      facts = pickle.load(f)
+  check(nb, facts)

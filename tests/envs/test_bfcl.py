@@ -333,6 +333,7 @@ def test_long_context_checker_does_not_leak_between_trajectories(tasks_by_catego
   assert env.evaluate(conversation).reward == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("category", bfcl.CATEGORIES)
 def test_full_oracle(category):
   results = bfcl.run_oracle(category)

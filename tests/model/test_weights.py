@@ -1,4 +1,5 @@
-"""Real SmolLM2-135M-Instruct weights, offline: GGUF -> params parity with transformers' own GGUF loader."""
+"""Real SmolLM2-135M-Instruct weights, offline: GGUF -> params parity with transformers' own GGUF loader. Every test
+that reads the weights is marked slow (the first conversion dequantises the whole GGUF)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def test_missing_source_does_not_download():
     weights.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
+@pytest.mark.slow
 def test_gguf_config_is_the_preset(smollm2):
   preset = config_lib.PRESETS["smollm2-135m"]
   assert smollm2.config == preset
   assert transformer.param_count(smollm2.params) - preset.num_roles * preset.d_model == 134_515_008
 
 
+@pytest.mark.slow
 def test_converted_weights_are_cached(smollm2, tmp_path, monkeypatch):
   """The conversion lives under $XDG_CACHE_HOME and is reused: a second resolve rewrites nothing."""
   cache_root = tmp_path / "xdg"
@@ -66,6 +69,7 @@ def test_logits_match_transformers_gguf_loader(smollm2, hf_smollm2, chat_tokens)
   assert delta <= 1e-3, delta
 
 
+@pytest.mark.slow
 def test_greedy_next_token_is_paris(smollm2):
   tokenizer = Tokenizer.from_hf_dir(smollm2.path)
   ids = np.asarray([tokenizer.encode("The capital of France is")], np.int32)

@@ -20,8 +20,8 @@ from envace_jax.rehearsal.trajectory import Termination
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2) -> Tokenizer:
-  return Tokenizer.from_hf_dir(smollm2.path)
+def tokenizer(smollm2_tokenizer) -> Tokenizer:
+  return smollm2_tokenizer  # the tokenizer only: no test here runs SmolLM2's weights
 
 
 @pytest.fixture(scope="module")

@@ -119,17 +119,15 @@ def test_calls_of_the_benchmarks_logged_history_are_not_probed():
   assert all(m in found[0].view for m in views.rehearse_history(logged)[:1])
 
 
-@pytest.mark.slow
-def test_gold_calls_run_for_real_after_the_opening_and_are_probed(smollm2):
+def test_gold_calls_run_for_real_after_the_opening_and_are_probed(smollm2_tokenizer):
   """The benchmark's gold calls, executed on a fresh real environment after each task's opening, are probed like a
   committed run's calls: a REHEARSE that predicts the first task's response exactly and misses the second's keys."""
   import jax
 
   from envace_jax.envs import tau2
-  from envace_jax.model.tokenizer import Tokenizer
   from tests.rehearsal.stand_ins import ContextSampler
 
-  tokenizer = Tokenizer.from_hf_dir(smollm2.path)
+  tokenizer = smollm2_tokenizer
   by_id = {t.id: t for t in tau2.load_tasks("mock", "base")}
   picked = [by_id["create_task_1"], by_id["create_task_1_nl_eval"], by_id["update_task_1"]]  # the middle: no gold
   opening = (ChatMessage("assistant", "Hi! How can I help you today?"), ChatMessage("user", "Please help me."))

@@ -29,8 +29,8 @@ CONFIG = UnfoldConfig(group_size=1, max_turns=3, act_capacity=4096, rehearse_cap
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2) -> Tokenizer:
-  return Tokenizer.from_hf_dir(smollm2.path)
+def tokenizer(smollm2_tokenizer) -> Tokenizer:
+  return smollm2_tokenizer  # the tokenizer only: no test here runs SmolLM2's weights
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,6 @@ def test_config_validation():
 
 
 def _airline_tasks():
-  pytest.importorskip("tau2")
   from tau2.data_model.tasks import Task as TauTask
   from tau2.utils.utils import DATA_DIR
 
