@@ -16,7 +16,7 @@ STAMP := $(VENV_DIR)/.envace-jax-installed
 CONFIG ?= configs/tau2.py
 WORKDIR ?= /tmp/envace_airline
 ARGS ?=
-PYTEST_ARGS ?= -n auto -q
+PYTEST_ARGS ?= -n auto --dist worksteal -q
 
 .PHONY: run test install
 
