@@ -37,6 +37,7 @@ setup(
     "dev": [
       "pytest>=8",
       "pytest-xdist>=3.5",
+      "filelock>=3.12",  # tests/conftest.py: the lock of the compilation cache that xdist's workers share
       "hypothesis>=6.100",
       "ruff>=0.6",
       "torch==2.13.0",  # CPU build; the reference implementation in parity tests

@@ -10,12 +10,50 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # tau2 imports li
 # Eight fake CPU devices so sharding tests can build a 2x2x2 mesh; must be set before jax is imported.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA's CPU backend at LLVM optimisation level 0: the tests' programs are tiny and most run a few times, so LLVM's
+# passes cost more than they save (the quickstart notebook's kernel: 185 CPU-s at the default level, 145 at level 0,
+# measured on 2 busy cores). The HLO and its optimisations are the same; set the flag yourself for another level.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import functools
 
 import jax
 import numpy as np
 import pytest
+
+# JAX's persistent compilation cache, one folder for the whole run (shared by pytest-xdist's workers): tests build
+# fresh samplers, update steps and Trainers with the same shapes, and each new `jax.jit` would compile them again. The
+# flags also go to the environment, so a test's subprocess (the CLI, a notebook kernel, a killed main job) shares it.
+_CACHE_FLAGS = {
+  "jax_compilation_cache_dir": None,  # the folder, set below
+  "jax_persistent_cache_min_compile_time_secs": 0.0,
+  "jax_persistent_cache_min_entry_size_bytes": 0,
+  "jax_compilation_cache_max_size": 16 << 30,  # bytes; any limit turns on the cache's file lock (workers share it)
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """The run's compilation-cache folder (under pytest's base temp, which pytest prunes after 3 runs)."""
+  from jax.experimental.compilation_cache import compilation_cache as cache
+
+  base = tmp_path_factory.getbasetemp()
+  directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
+  directory.mkdir(exist_ok=True)
+  flags = {**_CACHE_FLAGS, "jax_compilation_cache_dir": str(directory)}
+  for name, value in flags.items():
+    jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)
+  cache.reset_cache()  # whether the cache is used is decided once per process, at the first compile
+  return directory
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+  """``env.data_dir`` for the tests' runs: the benchmarks' TFDS datasets, prepared on first use by each test process
+  (xdist workers do not share it: two processes must not prepare one dataset at once)."""
+  return tmp_path_factory.mktemp("tfds")
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,7 @@ def _tiny_config(data_dir, **overrides):
 
 
 @pytest.mark.slow
-def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
+def test_eval_mode_on_a_trained_checkpoint(tmp_path, data_dir, capsys, monkeypatch):
   """Train one scripted step (tests/test_loop.py's stand-ins), then --mode=eval with the same stand-ins: the
   checkpoint is restored, every rehearsal mode runs on the same openings (trial 1 asks for the gold task, trial 2 for
   a wrong one), costs, fidelity and the reward gap are reported, printed and written as JSON."""
@@ -150,7 +150,6 @@ def test_eval_mode_on_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
   from tests.test_loop import CALL, DONE, RESPONSE, STOP, Policy, User, _config, _scripted_trainer, _tokens
   from tests.test_train import _params
 
-  data_dir = tmp_path / "tfds"
   config = _config(data_dir, "envace", **{"train.eval_tasks": 0, "eval.num_trials": 2})
   trainer = _scripted_trainer(config, tmp_path / "run")
   trainer.run()

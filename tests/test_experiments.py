@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import jax
 import ml_collections
 import pytest
 
@@ -15,28 +14,9 @@ from envace_jax import evaluate, metrics
 from experiments import ablation, common, test_time_rehearsal
 
 # The tiny smoke budget shared by the runs below: one step of B=1 x G=2, one test task, one trial. The scripts' own
-# compile cache is off (it would leave JAX's process-wide cache pointing at a test's tmp dir); `shared_compilation`
-# gives this module one instead.
+# compile cache is off (it would point JAX's process-wide cache at a test's tmp dir); the suite's (tests/conftest.py)
+# lets a later cell load what an earlier one compiled.
 SMOKE = ["--model=tiny", "--steps=1", "--group=2", "--tasks=1", "--eval-tasks=1", "--trials=1", "--compile-cache=none"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation(tmp_path_factory):
-  """JAX's persistent compilation cache for this module's runs, off again when the module ends. Every cell of the
-  scripts builds fresh samplers and update steps with the same shapes, which JAX otherwise compiles anew each time
-  (a new ``jax.jit`` per sampler); with the cache a later cell loads what an earlier one compiled, as a user's run
-  of the scripts does with its ``--workdir/jax_cache``."""
-  from jax.experimental.compilation_cache import compilation_cache
-
-  keys = ("compilation_cache_dir", "persistent_cache_min_compile_time_secs", "persistent_cache_min_entry_size_bytes")
-  before = {f"jax_{k}": getattr(jax.config, f"jax_{k}") for k in keys}  # the cache sets the entry size when it starts
-  compilation_cache.reset_cache()  # JAX decides once whether a cache is used: make it look again
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  yield
-  for k, v in before.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
 
 
 def _pass1_of_one_trial(reward: float) -> float:
@@ -52,11 +32,6 @@ def _canonical(value) -> str:
 
 def _run_ablation(tmp, data_dir, *extra):
   return ablation.main([*SMOKE, f"--workdir={tmp}", f"--data-dir={data_dir}", f"--out={tmp / 'ablation.png'}", *extra])
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tfds")
 
 
 @pytest.fixture(scope="module")

@@ -85,11 +85,6 @@ def _tokens(tokenizer, *texts: str) -> int:
   return sum(len(_encode(tokenizer, t)) for t in texts)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tfds")
-
-
 MODES = {
   "envace": {},
   "per_role": {"grpo.mode": "per_role"},

@@ -10,10 +10,9 @@ that "match" would prove nothing. ``shaped_rollout`` therefore replaces each tra
 deterministic function of the tokens it generated, so advantages are non-zero, every step has a gradient and a later
 step samples from visibly updated weights; a resumed run that sampled anything else would get other rewards.
 
-The module turns on JAX's persistent compilation cache (a fresh folder; the same programs, so the same results): the
-interrupted run and the killed subprocess load the uninterrupted run's executables instead of compiling them again.
-A resumed run still compiles its own: its restored arrays are committed to a device, a fresh run's are not, and that
-changes the programs' cache keys.
+The suite's persistent compilation cache (tests/conftest.py) lets the interrupted run and the killed subprocess load
+the uninterrupted run's executables instead of compiling them again. A resumed run still compiles its own: its
+restored arrays are committed to a device, a fresh run's are not, and that changes the programs' cache keys.
 """
 
 from __future__ import annotations
@@ -44,32 +43,6 @@ from tests.test_train import _adam_counts, tiny_config
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Wall-clock values, the only metrics two runs may disagree on: time, time/*, */tokens_per_s, cost/*/seconds.
 WALL_CLOCK = re.compile(r"(^|/)time(/|$)|tokens_per_s$|seconds")
-_CACHE_FLAGS = {
-  "jax_compilation_cache_dir": None,
-  "jax_persistent_cache_min_compile_time_secs": 0.0,
-  "jax_persistent_cache_min_entry_size_bytes": 0,
-}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tfds")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """JAX's persistent compilation cache in a fresh folder for this module's tests (restored afterwards)."""
-  from jax.experimental.compilation_cache import compilation_cache
-
-  directory = str(tmp_path_factory.mktemp("jax_cache"))
-  saved = {name: getattr(jax.config, name) for name in _CACHE_FLAGS}
-  for name, value in {**_CACHE_FLAGS, "jax_compilation_cache_dir": directory}.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()  # whether the cache is used is decided once per process, at the first compile
-  yield directory
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
 
 
 def shaped_rollout(rollout):
@@ -279,7 +252,7 @@ def _wait_for(condition, proc, log, what: str, timeout: float = 600) -> None:
 
 
 @pytest.mark.slow
-def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, compile_cache):
+def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards):
   """The main job (a subprocess) is SIGKILLed while orbax commits step 2's checkpoint, after step 3 was logged: the
   workdir then holds step 1 and step 2's unfinished tmp folder, which is no checkpoint. A new run resumes from step 1,
   removes the tmp folder, redoes steps 2 and 3, and ends with the uninterrupted run's parameters and optimizer state
@@ -299,14 +272,7 @@ def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir,
     f"--config.env.data_dir={data_dir}",
     *(f"--config.{k}={v}" for k, v in overrides.items()),
   ]
-  env = {
-    **os.environ,
-    "HANG_STEP": "2",
-    "HANG_MARKER": str(marker),
-    **{
-      name.upper(): str(value) for name, value in {**_CACHE_FLAGS, "jax_compilation_cache_dir": compile_cache}.items()
-    },
-  }
+  env = {**os.environ, "HANG_STEP": "2", "HANG_MARKER": str(marker)}
   with open(log, "wb") as out:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
   try:

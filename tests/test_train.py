@@ -34,11 +34,6 @@ def tiny_config(data_dir, **overrides):
   return c
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tfds")
-
-
 def _params(workdir, step):
   restored = checkpoint_lib.Checkpointer(workdir).restore(step)
   return restored.params

@@ -561,41 +561,6 @@ def test_external_user_over_http(tokenizer, mock_tasks):
     _scripted(tokenizer, [task], dataclasses.replace(config, external_user=ExternalUserConfig()), {Role.ACT: ["x"]})
 
 
-@pytest.mark.slow
-def test_smoke_with_smollm2_weights(smollm2, tokenizer, mock_tasks):
-  """Real SmolLM2-135M-Instruct plays every role on one mock task, B=1, G=2, two agent turns (short generations: the
-  bookkeeping is what is checked, and each generated token costs a SmolLM2 decode step)."""
-  sampler = Sampler(
-    smollm2.config, smollm2.params, eos_ids=tokenizer.eos_ids, token_bytes=tokenizer.token_bytes(),
-    pad_id=tokenizer.pad_id,
-  )  # fmt: skip
-  config = UnfoldConfig(
-    group_size=2,
-    max_turns=2,
-    act_max_new_tokens=32,
-    rehearse_max_new_tokens=32,
-    user_max_new_tokens=24,
-    act_sampling=SamplingParams(0.7, 0.95),
-    rehearse_sampling=SamplingParams(0.7, 0.95),
-    user_sampling=SamplingParams(0.7, 0.95),
-    act_capacity=1536,
-    rehearse_capacity=1536,
-    user_capacity=1024,
-  )
-  task = _task(mock_tasks, "create_task_1")
-  # At step 0 the frozen reference parameters are the policy's: the same sampler serves as the reference.
-  out = unfold([task], sampler, tokenizer, config, jax.random.key(0), reference_sampler=sampler, return_caches=True)
-  assert out.stats["policy_calls"] >= 1 and out.stats["reference_calls"] >= 1
-  lengths = np.asarray(out.caches["policy"].lengths)
-  for i, traj in enumerate(out.trajectories):
-    assert traj.termination is not None and traj.counts["turns"] >= 1
-    user = next(m for m in traj.messages if m.role == "user")
-    assert user.content.strip()  # the user simulator said something
-    for role, row in traj.rows.items():
-      assert len(row.tokens) == lengths[out.policy_roles.index(Role(role)) * 2 + i]
-      assert row.num_trained_tokens > 0 and np.all(row.logprobs[row.loss_mask] <= 0)
-
-
 def test_any_user_simulator_can_play_the_user(tokenizer, mock_tasks):
   class Scripted(UserSimulator):
     def __init__(self):
