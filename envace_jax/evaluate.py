@@ -241,9 +241,12 @@ def evaluate_policy(
     gold_runs = fidelity_lib.gold_trajectories(list(firsts.values()), functools.partial(scoring.make_env, config))
     summary.update(_fidelity("fidelity_gold", rehearse_sampler, tokenizer, gold_runs, ucfg, jax.random.fold_in(key, 9)))
   if gap:
-    # Held-out tasks are rehearsed as training rolls out, but with no grounding: the task's reference interactions
-    # are its gold actions executed for real, which REHEARSE must not see when the task is the one being judged.
-    rcfg = dataclasses.replace(ucfg, env_mode="rehearse", group_size=num_trials, grounding_max_tokens=0)
+    # Held-out tasks are rehearsed as training rolls out, but with no grounding (the task's reference interactions
+    # are its gold actions executed for real) and with the user simulator's first message even where the rollout
+    # opens with the user scenario: REHEARSE must see neither when the task is the one being judged.
+    rcfg = dataclasses.replace(
+      ucfg, env_mode="rehearse", group_size=num_trials, grounding_max_tokens=0, scenario_opening=False
+    )
     out = unfold(
       tasks, policy, tokenizer, rcfg, jax.random.fold_in(key, 8), reference_sampler=samplers.get("reference")
     )
@@ -403,7 +406,7 @@ def run(config, workdir: str | None) -> dict[str, Any]:
   if workdir:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, RESULTS_FILE), "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2, default=float)
+      json.dump(metrics.to_json_safe(result), f, indent=2, allow_nan=False)  # NaN as "NaN": strict JSON
   return result
 
 
@@ -425,13 +428,15 @@ def format_table(result: Mapping[str, Any]) -> str:
   head = (
     f"{'domain':<10} {'rehearsal':<10} {'N':>2} {'tasks':>5} "
     + " ".join(f"{p:>7}" for p in passes)
-    + f" {'reward':>6} {'invalid':>7} {'calls':>5} | {'json':>5} {'exact':>5} {'keyF1':>5} {'value':>5} {'error':>5} | "
+    + f" {'reward':>6} {'invalid':>7} {'errors':>6} {'calls':>5} | "
+    + f"{'json':>5} {'exact':>5} {'keyF1':>5} {'value':>5} {'error':>5} | "
     + f"{'rehearse tok':>12} {'rehearse s':>10} {'memory tok':>10} {'commit tok':>10} {'commit s':>8}"
   )
   lines = [
     f"Evaluation of {result['weights']} on {result['benchmark']} {result['domain']} ({result['split']} split); "
-    "pass^k = mean over tasks of C(c,k)/C(n,k) (an invalid trial, one its scorer failed on, counts as failed; "
-    "reward is the mean over valid trials); fidelity = REHEARSE's prediction of each real tool response "
+    "pass^k = mean over tasks of C(c,k)/C(n,k) (an invalid trial counts as failed: its scorer could not score it, "
+    "or its external user failed; errors = the invalid trials whose scorer raised; reward is the mean over valid "
+    "trials); fidelity = REHEARSE's prediction of each real tool response "
     "(json valid, exact match, key-set F1, value accuracy on shared keys, error agreement); costs in generated "
     "tokens and seconds (rehearse = rehearsals + assessments + memory; seconds include compilation, mostly paid by the "
     "first mode).",
@@ -445,7 +450,8 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines.append(
       f"{result['domain']:<10} {r['rehearsal']:<10} {r['N']:>2} {int(r['tasks']):>5} "
       + " ".join(f"{_f(r[p]):>7}" for p in passes)
-      + f" {_f(r['reward']):>6} {int(r['reward/invalid']):>7} {_f(r['tool_calls'], 1):>5} | "
+      + f" {_f(r['reward']):>6} {int(r['reward/invalid']):>7} {int(r['reward/scoring_errors']):>6} "
+      + f"{_f(r['tool_calls'], 1):>5} | "
       + " ".join(
         f"{_f(r.get(f'fidelity/{m}'), 2):>5}"
         for m in ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement")
@@ -469,7 +475,8 @@ def format_table(result: Mapping[str, Any]) -> str:
   if gap:
     lines.append(
       f"rehearsal-vs-real reward gap ({int(gap['gap/trajectories'])} rehearsed trajectories, no grounding; "
-      f"{int(gap['gap/invalid'])} left out as unscoreable): rule checklist on the rehearsal "
+      f"{int(gap['gap/invalid'])} left out as unscoreable, {int(gap['gap/scoring_errors'])} of them by a scorer "
+      "error): rule checklist on the rehearsal "
       f"{_f(gap['gap/rehearsed_reward'])} vs benchmark reward of the same decisions executed for real "
       f"{_f(gap['gap/real_reward'])}: gap {_f(gap['gap/gap'])}"
     )

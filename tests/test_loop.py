@@ -254,9 +254,16 @@ def test_an_unscoreable_output_is_invalid_excluded_and_counted_in_training_and_e
   assert (out["reward_gap"]["gap/trajectories"], out["reward_gap"]["gap/invalid"]) == (1.0, 1.0)
   lines = [line.split() for line in table.splitlines() if line.startswith("mock ")]
   assert [line[1] for line in lines] == ["off", "parallel"]
-  assert all(line[4:7] == ["0.500", "0.000", "1.000"] for line in lines)  # pass^1 pass^2 reward
-  saved = json.loads((tmp_path / "run" / evaluate.RESULTS_FILE).read_text())
+  # pass^1, pass^2, reward, invalid, scoring errors
+  assert all(line[4:9] == ["0.500", "0.000", "1.000", "1", "1"] for line in lines)
+  assert "1 left out as unscoreable, 1 of them by a scorer error" in table
+  # Strict JSON (NaN written as "NaN", as in metrics.jsonl): a reader that refuses bare NaN reads it.
+  saved = json.loads((tmp_path / "run" / evaluate.RESULTS_FILE).read_text(), parse_constant=_refuse)
   assert [r["reward/invalid"] for r in saved["rows"]] == [1.0, 1.0]
+
+
+def _refuse(name: str):
+  raise ValueError(f"{name} is not JSON")
 
 
 def _no_model(*args, **kwargs):
@@ -356,16 +363,19 @@ def test_a_judge_that_refuses_requests_mid_run_makes_them_invalid_and_a_revoked_
 # The reward gap rehearses held-out tasks with nothing of their gold (evaluate.evaluate_policy).
 
 
-def test_the_reward_gaps_rehearsals_see_no_gold_and_no_scenario(data_dir, monkeypatch):
+@pytest.mark.parametrize("scenario_opening", [False, True])
+def test_the_reward_gaps_rehearsals_see_no_gold_and_no_scenario(data_dir, monkeypatch, scenario_opening):
   """During the gap measurement the REHEARSE view holds the instructions, the tool schemas, the dialogue and the
   agent's own calls: no grounding block, none of the task's reference interactions (its gold actions executed for
-  real) and nothing of the user scenario. The training rollout of the same task does show its grounding, which is
+  real) and nothing of the user scenario, also when the rollout opens with the scenario (rollout.scenario_opening).
+  The training rollout of the same task does show its grounding (and the scenario, when it opens with it), which is
   what this test would catch leaking."""
   from envace_jax.rehearsal import unfold as unfold_lib
   from envace_jax.rehearsal import views
   from envace_jax.rehearsal.episode import UnfoldConfig
 
-  config = _config(data_dir, "envace", **{"eval.fidelity": False, "eval.fidelity_gold": False})
+  overrides = {"eval.fidelity": False, "eval.fidelity_gold": False, "rollout.scenario_opening": scenario_opening}
+  config = _config(data_dir, "envace", **overrides)
   task = next(t for t in runtime.training_tasks(config) if t.id == "create_task_1")
   (reference,) = task.reference_interactions
   assert reference.name == "create_task" and dict(reference.arguments) == GOLD
@@ -394,4 +404,5 @@ def test_the_reward_gaps_rehearsals_see_no_gold_and_no_scenario(data_dir, monkey
   # The same task rolled out for training: its REHEARSE view is grounded in the reference interaction.
   ucfg = UnfoldConfig.from_dict(config_check.unfold_fields(config))
   out = unfold_lib.unfold([task], Policy(tok), tok, ucfg, jax.random.key(0), reference_sampler=User(tok))
-  assert leaks(tok.decode(out.views[0][Role.REHEARSE].tokens)) == [views.GROUNDING_HEADER, reference.result]
+  shown = [views.GROUNDING_HEADER, reference.result, *(scenario if scenario_opening else [])]
+  assert leaks(tok.decode(out.views[0][Role.REHEARSE].tokens)) == shown
