@@ -22,17 +22,10 @@ import jax
 import numpy as np
 import pytest
 
+
 # JAX's persistent compilation cache, one folder for the whole run (shared by pytest-xdist's workers): tests build
 # fresh samplers, update steps and Trainers with the same shapes, and each new `jax.jit` would compile them again. The
 # flags also go to the environment, so a test's subprocess (the CLI, a notebook kernel, a killed main job) shares it.
-_CACHE_FLAGS = {
-  "jax_compilation_cache_dir": None,  # the folder, set below
-  "jax_persistent_cache_min_compile_time_secs": 0.0,
-  "jax_persistent_cache_min_entry_size_bytes": 0,
-  "jax_compilation_cache_max_size": 16 << 30,  # bytes; any limit turns on the cache's file lock (workers share it)
-}
-
-
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
   """The run's compilation-cache folder (under pytest's base temp, which pytest prunes after 3 runs)."""
@@ -41,7 +34,12 @@ def compilation_cache(tmp_path_factory):
   base = tmp_path_factory.getbasetemp()
   directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
   directory.mkdir(exist_ok=True)
-  flags = {**_CACHE_FLAGS, "jax_compilation_cache_dir": str(directory)}
+  flags = {
+    "jax_compilation_cache_dir": str(directory),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+    "jax_compilation_cache_max_size": 16 << 30,  # bytes; any limit turns on the cache's file lock (workers share it)
+  }
   for name, value in flags.items():
     jax.config.update(name, value)
     os.environ[name.upper()] = str(value)
