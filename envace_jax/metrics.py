@@ -158,9 +158,10 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   """One step's console line: "step S/N:" and those of its scalars a newcomer watches, when the step has them.
 
   In order: the reward ("reward/mean" ± "reward/std", or "reward"), invalid trajectories and scoring errors when
-  nonzero ("reward/invalid", "reward/scoring_errors"), the warm-up's "sft/nll", the update's loss, KL, entropy and
-  gradient norm ("update/*", or a plain "loss"), a skipped update ("update/skipped"), tool-call validity, an
-  in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"). Every scalar is in
+  nonzero ("reward/invalid", "reward/scoring_errors"), the groups dynamic sampling dropped and kept when it dropped
+  any ("dynamic_sampling/dropped_groups", "dynamic_sampling/groups"), the warm-up's "sft/nll", the update's loss, KL,
+  entropy and gradient norm ("update/*", or a plain "loss"), a skipped update ("update/skipped"), tool-call
+  validity, an in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"). Every scalar is in
   ``metrics.jsonl``.
 
     step_line(1, 2, {"reward/mean": 0.5, "reward/std": 0.0, "update/loss": 0.0123, "time/step_s": 18.1})
@@ -176,6 +177,11 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   for key, label in (("reward/invalid", "invalid"), ("reward/scoring_errors", "scoring errors")):
     if get(key):
       parts.append(f"{label} {_num(get(key), '.0f')}")
+  if get("dynamic_sampling/dropped_groups"):
+    parts.append(
+      f"{_num(get('dynamic_sampling/dropped_groups'), '.0f')} group(s) without signal redrawn "
+      f"({_num(get('dynamic_sampling/groups'), '.0f')} kept)"
+    )
   for key, label, spec in (
     ("sft/nll", "warm-up NLL", ".3f"),
     ("update/loss", "loss", ".3g"),

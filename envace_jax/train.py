@@ -85,6 +85,25 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   return out
 
 
+# Folded into a step's key for its extra batches: unfold derives its per-turn keys with fold_in(key, turn).
+_DYNAMIC_SAMPLING_STREAM = 0xD5A
+
+
+def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+  """Trajectories by GRPO group (``Trajectory.group``), groups in order of first appearance."""
+  groups: dict[int, list[Trajectory]] = {}
+  for traj in trajectories:
+    groups.setdefault(traj.group, []).append(traj)
+  return list(groups.values())
+
+
+def has_signal(group: Sequence[Trajectory]) -> bool:
+  """Whether a group's valid rewards differ (two or more valid trajectories, not all the same reward): a group
+  without signal gives every role of every trajectory a zero advantage, whatever the baseline's weighting."""
+  rewards = {t.reward.reward for t in group if t.reward is not None and t.reward.valid}
+  return len(rewards) > 1
+
+
 class Trainer:
   """Holds a run's state between steps. Built from a validated config; ``run()`` trains and evaluates.
 
@@ -209,6 +228,44 @@ class Trainer:
       traj.reward = scoring.score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
     return out.trajectories, out.stats
 
+  def dynamic_sampling(self, groups: Sequence[Sequence[Trajectory]], key: jax.Array):
+    """DAPO's dynamic sampling (``grpo.dynamic_sampling``; Yu et al. 2025, §3.2): the step's groups with signal
+    (`has_signal`), topped up from further batches of B tasks (the task stream's next batches; extra batch d samples
+    with ``fold_in(fold_in(key, 0xD5A), d)``) until B groups have signal or ``grpo.dynamic_sampling_max_draws`` extra
+    batches are spent. The first B groups with signal are kept in the order they were drawn, renumbered 0..; when no
+    group has signal, the first batch is kept as it is (its update has a zero advantage, as without dynamic
+    sampling). The extra batches advance the task stream, which the checkpoint stores: a resumed run redraws them.
+
+    Args:
+      groups: the first batch's scored trajectories, one list per task (`group_trajectories`).
+      key: the step's rollout key (the first batch used it).
+    Returns:
+      (trajectories to train on, ``dynamic_sampling/*`` metrics: ``dropped_groups`` groups without signal,
+      ``extra_draws`` batches rolled out, ``groups`` kept; ``time/dynamic_sampling_s``, the extra batches' rollout
+      seconds).
+    """
+    want, extra = len(groups), jax.random.fold_in(key, _DYNAMIC_SAMPLING_STREAM)
+    kept = [g for g in groups if has_signal(g)]
+    dropped, draws, seconds = len(groups) - len(kept), 0, 0.0
+    while len(kept) < want and draws < self.grpo_cfg.dynamic_sampling_max_draws:
+      draws += 1
+      more, stats = self.rollout(self.stream.next_batch(), jax.random.fold_in(extra, draws))
+      seconds += stats.get("time_total_s", 0.0)
+      for group in group_trajectories(more):
+        if has_signal(group):
+          kept.append(group)
+        else:
+          dropped += 1
+    chosen = kept[:want] or list(groups)
+    trajectories = []
+    for index, group in enumerate(chosen):
+      for traj in group:
+        traj.group = index
+        trajectories.append(traj)
+    counts = {"dropped_groups": dropped, "extra_draws": draws, "groups": len(kept[:want])}
+    out = {f"dynamic_sampling/{k}": float(v) for k, v in counts.items()}
+    return trajectories, {**out, "time/dynamic_sampling_s": seconds}
+
   # -- one step: rollout, advantages, batch, (reference logprobs), update ------------------------------------------
 
   def advantages(self, trajectories: Sequence[Trajectory]):
@@ -330,8 +387,15 @@ class Trainer:
       self.state = grpo.fresh_optimizer_state(self.grpo_cfg, self.state)
     start = time.perf_counter()
     tasks = self.stream.next_batch()
-    trajectories, stats = self.rollout(tasks, jax.random.fold_in(self.key, step))
-    scalars = rollout_metrics(trajectories, stats)
+    key = jax.random.fold_in(self.key, step)
+    trajectories, stats = self.rollout(tasks, key)
+    scalars = rollout_metrics(trajectories, stats)  # the step's first batch: what the policy does on B tasks
+    groups = group_trajectories(trajectories)
+    scalars["rollout/groups_without_signal"] = sum(not has_signal(g) for g in groups) / len(groups)
+    if self.grpo_cfg.dynamic_sampling:
+      trajectories, dynamic = self.dynamic_sampling(groups, key)
+      scalars.update(dynamic)
+      scalars["time/rollout_s"] += dynamic["time/dynamic_sampling_s"]
     adv, adv_stats = self.advantages(trajectories)
     scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
     update_start = time.perf_counter()

@@ -1,8 +1,9 @@
 """A resumed run ends where the uninterrupted run ends, bit for bit; and the training loop on a device mesh.
 
 Interrupted in-process (the first Trainer raises where a kill would have stopped it, a fresh Trainer resumes on the
-same workdir) in the warm-up, per_role, grpo_real_env and eval_every configurations; SIGKILLed in a subprocess while
-orbax commits a checkpoint; and the loop on a 2x2x2 mesh of 8 fake devices against the same loop on one device.
+same workdir) in the warm-up, per_role, dynamic sampling, grpo_real_env and eval_every configurations; SIGKILLed in a
+subprocess while orbax commits a checkpoint; and the loop on a 2x2x2 mesh of 8 fake devices against the same loop on
+one device.
 
 The tiny random model never calls a tool, so every rollout of a task gets the same checklist reward, every advantage
 is 0 and an RL update moves nothing (AdamW's weight decay at lr 1e-6 is below float32's resolution): parameters
@@ -35,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import metrics, runtime, train
+from envace_jax.envs import datasets
 from envace_jax.rl import grpo
 from envace_jax.sampling import sampler as sampler_lib
 from envace_jax.sampling import sharding
@@ -45,15 +47,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 WALL_CLOCK = re.compile(r"(^|/)time(/|$)|tokens_per_s$|seconds")
 
 
+# Task ids whose trajectories all get reward 0.25 under ``shaped_rollout``: groups without signal, for dynamic sampling.
+CONSTANT_REWARD_TASKS: set[str] = set()
+
+
 def shaped_rollout(rollout):
   """``Trainer.rollout`` whose trajectories' rewards are (sum of their generated token ids mod 101) / 100: varied
-  within a group and a function of what was sampled (see the module docstring)."""
+  within a group and a function of what was sampled (see the module docstring); 0.25 for the tasks in
+  ``CONSTANT_REWARD_TASKS``."""
 
   def shaped(self, tasks, key, group_size=None):
     trajectories, stats = rollout(self, tasks, key, group_size)
     for traj in trajectories:
       generated = sum(int(row.tokens[row.loss_mask].sum()) for row in traj.rows.values())
-      traj.reward = dataclasses.replace(traj.reward, reward=(generated % 101) / 100)
+      reward = 0.25 if traj.task.id in CONSTANT_REWARD_TASKS else (generated % 101) / 100
+      traj.reward = dataclasses.replace(traj.reward, reward=reward)
     return trajectories, stats
 
   return shaped
@@ -149,12 +157,14 @@ _FAST = {"grpo.learning_rate": 1e-3}  # with the shaped rewards, an update moves
 RESUMES = {
   # Two parameter trees, each with its own AdamW state. Interrupted after step 1, the warm-up's only step: step 2,
   # the first RL step, resets both trees' AdamW states and switches their injected learning rate from the warm-up's
-  # in the resumed process.
-  "per_role_warmup": {
+  # in the resumed process. Dynamic sampling is on and step 2's first task gets one reward for both rollouts, so the
+  # resumed process draws another task (the stream position and the key of the extra batch come from the restore).
+  "per_role_warmup_dynamic_sampling": {
     "train.steps": 2,
     "train.sft_warmup_steps": 1,
     "grpo.sft_learning_rate": 1e-2,
     "grpo.mode": "per_role",
+    "grpo.dynamic_sampling": True,
     "train.eval_tasks": 0,
   },
   # Plain GRPO against the real tools (fresh environments per rollout in the resumed process), plain AdamW state;
@@ -176,13 +186,17 @@ RESUMES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, name):
+def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, monkeypatch, name):
   """Stopped after step 1's checkpoint with step 2 already logged, resumed by a new Trainer: parameters, every leaf
   of the optimizer state, the update count, the RNG key, the data position, every metrics row (the evaluation of
   step 2 included), the final evaluation and the last checkpoint's metadata equal the uninterrupted run's."""
   overrides = RESUMES[name]
   config = tiny_config(data_dir, **_FAST, **overrides)
   steps, warmup = overrides["train.steps"], overrides.get("train.sft_warmup_steps", 0)
+  if config.grpo.dynamic_sampling:  # the first RL step's task: no signal
+    stream = datasets.TaskStream(runtime.training_tasks(config), config.train.tasks_per_step, config.seed)
+    first_rl = [stream.next_batch() for _ in range(warmup + 1)][-1][0].id
+    monkeypatch.setattr(sys.modules[__name__], "CONSTANT_REWARD_TASKS", {first_rl})
   whole = train.Trainer(config, str(tmp_path / "whole"))
   whole_result = whole.run()
 
@@ -209,6 +223,8 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards,
     # so RL has no REHEARSE row) stepped in the warm-up, then reset and never stepped again
     assert "sft/nll" in rows[0] and "sft/nll" not in rows[1]
     assert {n: _adam_counts(resumed.state.opt_state[n]) for n in ("act", "rehearse")} == {"act": {1}, "rehearse": {0}}
+  if config.grpo.dynamic_sampling:  # the resumed process redrew the first RL step's group without signal
+    assert [rows[warmup][f"dynamic_sampling/{k}"] for k in ("dropped_groups", "extra_draws", "groups")] == [1, 1, 1]
   if config.train.eval_every:  # step 2's evaluation, redone by the resumed run; the final one after step 3
     assert [any(k.startswith("eval/") for k in r) for r in rows] == [False, True, False]
     assert [r["step"] for r in metrics.read_jsonl(workdir, "eval.jsonl")] == [steps]

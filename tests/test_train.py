@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -14,6 +15,7 @@ import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import config_check, runtime, train
+from envace_jax.envs import datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,6 +46,7 @@ def _params(workdir, step):
   [
     ({"grpo.mode": "ppo"}, "grpo.mode"),
     ({"train.group_size": 1}, "group_size"),
+    ({"grpo.dynamic_sampling_max_draws": -1}, r"grpo.dynamic_sampling_max_draws=-1 must be >= 0"),
     ({"model": "qwen3-8b", "model_path": "/nonexistent/qwen3"}, "model_path"),
     (
       {"train.sft_warmup_steps": 1, "env.benchmark": "checklist"},
@@ -267,3 +270,58 @@ def test_fresh_optimizer_after_sft_off_keeps_the_warm_up_moments(tmp_path, data_
   assert _adam_counts(trainer.state.opt_state) == {1}
   trainer.step(2)
   assert _adam_counts(trainer.state.opt_state) == {2}
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, monkeypatch):
+  """grpo.dynamic_sampling on B=2 x G=2 with one extra draw allowed. Step 1: the first batch's first task gets the
+  same reward in both rollouts (no signal), so one more batch of 2 tasks is rolled out and the step trains on the
+  first batch's second task and the extra batch's first task, renumbered groups 0 and 1; the metrics count the
+  dropped group. Step 2: no task has signal; the extra batch has none either, so the step keeps its first batch."""
+  config = tiny_config(
+    data_dir,
+    **{
+      "train.steps": 2,
+      "train.eval_tasks": 0,
+      "train.tasks_per_step": 2,
+      "train.group_size": 2,
+      "grpo.micro_batch_size": 4,
+      "grpo.dynamic_sampling": True,
+      "grpo.dynamic_sampling_max_draws": 1,
+    },
+  )
+  trainer = train.Trainer(config, str(tmp_path))
+  source = runtime.training_tasks(config)
+  stream = datasets.TaskStream(source, 2, config.seed)
+  batches = [[t.id for t in stream.next_batch()] for _ in range(4)]  # what steps 1 and 2 draw, in order
+  no_signal = {batches[0][0]}  # 9 mock tasks: the 4 batches of an epoch hold 8 different ones
+  rollout, training_batch, drawn, trained = trainer.rollout, trainer.training_batch, [], []
+
+  def scripted(tasks, key, group_size=None):  # reward: the rollout's index in its group, or 0.5 for no signal
+    trajectories, stats = rollout(tasks, key, group_size)
+    drawn.append([t.id for t in tasks])
+    for traj in trajectories:
+      flat = traj.task.id in no_signal
+      traj.reward = dataclasses.replace(traj.reward, reward=0.5 if flat else float(traj.sample), valid=True)
+    return trajectories, stats
+
+  def recorded(trajectories, adv):
+    trained.append([(t.task.id, t.group) for t in trajectories])
+    return training_batch(trajectories, adv)
+
+  monkeypatch.setattr(trainer, "rollout", scripted)
+  monkeypatch.setattr(trainer, "training_batch", recorded)
+  first = trainer.step(1)
+  assert drawn == batches[:2] and trainer.stream.state()["position"] == 4
+  assert trained[-1] == [(batches[0][1], 0), (batches[0][1], 0), (batches[1][0], 1), (batches[1][0], 1)]
+  assert first["rollout/groups_without_signal"] == 0.5
+  counts = {k.split("/")[1]: v for k, v in first.items() if k.startswith("dynamic_sampling/")}
+  assert counts == {"dropped_groups": 1.0, "extra_draws": 1.0, "groups": 2.0}
+  assert first["time/rollout_s"] > first["time/dynamic_sampling_s"] > 0
+  assert first["adv/act/groups"] == 2 and first["adv/act/zero_variance_groups"] == 0 and first["update/grad_norm"] > 0
+
+  no_signal.update(batches[2] + batches[3])
+  second = trainer.step(2)
+  assert drawn[2:] == batches[2:] and trained[-1] == [(t, g) for g, t in enumerate(batches[2]) for _ in range(2)]
+  assert (second["dynamic_sampling/dropped_groups"], second["dynamic_sampling/groups"]) == (4.0, 0.0)
+  assert second["rollout/groups_without_signal"] == 1.0 and second["adv/act/zero_variance_groups"] == 2

@@ -118,6 +118,11 @@ class GrpoConfig:
       holding the shared prefix once (``batch.collate``'s ``pack_groups``): exact, and G x (P + S) tokens become
       P + G x S.
     min_shared_prefix: the shortest shared prefix (tokens) worth packing; shorter ones leave the rows unpacked.
+    dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, §3.2), which the training loop applies
+      (`train.Trainer.dynamic_sampling`): a group whose valid rewards are all equal gives every role a zero
+      advantage, so it is dropped and further batches of tasks are rolled out until the step holds B groups with
+      signal or ``dynamic_sampling_max_draws`` extra batches are spent.
+    dynamic_sampling_max_draws: the most extra batches (of B tasks each) one step may roll out.
   """
 
   mode: str = "envace"
@@ -146,6 +151,8 @@ class GrpoConfig:
   head_chunk: int = 512
   pack_shared_prefix: bool = True
   min_shared_prefix: int = 64
+  dynamic_sampling: bool = False
+  dynamic_sampling_max_draws: int = 4
 
   def __post_init__(self):
     for name, valid in (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS)):
@@ -188,6 +195,7 @@ class GrpoConfig:
       ("length_bucket", self.length_bucket >= 1 and not self.length_bucket & (self.length_bucket - 1), "a power of 2"),
       ("head_chunk", self.head_chunk >= 1 and not self.head_chunk & (self.head_chunk - 1), "a power of 2"),
       ("min_shared_prefix", self.min_shared_prefix >= 1, ">= 1"),
+      ("dynamic_sampling_max_draws", self.dynamic_sampling_max_draws >= 0, ">= 0"),
     )
     for name, ok, need in checks:
       if not ok:
