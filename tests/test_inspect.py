@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from envace_jax import inspect as ckpt_inspect
-from envace_jax import metrics, train
+from envace_jax import metrics
 from envace_jax.checkpoint import Checkpointer, CheckpointError
 from envace_jax.model import config as model_config_lib
 from envace_jax.model import transformer
@@ -164,16 +164,6 @@ def test_per_role_checkpoint_reports_both_trees(tmp_path, capsys):
 
 
 # -- a real tiny run (slow) --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  """(workdir, config) of ``train.train_and_evaluate`` on configs/tiny.py: 2 steps, no held-out evaluation."""
-  root = tmp_path_factory.mktemp("inspect_tiny")
-  config = tiny_config(root / "tfds", **{"train.eval_tasks": 0})
-  workdir = root / "run"
-  train.train_and_evaluate(config, str(workdir))
-  return workdir, config
 
 
 @pytest.mark.slow

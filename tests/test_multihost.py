@@ -22,8 +22,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env = dict(os.environ)  # XLA_FLAGS too: the worker replaces only its device count
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   return env
 

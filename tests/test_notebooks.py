@@ -8,7 +8,9 @@ kernelspec ``pip install ipykernel`` puts under ``sys.prefix``; jupyter_client s
 
 Each notebook has a check here (``CHECKS``) that reads values from the executed notebook's printed outputs and compares
 them with what this process computes from the notebook's inputs or artifacts: the shapes of a preset, a checkpoint
-restored here, a reward recomputed by the benchmark's evaluator from the conversation the notebook shows.
+restored here, a reward recomputed by the benchmark's evaluator from the conversation the notebook shows. The
+inspect_checkpoint notebook is given the suite's tiny run (``ENVACE_NOTEBOOK_WORKDIR``: the same config its first
+cell would train, tests/conftest.py's ``tiny_run``), so the suite trains it once.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _OURS = "envace_test"  # metadata key of the cells this test inserts
 
 
-def _kernel_env(tmp_dir: pathlib.Path) -> dict[str, str]:
-  """This process's environment with ENVACE_NOTEBOOK_SMALL=1 and TMPDIR=tmp_dir (a notebook's temporary runs land in
-  pytest's tmp_path, which pytest prunes), without the 8 fake CPU devices tests/conftest.py asks XLA for: the
-  notebook sees the machine as a user's kernel would.
+def _kernel_env(tmp_dir: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
+  """This process's environment with ENVACE_NOTEBOOK_SMALL=1, TMPDIR=tmp_dir (a notebook's temporary runs land in
+  pytest's tmp_path, which pytest prunes) and ``extra``, without the 8 fake CPU devices tests/conftest.py asks XLA
+  for: the notebook sees the machine as a user's kernel would.
 
   The kernel keeps the suite's other settings (tests/conftest.py): XLA's backend optimisation level 0 and the shared
   compilation cache. No value a notebook shows depends on them (the random model's text may differ)."""
-  env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir))
+  env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir), **extra)
   env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
   return env
 
@@ -77,11 +79,12 @@ def _our_cell(source: str):
   return cell
 
 
-def _execute(path: pathlib.Path, tmp_path: pathlib.Path, before: dict[str, str] | None = None):
-  """The notebook executed in a fresh kernel, with a first cell of ours (the kernel is this environment's Python) and
-  ``before``'s cells: {marker: source} puts ``source`` right before the first cell whose source contains marker."""
+def _execute(path: pathlib.Path, tmp_path: pathlib.Path, before: dict[str, str], env: dict[str, str]):
+  """The notebook executed in a fresh kernel (``env``: variables for it), with a first cell of ours (the kernel is
+  this environment's Python) and ``before``'s cells: {marker: source} puts ``source`` right before the first cell
+  whose source contains marker."""
   nb = nbformat.read(path, as_version=4)
-  for marker, source in (before or {}).items():
+  for marker, source in before.items():
     index = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and marker in c.source)
     nb.cells.insert(index, _our_cell(source))
   check = f"import sys\nassert sys.prefix == {sys.prefix!r}, f'the kernel runs {{sys.executable}}, not this venv'"
@@ -94,7 +97,7 @@ def _execute(path: pathlib.Path, tmp_path: pathlib.Path, before: dict[str, str] 
   )
   failure = None
   try:
-    client.execute(env=_kernel_env(tmp_path))
+    client.execute(env=_kernel_env(tmp_path, env))
   except nbclient.exceptions.CellExecutionError:
     failure = _failure(path, nb)
   except nbclient.exceptions.CellTimeoutError as e:
@@ -198,10 +201,10 @@ def _tau2_mock_config():
 
 
 def _check_inspect_checkpoint(nb, facts: dict) -> None:
-  del facts
   run = _printed(nb, "train.train_and_evaluate(config, WORKDIR)")
   workdir = pathlib.Path(_after(run, "workdir: "))
-  steps = 2  # the notebook trains configs/tiny.py for config.train.steps = 2, a checkpoint after every step
+  assert workdir == facts["workdir"]
+  steps = 2  # configs/tiny.py for config.train.steps = 2, a checkpoint after every step
   assert _after(run, "checkpoints of steps: ") == str(list(range(1, steps + 1)))
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
   with Checkpointer(workdir) as ckpt:  # restored here, independently of the notebook's kernel
@@ -239,9 +242,16 @@ def _check_inspect_checkpoint(nb, facts: dict) -> None:
   assert [r["step"] for r in records] == [1, 2]
 
 
-CHECKS = {  # notebook stem: (cells inserted before a marker, {marker: source with {path}}, check(nb, facts))
-  "quickstart": ({"KEEP_WORKDIR = False": _QUICKSTART_DUMP}, _check_quickstart),
-  "inspect_checkpoint": ({}, _check_inspect_checkpoint),
+def _inspect_checkpoint_env(request) -> tuple[dict[str, str], dict]:
+  """The notebook inspects tests/conftest.py's ``tiny_run`` (ENVACE_NOTEBOOK_WORKDIR), the run its first cell would
+  train otherwise (configs/tiny.py, 2 steps, no evaluation): test_inspect.py and the notebook share one run."""
+  workdir, _ = request.getfixturevalue("tiny_run")
+  return {"ENVACE_NOTEBOOK_WORKDIR": str(workdir)}, {"workdir": workdir}
+
+
+CHECKS = {  # notebook stem: ({marker: cell source with {path}} inserted before the marker, check(nb, facts), env)
+  "quickstart": ({"KEEP_WORKDIR = False": _QUICKSTART_DUMP}, _check_quickstart, None),
+  "inspect_checkpoint": ({}, _check_inspect_checkpoint, _inspect_checkpoint_env),
 }
 
 
@@ -251,12 +261,12 @@ def test_every_notebook_has_a_check():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_shows_what_it_computes(path, tmp_path):
-  inserts, check = CHECKS[path.stem]
+def test_notebook_runs_and_shows_what_it_computes(path, tmp_path, request):
+  inserts, check, make_env = CHECKS[path.stem]
+  env, facts = make_env(request) if make_env else ({}, {})
   facts_path = tmp_path / "facts.pickle"
-  nb = _execute(path, tmp_path, {marker: source.format(path=str(facts_path)) for marker, source in inserts.items()})
-  facts = {}
+  nb = _execute(path, tmp_path, {marker: src.format(path=str(facts_path)) for marker, src in inserts.items()}, env)
   if inserts:
     with facts_path.open("rb") as f:
-      facts = pickle.load(f)
+      facts.update(pickle.load(f))
   check(nb, facts)
