@@ -158,8 +158,8 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   """One step's console line: "step S/N:" and those of its scalars a newcomer watches, when the step has them.
 
   In order: the reward ("reward/mean" ± "reward/std", or "reward"), invalid trajectories and scoring errors when
-  nonzero ("reward/invalid", "reward/scoring_errors"), the groups dynamic sampling dropped and kept when it dropped
-  any ("dynamic_sampling/dropped_groups", "dynamic_sampling/groups"), the warm-up's "sft/nll", the update's loss, KL,
+  nonzero ("reward/invalid", "reward/scoring_errors"), dynamic sampling's outcome when it drew extra batches
+  ("dynamic_sampling/extra_draws", "groups", "fallback"), the warm-up's "sft/nll", the update's loss, KL,
   entropy and gradient norm ("update/*", or a plain "loss"), a skipped update ("update/skipped"), tool-call
   validity, an in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"). Every scalar is in
   ``metrics.jsonl``.
@@ -177,11 +177,12 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   for key, label in (("reward/invalid", "invalid"), ("reward/scoring_errors", "scoring errors")):
     if get(key):
       parts.append(f"{label} {_num(get(key), '.0f')}")
-  if get("dynamic_sampling/dropped_groups"):
-    parts.append(
-      f"{_num(get('dynamic_sampling/dropped_groups'), '.0f')} group(s) without signal redrawn "
-      f"({_num(get('dynamic_sampling/groups'), '.0f')} kept)"
-    )
+  if get("dynamic_sampling/extra_draws"):
+    draws = f"{_num(get('dynamic_sampling/extra_draws'), '.0f')} extra batch(es)"
+    if get("dynamic_sampling/fallback"):
+      parts.append(f"no group with signal after {draws}: first batch trained")
+    else:
+      parts.append(f"{_num(get('dynamic_sampling/groups'), '.0f')} group(s) with signal after {draws}")
   for key, label, spec in (
     ("sft/nll", "warm-up NLL", ".3f"),
     ("update/loss", "loss", ".3g"),

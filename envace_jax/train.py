@@ -85,7 +85,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   return out
 
 
-# Folded into a step's key for its extra batches: unfold derives its per-turn keys with fold_in(key, turn).
+# Folded into a step's key for its extra batches (unfold derives a key per lockstep step with fold_in(key, step)).
 _DYNAMIC_SAMPLING_STREAM = 0xD5A
 
 
@@ -98,8 +98,9 @@ def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajecto
 
 
 def has_signal(group: Sequence[Trajectory]) -> bool:
-  """Whether a group's valid rewards differ (two or more valid trajectories, not all the same reward): a group
-  without signal gives every role of every trajectory a zero advantage, whatever the baseline's weighting."""
+  """Whether a group's valid rewards differ (two or more valid trajectories, not all the same reward). A group
+  without signal gives every role of every trajectory a zero advantage, whatever the baseline's weighting; a group
+  with signal may still give a role none (when the trajectories that have the role got the same reward)."""
   rewards = {t.reward.reward for t in group if t.reward is not None and t.reward.valid}
   return len(rewards) > 1
 
@@ -240,17 +241,23 @@ class Trainer:
       groups: the first batch's scored trajectories, one list per task (`group_trajectories`).
       key: the step's rollout key (the first batch used it).
     Returns:
-      (trajectories to train on, ``dynamic_sampling/*`` metrics: ``dropped_groups`` groups without signal,
-      ``extra_draws`` batches rolled out, ``groups`` kept; ``time/dynamic_sampling_s``, the extra batches' rollout
-      seconds).
+      (trajectories to train on, metrics: ``dynamic_sampling/`` ``dropped_groups`` (groups without signal, every
+      batch), ``extra_draws`` (batches rolled out after the first), ``groups`` (groups with signal trained on, <= B),
+      ``surplus_groups`` (groups with signal beyond B, unused), ``fallback`` (1: no group had signal, the first
+      batch is trained), ``generated_tokens`` (the extra batches'); ``time/dynamic_sampling_s``, their rollout
+      seconds). ``reward/*`` and ``rollout/*`` describe the first batch only.
+
+    Multi-process runs need every process to score the same rewards (a deterministic scorer), so that they agree on
+    which groups have signal and roll out the same number of batches.
     """
     want, extra = len(groups), jax.random.fold_in(key, _DYNAMIC_SAMPLING_STREAM)
     kept = [g for g in groups if has_signal(g)]
-    dropped, draws, seconds = len(groups) - len(kept), 0, 0.0
+    dropped, draws, seconds, generated = len(groups) - len(kept), 0, 0.0, 0
     while len(kept) < want and draws < self.grpo_cfg.dynamic_sampling_max_draws:
       draws += 1
       more, stats = self.rollout(self.stream.next_batch(), jax.random.fold_in(extra, draws))
       seconds += stats.get("time_total_s", 0.0)
+      generated += sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
       for group in group_trajectories(more):
         if has_signal(group):
           kept.append(group)
@@ -262,7 +269,14 @@ class Trainer:
       for traj in group:
         traj.group = index
         trajectories.append(traj)
-    counts = {"dropped_groups": dropped, "extra_draws": draws, "groups": len(kept[:want])}
+    counts = {
+      "dropped_groups": dropped,
+      "extra_draws": draws,
+      "groups": len(kept[:want]),
+      "surplus_groups": len(kept[want:]),
+      "fallback": not kept,
+      "generated_tokens": generated,
+    }
     out = {f"dynamic_sampling/{k}": float(v) for k, v in counts.items()}
     return trajectories, {**out, "time/dynamic_sampling_s": seconds}
 

@@ -296,11 +296,12 @@ def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, mo
   stream = datasets.TaskStream(source, 2, config.seed)
   batches = [[t.id for t in stream.next_batch()] for _ in range(4)]  # what steps 1 and 2 draw, in order
   no_signal = {batches[0][0]}  # 9 mock tasks: the 4 batches of an epoch hold 8 different ones
-  rollout, training_batch, drawn, trained = trainer.rollout, trainer.training_batch, [], []
+  rollout, training_batch, drawn, keys, trained = trainer.rollout, trainer.training_batch, [], [], []
 
   def scripted(tasks, key, group_size=None):  # reward: the rollout's index in its group, or 0.5 for no signal
     trajectories, stats = rollout(tasks, key, group_size)
     drawn.append([t.id for t in tasks])
+    keys.append(tuple(np.asarray(jax.random.key_data(key)).ravel()))
     for traj in trajectories:
       flat = traj.task.id in no_signal
       traj.reward = dataclasses.replace(traj.reward, reward=0.5 if flat else float(traj.sample), valid=True)
@@ -317,12 +318,14 @@ def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, mo
   assert trained[-1] == [(batches[0][1], 0), (batches[0][1], 0), (batches[1][0], 1), (batches[1][0], 1)]
   assert first["rollout/groups_without_signal"] == 0.5
   counts = {k.split("/")[1]: v for k, v in first.items() if k.startswith("dynamic_sampling/")}
-  assert counts == {"dropped_groups": 1.0, "extra_draws": 1.0, "groups": 2.0}
-  assert first["time/rollout_s"] > first["time/dynamic_sampling_s"] > 0
+  generated = counts.pop("generated_tokens")  # the extra batch's
+  assert counts == {"dropped_groups": 1.0, "extra_draws": 1.0, "groups": 2.0, "surplus_groups": 1.0, "fallback": 0.0}
+  assert generated > 0 and first["time/rollout_s"] > first["time/dynamic_sampling_s"] > 0
   assert first["adv/act/groups"] == 2 and first["adv/act/zero_variance_groups"] == 0 and first["update/grad_norm"] > 0
 
   no_signal.update(batches[2] + batches[3])
   second = trainer.step(2)
   assert drawn[2:] == batches[2:] and trained[-1] == [(t, g) for g, t in enumerate(batches[2]) for _ in range(2)]
-  assert (second["dynamic_sampling/dropped_groups"], second["dynamic_sampling/groups"]) == (4.0, 0.0)
+  assert [second[f"dynamic_sampling/{k}"] for k in ("dropped_groups", "groups", "fallback")] == [4.0, 0.0, 1.0]
+  assert len(set(keys)) == 4  # every batch sampled with its own key
   assert second["rollout/groups_without_signal"] == 1.0 and second["adv/act/zero_variance_groups"] == 2
