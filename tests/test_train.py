@@ -329,3 +329,43 @@ def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, mo
   assert [second[f"dynamic_sampling/{k}"] for k in ("dropped_groups", "groups", "fallback")] == [4.0, 0.0, 1.0]
   assert len(set(keys)) == 4  # every batch sampled with its own key
   assert second["rollout/groups_without_signal"] == 1.0 and second["adv/act/zero_variance_groups"] == 2
+
+
+def test_dynamic_sampling_keeps_the_groups_with_signal_it_found_when_the_draws_run_out():
+  """`Trainer.dynamic_sampling` alone, on scripted groups (no model): B=3, the first batch has one group with signal,
+  the only extra batch allowed has one more, so the step trains on those 2 (renumbered 0 and 1) and counts 4
+  dropped; with no extra draw allowed, the first batch's one group with signal is trained alone."""
+  import types
+
+  from envace_jax.envs.base import RewardInfo, Task
+  from envace_jax.rehearsal.trajectory import Trajectory
+  from envace_jax.rl import grpo
+
+  def batch(name, rewards):  # one group per task: rewards[b] = that group's G=2 rewards
+    tasks = [Task(f"{name}{b}", "tau2", "mock", "base", "", ()) for b in range(len(rewards))]
+    trajectories = [
+      Trajectory(task, b, g, reward=RewardInfo(reward=r))
+      for b, (task, rs) in enumerate(zip(tasks, rewards, strict=True))
+      for g, r in enumerate(rs)
+    ]
+    return tasks, trajectories
+
+  for draws in (1, 0):  # fresh trajectories each time: the method renumbers the groups it keeps
+    _, first = batch("a", [(0.5, 0.5), (0.0, 1.0), (1.0, 1.0)])
+    extra_tasks, extra = batch("b", [(0.2, 0.2), (0.3, 0.9), (0.0, 0.0)])
+    fake = types.SimpleNamespace(
+      grpo_cfg=grpo.GrpoConfig(dynamic_sampling=True, dynamic_sampling_max_draws=draws),
+      stream=types.SimpleNamespace(next_batch=lambda tasks=extra_tasks: tasks),
+      rollout=lambda tasks, key, out=extra: (out, {"time_total_s": 2.0, "generated_tokens_act": 7}),
+    )
+    trajectories, out = train.Trainer.dynamic_sampling(fake, train.group_trajectories(first), jax.random.key(0))
+    got = [(t.task.id, t.group) for t in trajectories]
+    if draws:
+      assert got == [("a1", 0), ("a1", 0), ("b1", 1), ("b1", 1)]
+      counts = {"dropped_groups": 4, "extra_draws": 1, "groups": 2, "surplus_groups": 0, "fallback": 0}
+    else:
+      assert got == [("a1", 0), ("a1", 0)]
+      counts = {"dropped_groups": 2, "extra_draws": 0, "groups": 1, "surplus_groups": 0, "fallback": 0}
+    want = {f"dynamic_sampling/{k}": float(v) for k, v in counts.items()}
+    want["dynamic_sampling/generated_tokens"] = 7.0 * draws  # the extra batch's, as its rollout stats give them
+    assert out == {**want, "time/dynamic_sampling_s": 2.0 * draws}
