@@ -45,6 +45,11 @@ from envace_jax.rl.batch import TrainBatch
 from envace_jax.sampling import sharding
 
 
+def generated_tokens(stats: dict[str, float]) -> int:
+  """Tokens an ``unfold`` call sampled, all roles together (its ``generated_tokens_{act,rehearse,user}`` stats)."""
+  return sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
+
+
 def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float]) -> dict[str, float]:
   """Per-step rollout scalars: reward (mean and std over the valid trajectories, and as each role's rows see it),
   invalid trajectories and scoring errors (`scoring.counts`), validity rates, turns, termination reasons,
@@ -76,7 +81,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   for k, v in totals.items():
     if k.startswith("termination/"):
       out[k] = float(v)
-  generated = sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
+  generated = generated_tokens(stats)
   seconds = stats.get("time_total_s", 0.0)
   out["rollout/generated_tokens"] = float(generated)
   out["rollout/prefill_tokens"] = float(stats.get("prefill_tokens", 0) + stats.get("prefill_tokens_shared", 0))
@@ -257,7 +262,7 @@ class Trainer:
       draws += 1
       more, stats = self.rollout(self.stream.next_batch(), jax.random.fold_in(extra, draws))
       seconds += stats.get("time_total_s", 0.0)
-      generated += sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
+      generated += generated_tokens(stats)
       for group in group_trajectories(more):
         if has_signal(group):
           kept.append(group)
