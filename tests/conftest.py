@@ -17,10 +17,39 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import functools
+import time
 
 import jax
 import numpy as np
 import pytest
+
+
+# The suite's longest test starts first. pytest-xdist's worksteal scheduler hands each worker a contiguous half of
+# the collection; the quickstart notebook (≈4 of the suite's ≈35 worker-minutes on 2 cores) sat near the end of the
+# second half, so it started late and could end the run alone.
+FIRST = ("tests/test_notebooks.py::test_notebook_runs_and_shows_what_it_computes[quickstart]",)
+
+
+def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: the rest keep their order
+
+
+# ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end nodeid" (Unix seconds), to see how the
+# workers' time was spent (e.g. which test ran last while another worker idled).
+_TIMELINE = os.environ.get("ENVACE_TEST_TIMELINE")
+_STARTED: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+  if _TIMELINE:
+    _STARTED[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  if _TIMELINE and nodeid in _STARTED:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(_TIMELINE, "a", encoding="utf-8") as f:
+      f.write(f"{worker} {_STARTED.pop(nodeid):.3f} {time.time():.3f} {nodeid}\n")
 
 
 # JAX's persistent compilation cache, one folder for the whole run (shared by pytest-xdist's workers): tests build

@@ -336,6 +336,7 @@ _ON_MESH = {
   "train.group_size": 2,
   "grpo.micro_batch_size": 4,
   "grpo.learning_rate": 1e-4,
+  "rollout.max_turns": 1,  # the user's opening, then one ACT generation: both samplers decode on the mesh
 }
 
 
