@@ -23,7 +23,6 @@ import jax
 import numpy as np
 import pytest
 
-
 # The suite's longest test starts first. pytest-xdist's worksteal scheduler hands each worker a contiguous half of
 # the collection; the quickstart notebook (≈4 of the suite's ≈35 worker-minutes on 2 cores) sat near the end of the
 # second half, so it started late and could end the run alone.
