@@ -93,6 +93,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Train on these tasks of env.split only: comma-separated task ids ("": every task), e.g. to overfit a few tasks as
   # experiments/learning_check.py does. Evaluation is unaffected.
   c.env.train_task_ids = ""
+  # Evaluate on these tasks of env.eval_split only ("": every task), before train.eval_tasks / eval.tasks take the
+  # first N: a held-out set of a split that has no test part (τ² mock; experiments/evidence.py).
+  c.env.eval_task_ids = ""
   # Where prepared task datasets live (TFDS array_record, envace_jax.envs.datasets.prepare); TFDS's own default.
   c.env.data_dir = os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
 

@@ -288,6 +288,7 @@ def _check_env(ck: _Checker) -> str | None:
   split, eval_split = ck.text("env.split"), ck.text("env.eval_split")
   data_dir = ck.text("env.data_dir")
   ck.text("env.train_task_ids")
+  ck.text("env.eval_task_ids")
   if data_dir is not _MISSING and not data_dir:
     ck.add("env.data_dir is empty; set it to the folder that holds (or will hold) the prepared datasets")
   if benchmark is _MISSING or benchmark not in datasets.BENCHMARKS:

@@ -131,7 +131,8 @@ def score_committed(
 
   Returns:
     {"reward": mean reward of the valid trials (NaN when none is), "pass^1".."pass^n", "tasks", "trials",
-    "reward/invalid", "reward/scoring_errors" (`scoring.counts`), "turns", "tool_calls" (means per trial)}.
+    "reward/invalid", "reward/scoring_errors" (`scoring.counts`), "turns", "tool_calls" (means per trial),
+    "tool_call_validity" (`scoring.tool_call_validity`)}.
   """
   rewards_ = []
   successes = [0] * num_tasks
@@ -147,6 +148,7 @@ def score_committed(
     **scoring.counts(trajectories),
     "turns": float(np.mean([t.counts.get("generations_act", 0) for t in trajectories])),
     "tool_calls": float(np.mean([t.counts.get("tool_calls", 0) for t in trajectories])),
+    "tool_call_validity": scoring.tool_call_validity(trajectories),
   }
   for k in range(1, num_trials + 1):
     summary[f"pass^{k}"] = pass_hat_k(successes, num_trials, k)
@@ -333,10 +335,8 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
 
 
 def eval_tasks(config) -> list[Task]:
-  """The first ``config.eval.tasks`` tasks of ``config.env.eval_split`` (all of them when negative)."""
-  source = runtime.load_split(config, config.env.eval_split)
-  n = len(source) if config.eval.tasks < 0 else min(config.eval.tasks, len(source))
-  return [source[i] for i in range(n)]
+  """``--mode=eval``'s tasks: `runtime.evaluation_tasks` with ``eval.tasks``."""
+  return runtime.evaluation_tasks(config, config.eval.tasks)
 
 
 def eval_modes(config) -> tuple[str, ...]:

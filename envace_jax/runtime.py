@@ -118,6 +118,37 @@ def _few(ids: list[str], n: int = 12) -> str:
   return ", ".join(ids[:n]) + (f", ... ({len(ids)} in all)" if len(ids) > n else "")
 
 
+def _select(config, source: datasets.TaskSource, split: str, key: str) -> Sequence[Task]:
+  """``source`` cut to the comma-separated ids of ``config.env.<key>`` (in the order given), or itself when empty.
+
+  Raises:
+    config_check.ConfigError: an id that is not in the split (the message lists the split's ids).
+  """
+  wanted = [s.strip() for s in config.env[key].split(",") if s.strip()]
+  if not wanted:
+    return source
+  index = {source[i].id: i for i in range(len(source))}
+  missing = [w for w in wanted if w not in index]
+  if missing:
+    where = f"{config.env.benchmark} {config.env.domain} split {split!r}"
+    listed = _few(list(index))
+    raise config_check.ConfigError([f"env.{key}: {', '.join(missing)} not in {where}; its tasks are {listed}"])
+  return source.get_many(index[w] for w in dict.fromkeys(wanted))
+
+
+def evaluation_tasks(config, n: int) -> list[Task]:
+  """The held-out tasks: ``config.env.eval_split``, cut to ``config.env.eval_task_ids`` when it is set, then the first
+  ``n`` (all of them when ``n`` is negative). ``train.eval_tasks`` and ``eval.tasks`` are the two ``n``.
+
+  Raises:
+    config_check.ConfigError: an id that is not in the split.
+  """
+  split = config.env.eval_split
+  source = _select(config, load_split(config, split), split, "eval_task_ids")
+  n = len(source) if n < 0 else min(n, len(source))
+  return [source[i] for i in range(n)]
+
+
 def training_tasks(config) -> Sequence[Task]:
   """The tasks training draws from: ``config.env.split``, cut to ``config.env.train_task_ids`` when it is set.
 
@@ -127,17 +158,7 @@ def training_tasks(config) -> Sequence[Task]:
     config_check.ConfigError: an id that is not in the split (the message lists the split's ids), or
       ``train.tasks_per_step`` larger than the number of tasks kept.
   """
-  source = load_split(config, config.env.split)
-  wanted = [s.strip() for s in config.env.train_task_ids.split(",") if s.strip()]
-  if wanted:
-    index = {source[i].id: i for i in range(len(source))}
-    missing = [w for w in wanted if w not in index]
-    if missing:
-      where = f"{config.env.benchmark} {config.env.domain} split {config.env.split!r}"
-      raise config_check.ConfigError(
-        [f"env.train_task_ids: {', '.join(missing)} not in {where}; its tasks are {_few(list(index))}"]
-      )
-    source = source.get_many(index[w] for w in dict.fromkeys(wanted))
+  source = _select(config, load_split(config, config.env.split), config.env.split, "train_task_ids")
   if config.train.tasks_per_step > len(source):
     raise config_check.ConfigError(
       [

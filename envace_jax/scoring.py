@@ -151,6 +151,14 @@ def counts(trajectories: Sequence[Trajectory], prefix: str = "reward/") -> dict[
   return {f"{prefix}invalid": float(invalid), f"{prefix}scoring_errors": float(errors)}
 
 
+def tool_call_validity(trajectories: Sequence[Trajectory]) -> float:
+  """The fraction of ACT generations that were well-formed (a parseable tool call or a plain reply; not
+  ``malformed_act``), over every generation of ``trajectories``; NaN when there is none."""
+  acts = sum(t.counts.get("generations_act", 0) for t in trajectories)
+  malformed = sum(t.counts.get("malformed_act", 0) for t in trajectories)
+  return 1.0 - malformed / acts if acts else float("nan")
+
+
 def check_scorers(config, real_tasks: Sequence[Task] = ()) -> None:
   """Start-up check of every scorer the run will use, before any rollout.
 

@@ -69,9 +69,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   for t in trajectories:
     totals.update(t.counts)
     totals[f"termination/{t.termination.value if t.termination else 'none'}"] += 1
-  calls, malformed = totals["tool_calls"], totals["malformed_act"]
-  acts = totals["generations_act"]
-  out["rollout/tool_call_validity"] = 1.0 - malformed / acts if acts else float("nan")
+  calls, acts = totals["tool_calls"], totals["generations_act"]
+  out["rollout/tool_call_validity"] = scoring.tool_call_validity(trajectories)
   out["rollout/tool_calls_per_trajectory"] = calls / len(trajectories)
   rehearsed = totals["generations_rehearse"]
   out["rollout/rehearsed_json_validity"] = (
@@ -172,11 +171,9 @@ class Trainer:
     return tasks + (self.eval_tasks() if self.config.train.eval_tasks else [])
 
   def eval_tasks(self) -> list[Task]:
-    """The held-out tasks of every evaluation: the first ``train.eval_tasks`` of ``env.eval_split`` (-1: all)."""
+    """The held-out tasks of every evaluation: `runtime.evaluation_tasks` with ``train.eval_tasks``."""
     if self._eval_tasks is None:  # prepared and opened once per run, not at every evaluation
-      source = runtime.load_split(self.config, self.config.env.eval_split)
-      n = len(source) if self.config.train.eval_tasks < 0 else min(self.config.train.eval_tasks, len(source))
-      self._eval_tasks = [source[i] for i in range(n)]
+      self._eval_tasks = runtime.evaluation_tasks(self.config, self.config.train.eval_tasks)
     return self._eval_tasks
 
   # -- rollouts ----------------------------------------------------------------------------------------------------

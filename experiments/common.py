@@ -1,7 +1,7 @@
 """What the experiment scripts share: a config per (model, domain, seed), ``--config.KEY=VALUE`` overrides, the
 paper-size preset, per-cell JSON results, mean ± std.
 
-Imported by ``experiments/ablation.py`` and ``experiments/test_time_rehearsal.py``, which put the repository root on
+Imported by ``experiments/evidence.py`` and ``experiments/learning_check.py``, which put the repository root on
 ``sys.path`` first, so both ``python experiments/X.py`` and ``python -m experiments.X`` work.
 
 Models:
@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -208,34 +209,15 @@ def use_compilation_cache(directory: str | None, workdir: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def add_run_arguments(parser, workdir: str, out: str) -> None:
-  """The arguments every experiment shares: model / ``--full`` sizes, budget, evaluation, folders, output."""
-  parser.add_argument("--model", default="tiny", choices=MODELS, help="CPU model (ignored with --full)")
-  parser.add_argument("--full", action="store_true", help="the paper's sizes (Qwen3-8B; needs --model-path)")
-  parser.add_argument("--model-path", default="", help="--full: local Hugging Face directory of Qwen3-8B")
-  parser.add_argument("--steps", type=int, default=None, help="updates per trained policy")
-  parser.add_argument("--group", type=int, default=None, help="G rollouts per task (training)")
-  parser.add_argument("--tasks", type=int, default=None, help="B tasks per step (training)")
-  parser.add_argument("--eval-tasks", type=int, default=None, help="test tasks evaluated (-1: all)")
-  parser.add_argument("--trials", type=int, default=None, help="committed runs per test task (pass^1 averages them)")
-  parser.add_argument("--workdir", default=workdir, help="one subfolder per run; a rerun resumes")
-  parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="prepared τ² task datasets")
-  parser.add_argument(
-    "--compile-cache", default=None, help="JAX persistent compilation cache (default --workdir/jax_cache; 'none': off)"
-  )
-  parser.add_argument("--out", default=out)
+def quiet_libraries() -> None:
+  """The experiment scripts' output without τ²'s DEBUG log of every tool response (loguru; its warnings and errors
+  stay) and TFDS's progress bars, as ``python -m envace_jax.main`` prints by default (envace_jax/console.py)."""
+  import tensorflow_datasets as tfds
 
-
-def parse_run_arguments(parser, argv, defaults: Mapping[str, Mapping[str, Any]]):
-  """Parses ``argv`` (``--config.KEY=VALUE`` become ``args.overrides``), checks ``--full``, and fills every argument
-  left unset from ``defaults["full"]`` or ``defaults[args.model]``. Exits with argparse's message on bad input."""
-  args, extra = parser.parse_known_args(argv)
-  args.overrides, rest = split_overrides(extra)
-  if rest:
-    parser.error(f"unrecognized arguments: {' '.join(rest)} (config values: --config.KEY=VALUE)")
-  if args.full and not args.model_path:
-    parser.error("--full needs --model-path=/path/to/Qwen3-8B (a local Hugging Face directory)")
-  for name, value in defaults["full" if args.full else args.model].items():
-    if getattr(args, name) is None:
-      setattr(args, name, value)
-  return args
+  tfds.disable_progress_bar()
+  try:
+    from loguru import logger
+  except ImportError:  # no τ² installed
+    return
+  logger.remove()
+  logger.add(sys.stderr, level="WARNING")

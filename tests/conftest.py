@@ -36,19 +36,18 @@ def pytest_collection_modifyitems(config, items):
 # ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end nodeid" (Unix seconds), to see how the
 # workers' time was spent (e.g. which test ran last while another worker idled).
 _TIMELINE = os.environ.get("ENVACE_TEST_TIMELINE")
-_STARTED: dict[str, float] = {}
 
 
-def pytest_runtest_logstart(nodeid, location):
-  if _TIMELINE:
-    _STARTED[nodeid] = time.time()
-
-
-def pytest_runtest_logfinish(nodeid, location):
-  if _TIMELINE and nodeid in _STARTED:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(_TIMELINE, "a", encoding="utf-8") as f:
-      f.write(f"{worker} {_STARTED.pop(nodeid):.3f} {time.time():.3f} {nodeid}\n")
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # runs where the test runs (an xdist worker), not in the controller
+  start = time.time()
+  try:
+    return (yield)
+  finally:
+    if _TIMELINE:
+      worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+      with open(_TIMELINE, "a", encoding="utf-8") as f:
+        f.write(f"{worker} {start:.3f} {time.time():.3f} {item.nodeid}\n")
 
 
 # JAX's persistent compilation cache, one folder for the whole run (shared by pytest-xdist's workers): tests build

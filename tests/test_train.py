@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, runtime, train
+from envace_jax import config_check, evaluate, runtime, train
 from envace_jax.envs import datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -63,6 +63,10 @@ def _params(workdir, step):
       {"env.train_task_ids": "create_task_1", "train.tasks_per_step": 2},
       r"train.tasks_per_step=2 exceeds the 1 training tasks",
     ),
+    (
+      {"env.eval_task_ids": "update_task_1,nope"},
+      r"env.eval_task_ids: nope not in tau2 mock split 'base'; its tasks are create_task_1, ",
+    ),
   ],
 )
 def test_bad_config_fails_before_any_compute(tmp_path, data_dir, monkeypatch, overrides, message):
@@ -79,6 +83,18 @@ def test_train_task_ids_keep_those_tasks_in_the_order_given(data_dir):
   config = tiny_config(data_dir, **{"env.train_task_ids": "impossible_task_1, create_task_1,impossible_task_1"})
   assert [t.id for t in runtime.training_tasks(config)] == ["impossible_task_1", "create_task_1"]
   assert len(runtime.training_tasks(tiny_config(data_dir))) == 9  # "": the whole split
+
+
+def test_eval_task_ids_keep_those_tasks_then_the_first_n(data_dir):
+  config = tiny_config(data_dir, **{"env.eval_task_ids": "impossible_task_1,update_task_1,create_task_1"})
+  assert [t.id for t in runtime.evaluation_tasks(config, -1)] == ["impossible_task_1", "update_task_1", "create_task_1"]
+  assert [t.id for t in runtime.evaluation_tasks(config, 2)] == ["impossible_task_1", "update_task_1"]
+  config.eval.tasks = 1
+  assert [t.id for t in evaluate.eval_tasks(config)] == ["impossible_task_1"]
+  assert [t.id for t in runtime.evaluation_tasks(tiny_config(data_dir), 2)] == [
+    "create_task_1",
+    "create_task_1_with_env_assertions",
+  ]
 
 
 def test_a_scorer_that_raises_makes_the_trajectory_invalid_and_is_recorded():

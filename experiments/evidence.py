@@ -1,0 +1,602 @@
+"""Evidence at a scale a 2-core CPU affords: does world rehearsal train a better agent on tasks it never trained on?
+
+    python experiments/evidence.py                        # the default grid, run (or resumed) in full
+    python experiments/evidence.py --methods=base,warmup  # only these methods' cells (a session's share)
+    python experiments/evidence.py --smoke --workdir=DIR  # pipeline check: the tiny model on τ² mock, ≈1 min
+    python experiments/evidence.py --readme               # the README's results section, from the committed JSON
+    python experiments/evidence.py --update-readme        # ... written into README.md between its markers
+    python experiments/evidence.py --full --model-path=/path/to/Qwen3-8B --workdir=/ckpt/evidence   # paper sizes
+
+Protocol. SmolLM2-135M-Instruct on τ²-bench airline: trained on tasks of the ``train`` split, judged only on the first
+``--heldout`` tasks of the ``test`` split (disjoint task ids; the JSON lists both, and a test checks it). Airline,
+not τ² mock or BFCL: mock's 9 tasks are three templates with near-identical scenarios (``create_task_1`` and
+``create_task_1_with_env_assertions`` share their instructions and gold call), so no split of them is held out; BFCL's
+200 multi-turn tasks have no official train/test split and their views are as long as airline's (median 5.3k SmolLM2
+tokens vs 4.9k). Airline's own test split is held out by construction, and the signal that can move at 135M
+parameters, REHEARSE's fidelity to the real tools (the base model writes valid ``<tool_response>`` JSON for 0 of 5
+airline gold calls), is measured on the held-out tasks' gold calls executed for real.
+
+Methods (one config each; everything else, seeds included, is shared):
+  base           the initial weights, no training;
+  warmup         the supervised warm-up alone (``train.sft_warmup_steps``: the reference conversations of the train
+                 split's tasks, gold calls for ACT and the real tools' responses for REHEARSE);
+  envace         the warm-up, then world-rehearsal GRPO (``grpo.mode=envace``: REHEARSE answers every tool call);
+  grpo_real_env  the warm-up, then plain GRPO against the real tools, ACT trained only;
+  per_role       the warm-up, then EnvACE with separate ACT and REHEARSE parameters.
+GRPO steps use dynamic sampling (``grpo.dynamic_sampling``): a group whose rollouts all got one reward is replaced by
+another task's group, up to ``--max-draws`` extra batches per step; the fraction of groups without signal is reported.
+The user's first message is the task's scenario (``rollout.scenario_opening``, in training and evaluation): SmolLM2 as
+the user simulator rarely states the request (experiments/learning_check.py).
+
+Each cell (method, seed) trains with ``train.train_and_evaluate`` into ``--workdir/METHOD/seedS`` (a killed run
+resumes from its checkpoint) and is evaluated with ``evaluate.evaluate_policy``: committed execution on the held-out
+tasks against the real tools and τ²'s evaluator (reward, pass^1, tool-call validity), REHEARSE's fidelity on the
+held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls, and the rehearsal-vs-real reward gap.
+The same evaluation key per seed for every method, so all methods meet the same openings. The cells of
+``--test-time-methods`` then run private rehearsal for every N of ``--ns`` (N > 0) in both modes, before the same
+committed execution (N = 0 is the plain evaluation). A finished cell is ``cell.json`` there and is read back by a
+rerun; its test-time rows are saved one by one (``test_time.json``), so a killed run loses at most one evaluation.
+
+Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol,
+the aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with
+error bars; learning curves: training reward per role per step, held-out fidelity at base / after the warm-up / after
+GRPO; test-time pass^1 and cost vs N). ``--readme`` prints the README's results section from that JSON (a test checks
+that the README holds exactly it). ``--smoke`` is the pipeline check the tests run (the tiny random model on τ² mock,
+whose one split is cut into train and held-out ids here; the base and EnvACE cells: its numbers say nothing about
+the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B in bfloat16, B=16 ×
+G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still apply, and any
+config value can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``).
+
+Budget: the default grid is sized for about 8 CPU-hours on 2 cores, run in parts (``--methods``, ``--seeds``) across
+sessions; ``--out-dir`` is rewritten after every cell with what is done so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import pathlib
+import sys
+import textwrap
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python experiments/evidence.py` puts experiments/ first on the path, not the root
+  sys.path.insert(0, str(ROOT))
+
+from experiments import common  # noqa: E402
+
+RESULTS_DIR = ROOT / "experiments" / "results"
+RESULTS_FILE = "evidence.json"
+PNGS = {"ablation": "evidence_ablation.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
+CELL_FILE, TEST_TIME_FILE = "cell.json", "test_time.json"
+README_BEGIN, README_END = "<!-- evidence.py --readme: begin -->", "<!-- evidence.py --readme: end -->"
+
+METHODS = ("base", "warmup", "envace", "grpo_real_env", "per_role")
+LABELS = {
+  "base": "base policy",
+  "warmup": "warm-up only",
+  "envace": "EnvACE",
+  "grpo_real_env": "GRPO (real env)",
+  "per_role": "per-role",
+}
+PAPER_TAU2_AVG = {"envace": 36.7, "grpo_real_env": 31.2, "per_role": 35.5}  # Qwen3-8B, τ² pass^1 (%), the paper's
+MODES = ("parallel", "sequential")
+
+# The evaluation numbers a cell keeps (evaluate.evaluate_policy's keys) and the table's columns.
+KEPT = (
+  "reward",
+  "pass^1",
+  "tool_call_validity",
+  "tool_calls",
+  "reward/invalid",
+  "reward/scoring_errors",
+  "fidelity_gold/calls",
+  "fidelity_gold/json_valid",
+  "fidelity_gold/key_f1",
+  "fidelity_gold/value_accuracy",
+  "fidelity_gold/error_agreement",
+  "fidelity/calls",
+  "fidelity/json_valid",
+  "gap/rehearsed_reward",
+  "gap/real_reward",
+  "gap/gap",
+)
+COLUMNS = {  # JSON key -> table header
+  "fidelity_gold/json_valid": "fidelity: JSON valid",
+  "fidelity_gold/key_f1": "fidelity: key F1",
+  "reward": "reward",
+  "pass^1": "pass^1",
+  "tool_call_validity": "tool-call validity",
+  "gap/gap": "reward gap",
+}
+# Per GRPO step, from metrics.jsonl: the learning curves and the fraction of groups without signal.
+CURVE_KEYS = ("reward/mean", "reward/act/mean", "reward/rehearse/mean", "sft/nll", "rollout/groups_without_signal")
+
+# The default grid (SmolLM2 on airline) and the smoke run (tiny on mock). ``train``: the train split's task ids used
+# ("" = all of it); ``heldout``: how many test tasks (the first ones), or the ids for a split without a test part.
+DEFAULTS: dict[str, dict[str, Any]] = {
+  "default": dict(
+    model="smollm2", domain="airline", train_split="train", eval_split="test", train_ids="", heldout=4,
+    methods=",".join(METHODS), seeds="0,1,2", sft_steps=2, steps=4, tasks=1, group=4, lr=2e-5, sft_lr=1e-4,
+    max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2,4", max_turns=4, max_new_tokens=96,
+  ),
+  "smoke": dict(
+    model="tiny", domain="mock", train_split="base", eval_split="base",
+    train_ids="create_task_1,update_task_1,impossible_task_1", heldout="update_task_with_initialization_data",
+    methods="base,envace", seeds="0", sft_steps=1, steps=1, tasks=1, group=2, lr=1e-5, sft_lr=1e-4,
+    max_draws=1, trials=1, test_time_methods="envace", ns="0,1", max_turns=2, max_new_tokens=16,
+  ),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cells
+
+
+def cell_config(args, method: str, seed: int):
+  """The run config of one cell: the model's τ² config, the protocol's splits and ids, the budget, the method."""
+  c = common.make_config(args.model, args.domain, seed, args.data_dir, full=args.full, model_path=args.model_path)
+  c.env.split, c.env.eval_split = args.train_split, args.eval_split
+  c.env.train_task_ids = args.train_ids
+  c.env.eval_task_ids = args.heldout if isinstance(args.heldout, str) else ""
+  trained = method not in ("base", "warmup")
+  c.train.sft_warmup_steps = 0 if method == "base" else args.sft_steps
+  c.train.steps = c.train.sft_warmup_steps + (args.steps if trained else 0)
+  if not args.full:  # --full keeps FULL's B, G and learning rate
+    c.train.tasks_per_step, c.train.group_size, c.grpo.learning_rate = args.tasks, args.group, args.lr
+  c.train.checkpoint_every = 1
+  c.train.keep_checkpoints = 1
+  c.train.eval_every = 0
+  c.train.eval_tasks = 0  # evaluated below, the same way for every method
+  c.grpo.sft_learning_rate = args.sft_lr
+  c.grpo.dynamic_sampling = True
+  c.grpo.dynamic_sampling_max_draws = args.max_draws
+  c.rollout.scenario_opening = True
+  c.rollout.max_turns = args.max_turns
+  if not args.full:  # --full keeps FULL's 8k-token responses
+    for role in ("act", "rehearse", "user"):
+      c.rollout[f"{role}_max_new_tokens"] = args.max_new_tokens
+  c.eval.tasks = -1 if isinstance(args.heldout, str) else args.heldout
+  c.eval.num_trials = args.trials
+  c.eval.fidelity = c.eval.fidelity_gold = c.eval.reward_gap = True
+  if trained:
+    common.apply_overrides(c, common.TRAINING_MODES[method].items())
+  elif method == "warmup":  # the warm-up trains both roles of the one policy, as EnvACE's does
+    c.grpo.mode = "envace"
+  common.apply_overrides(c, args.overrides)
+  return c
+
+
+def budget(args) -> dict[str, Any]:
+  """What must match for a saved cell to be reused."""
+  keys = ("full", "model", "domain", "train_split", "eval_split", "train_ids", "heldout", "sft_steps", "steps", "tasks")
+  keys += ("group", "lr", "sft_lr", "max_draws", "trials", "max_turns", "max_new_tokens")
+  return {**{k: getattr(args, k) for k in keys}, "overrides": [list(o) for o in args.overrides]}
+
+
+def _samplers(config, workdir: pathlib.Path, n_rows: int):
+  """(model, samplers for `evaluate.evaluate_policy`, checkpoint step or None) of the cell's latest checkpoint."""
+  from envace_jax import evaluate, runtime
+
+  model = runtime.load_model(config)
+  params, step = evaluate.restore_policy(config, model, str(workdir))
+  mesh = runtime.make_mesh(config)
+  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
+  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, n_rows)}
+  if per_role:
+    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, n_rows)
+  samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, n_rows)
+  return model, samplers, step
+
+
+def _eval_key(seed: int):
+  import jax
+
+  return jax.random.fold_in(jax.random.key(seed), 0xE7A1)  # evaluate.run's key: the same openings for every method
+
+
+def _curve(workdir: pathlib.Path) -> list[dict[str, float]]:
+  from envace_jax import metrics
+
+  rows = metrics.read_jsonl(workdir) if (workdir / "metrics.jsonl").exists() else []
+  return [{"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}} for r in rows]
+
+
+def run_cell(args, method: str, seed: int) -> dict[str, Any]:
+  """Trains (unless ``base``), evaluates and (for ``--test-time-methods``) runs the test-time grid of one cell, or
+  reads its saved result. Raises SystemExit for a saved cell made with another budget."""
+  from envace_jax import evaluate, train
+
+  workdir = pathlib.Path(args.workdir) / method / f"seed{seed}"
+  path = workdir / CELL_FILE
+  if path.exists():
+    cell = common.read_json(path)
+    stale = common.budget_mismatch(cell["budget"], budget(args))
+    if stale:
+      raise SystemExit(f"{path} was made with another budget ({'; '.join(stale)}); use a fresh --workdir")
+    print(f"{method} seed {seed}: saved", flush=True)
+    return cell
+  config = cell_config(args, method, seed)
+  start = time.perf_counter()
+  if config.train.steps:
+    train.train_and_evaluate(config, str(workdir))
+  trained = time.perf_counter()
+  tasks = evaluate.eval_tasks(config)
+  model, samplers, step = _samplers(config, workdir, len(tasks) * args.trials)
+  key = _eval_key(seed)
+  summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
+  evaluated = time.perf_counter()
+  cell = {
+    "method": method,
+    "seed": seed,
+    "checkpoint_step": step,
+    "heldout_task_ids": [t.id for t in tasks],
+    "eval": {k: float(summary[k]) for k in KEPT if k in summary},
+    "curve": _curve(workdir),
+    "train_s": trained - start,
+    "eval_s": evaluated - trained,
+    "budget": budget(args),
+  }
+  if method in args.test_time_methods:
+    cell["test_time"] = rehearsal_grid(args, config, tasks, model, samplers, key, workdir, cell["eval"])
+  cell["test_time_s"] = time.perf_counter() - evaluated
+  common.write_json(path, cell)
+  ev = cell["eval"]
+  print(
+    f"{method} seed {seed}: held-out reward {ev['reward']:.3f}, pass^1 {ev['pass^1']:.3f}, gold-call fidelity "
+    f"(JSON valid) {ev.get('fidelity_gold/json_valid', math.nan):.3f}; train {cell['train_s']:.0f} s, evaluation "
+    f"{cell['eval_s']:.0f} s, test-time {cell['test_time_s']:.0f} s",
+    flush=True,
+  )
+  return cell
+
+
+def rehearsal_grid(args, config, tasks, model, samplers, key, workdir: pathlib.Path, plain: Mapping[str, float]):
+  """Rows {mode, N, pass^1, reward, rehearsal_tokens (generated by rehearsals, assessments and the memory, per task
+  and trial)} for N = 0 (``plain``: the cell's evaluation, shown in both modes) and every N > 0 of ``--ns`` in both
+  modes; each row is saved to ``workdir/test_time.json`` as it is made and read back by a rerun."""
+  from envace_jax import evaluate
+
+  path = workdir / TEST_TIME_FILE
+  rows = common.read_json(path) if path.exists() else []
+  done = {(r["mode"], r["N"]) for r in rows}
+  items = len(tasks) * args.trials
+  for mode in MODES:
+    if (mode, 0) not in done:
+      rows.append({"mode": mode, "N": 0, "pass^1": plain["pass^1"], "reward": plain["reward"], "rehearsal_tokens": 0.0})
+    for n in sorted({x for x in args.ns if x > 0}):
+      if (mode, n) in done:
+        continue
+      c = copy.deepcopy(config)
+      c.eval.rehearsal_n = n
+      start = time.perf_counter()
+      summary, _ = evaluate.evaluate_policy(
+        c, tasks, samplers, model.tokenizer, key, mode=mode, num_trials=args.trials, fidelity=False, gap=False,
+        gold=False,
+      )  # fmt: skip
+      tokens = sum(summary.get(f"cost/{p}/generated_tokens", 0.0) for p in ("rehearsal", "assessment", "memory"))
+      row = {"mode": mode, "N": n, "pass^1": float(summary["pass^1"]), "reward": float(summary["reward"])}
+      row.update(rehearsal_tokens=tokens / items, seconds=time.perf_counter() - start)
+      rows.append(row)
+      common.write_json(path, rows)
+      print(f"  test-time {mode} N={n}: pass^1 {row['pass^1']:.3f}, {row['seconds']:.0f} s", flush=True)
+  return sorted(rows, key=lambda r: (MODES.index(r["mode"]), r["N"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Aggregation, tables, figures, README
+
+
+def aggregate(cells: Sequence[Mapping[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
+  """One row per method with cells: ``n`` seeds and (mean, sample std) over them of every kept evaluation number, and
+  of the fraction of GRPO groups without signal (``rollout/groups_without_signal`` over the cell's RL steps)."""
+  rows = []
+  for method in methods:
+    mine = [c for c in cells if c["method"] == method]
+    if not mine:
+      continue
+    row: dict[str, Any] = {"method": method, "n": len(mine), "seeds": sorted(c["seed"] for c in mine)}
+    for key in KEPT:
+      row[key] = common.mean_std([c["eval"].get(key, math.nan) for c in mine])
+    no_signal = [np.mean(v) for v in (_rl_values(c, "rollout/groups_without_signal") for c in mine) if v]
+    row["groups_without_signal"] = common.mean_std(no_signal)
+    rows.append(row)
+  return rows
+
+
+def _rl_values(cell: Mapping[str, Any], key: str) -> list[float]:
+  """``key`` at each GRPO step of the cell's curve (the warm-up's steps have no rollout)."""
+  return [r[key] for r in cell["curve"] if key in r and "sft/nll" not in r]
+
+
+def aggregate_test_time(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """One row per (method, mode, N) over the cells with a test-time grid: n, pass^1 and rehearsal tokens (mean, std)."""
+  groups: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
+  for c in cells:
+    for r in c.get("test_time", []):
+      groups.setdefault((c["method"], r["mode"], r["N"]), []).append(r)
+  out = []
+  for (method, mode, n), rs in sorted(groups.items(), key=lambda kv: (METHODS.index(kv[0][0]), *kv[0][1:])):
+    out.append({
+      "method": method, "mode": mode, "N": n, "n": len(rs),
+      "pass^1": common.mean_std([r["pass^1"] for r in rs]), "reward": common.mean_std([r["reward"] for r in rs]),
+      "rehearsal_tokens": common.mean_std([r["rehearsal_tokens"] for r in rs]),
+    })  # fmt: skip
+  return out
+
+
+def _pm(value: Sequence[float], percent: bool) -> str:
+  mean, std = value
+  if not np.isfinite(mean):
+    return "-"
+  return common.pm(mean, std, 100.0, 1) if percent else f"{mean:.3f} ± {std:.3f}"
+
+
+def evidence_table(result: Mapping[str, Any]) -> str:
+  """The held-out table (markdown): one row per method, the paper's τ² average beside it."""
+  head = ["method", "n", *COLUMNS.values(), "groups without signal", "paper τ² avg (Qwen3-8B)"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in result["rows"]:
+    cells = [LABELS[r["method"]], str(r["n"])]
+    cells += [_pm(r[k], percent=k == "pass^1") for k in COLUMNS]
+    cells.append(_pm(r["groups_without_signal"], percent=False))
+    paper = PAPER_TAU2_AVG.get(r["method"])
+    cells.append(f"{paper:.1f}" if paper is not None else "–")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def test_time_table(result: Mapping[str, Any]) -> str:
+  """pass^1 (%) per (method, mode) and N (markdown), and the rehearsal tokens per task and trial."""
+  ns = sorted({r["N"] for r in result["test_time"]})
+  head = ["method", "mode", "n", *(f"N={n}" for n in ns), *(f"tokens N={n}" for n in ns if n)]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  keys = dict.fromkeys((r["method"], r["mode"]) for r in result["test_time"])
+  for method, mode in keys:
+    by_n = {r["N"]: r for r in result["test_time"] if (r["method"], r["mode"]) == (method, mode)}
+    n = min(r["n"] for r in by_n.values())
+    cells = [LABELS[method], mode, str(n)]
+    cells += [_pm(by_n[k]["pass^1"], percent=True) if k in by_n else "-" for k in ns]
+    cells += [f"{by_n[k]['rehearsal_tokens'][0]:.0f}" if k in by_n else "-" for k in ns if k]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def readme_section(result: Mapping[str, Any]) -> str:
+  """The README's results section, between the two markers, from ``evidence.json``'s content."""
+  p = result["protocol"]
+  done, grid = len(result["cells"]), len(result["cells"]) + len(result["missing"])
+  lines = [
+    README_BEGIN,
+    f"Held-out evidence (`python experiments/evidence.py`; {done} of {grid} cells of the grid done). "
+    f"{p['model']} on τ² {p['domain']}: trained on {len(p['train_task_ids'])} tasks of the `{p['train_split']}` "
+    f"split, judged on {len(p['heldout_task_ids'])} tasks of `{p['eval_split']}` it never trained on "
+    f"({p['trials']} trial each), mean ± std over seeds (n). Budget per trained cell: {p['sft_steps']} warm-up steps, "
+    f"then {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']} with dynamic sampling. Fidelity is REHEARSE's "
+    "prediction of the real response to the held-out tasks' gold calls; pass^1 in %.",
+    "",
+    evidence_table(result),
+  ]
+  if result["test_time"]:
+    lines += ["", "Test-time private rehearsal on the same held-out tasks (pass^1 in %; N = 0: no rehearsal):", ""]
+    lines.append(test_time_table(result))
+  if result["missing"]:
+    lines += ["", "Not run yet: " + ", ".join(result["missing"]) + "."]
+  lines += ["", *(f"![{name}](experiments/results/{file})" for name, file in PNGS.items()), README_END]
+  return "\n".join(lines)
+
+
+def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
+  """The three PNGs of ``PNGS`` in ``out_dir``."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows, cells = result["rows"], result["cells"]
+  fig, axes = plt.subplots(1, len(COLUMNS), figsize=(3.0 * len(COLUMNS), 3.6))
+  for ax, (key, title) in zip(axes, COLUMNS.items(), strict=True):
+    means = [r[key][0] for r in rows]
+    stds = [r[key][1] for r in rows]
+    ax.bar(range(len(rows)), np.nan_to_num(means), yerr=np.nan_to_num(stds), capsize=3, color="tab:blue")
+    ax.set_xticks(range(len(rows)), [LABELS[r["method"]] for r in rows], rotation=40, ha="right", fontsize=7)
+    ax.set_title(title, fontsize=9)
+  fig.suptitle(textwrap.fill(_title(result), 140), fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out_dir / PNGS["ablation"], dpi=110)
+  plt.close(fig)
+
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+  for method in (m for m in METHODS if any(c["method"] == m for c in cells)):
+    mine = [c for c in cells if c["method"] == method]
+    for key, style in (("reward/act/mean", "-"), ("reward/rehearse/mean", "--")):
+      steps = sorted({r["step"] for c in mine for r in c["curve"] if key in r})
+      if steps:
+        ys = [np.nanmean([r[key] for c in mine for r in c["curve"] if r["step"] == s and key in r]) for s in steps]
+        ax.plot(steps, ys, style, marker="o", label=f"{LABELS[method]} {key.split('/')[1].upper()}")
+  ax.set(xlabel="step", ylabel="training reward (rule checklist)", title="training reward per role, mean over seeds")
+  ax.legend(fontsize=7)
+  stages = {"base": 0, "warmup": 1}
+  for method in ("envace", "grpo_real_env", "per_role"):
+    pts = [(stage, r) for m, stage in {**stages, method: 2}.items() for r in rows if r["method"] == m]
+    if any(r["method"] == method for _, r in pts):
+      xs = [stage for stage, _ in pts]
+      ys = [r["fidelity_gold/json_valid"][0] for _, r in pts]
+      es = [r["fidelity_gold/json_valid"][1] for _, r in pts]
+      bx.errorbar(xs, ys, yerr=np.nan_to_num(es), marker="o", capsize=3, label=LABELS[method])
+  bx.set_xticks([0, 1, 2], ["base", "after warm-up", "after GRPO"])
+  bx.set(ylabel="held-out gold-call fidelity (JSON valid)", title="world-model fidelity on held-out tasks")
+  bx.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_dir / PNGS["curves"], dpi=110)
+  plt.close(fig)
+
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+  keys = dict.fromkeys((r["method"], r["mode"]) for r in result["test_time"])
+  for method, mode in keys:
+    rs = sorted((r for r in result["test_time"] if (r["method"], r["mode"]) == (method, mode)), key=lambda r: r["N"])
+    label = f"{LABELS[method]}, {mode}"
+    ax.errorbar([r["N"] for r in rs], [100 * r["pass^1"][0] for r in rs], yerr=[100 * r["pass^1"][1] for r in rs],
+                marker="o", capsize=3, label=label)  # fmt: skip
+    bx.plot([r["N"] for r in rs], [r["rehearsal_tokens"][0] for r in rs], marker="o", label=label)
+  ax.set(xlabel="N rehearsals", ylabel="held-out pass^1 (%)", title="test-time private rehearsal")
+  bx.set(xlabel="N rehearsals", ylabel="tokens per task and trial", title="rehearsal cost")
+  for a in (ax, bx):
+    a.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_dir / PNGS["test_time"], dpi=110)
+  plt.close(fig)
+
+
+def _title(result: Mapping[str, Any]) -> str:
+  p = result["protocol"]
+  return (
+    f"{p['model']} on τ² {p['domain']}, held-out {len(p['heldout_task_ids'])} tasks of {p['eval_split']} × "
+    f"{p['trials']} trial; {p['sft_steps']} warm-up + {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']}; "
+    "mean ± std over seeds"
+  )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def protocol(args) -> dict[str, Any]:
+  """The grid's definition, with the train and held-out task ids resolved from the prepared splits.
+
+  Raises:
+    SystemExit: a held-out id among the training ids (the protocol would not be held out).
+  """
+  from envace_jax import evaluate, runtime
+
+  c = cell_config(args, "envace", args.seeds[0])
+  source = runtime.training_tasks(c)
+  train_ids = [source[i].id for i in range(len(source))]
+  heldout_ids = [t.id for t in evaluate.eval_tasks(c)]
+  overlap = sorted(set(train_ids) & set(heldout_ids))
+  if overlap:
+    raise SystemExit(f"held-out tasks {overlap} are also training tasks; change --heldout or --train-ids")
+  return {
+    **budget(args),
+    "methods": list(args.methods),
+    "seeds": list(args.seeds),
+    "test_time_methods": list(args.test_time_methods),
+    "ns": list(args.ns),
+    "train_task_ids": train_ids,
+    "heldout_task_ids": heldout_ids,
+  }
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="the pipeline check: tiny model on τ² mock")
+  parser.add_argument("--full", action="store_true", help="the paper's sizes (Qwen3-8B; needs --model-path)")
+  parser.add_argument("--model-path", default="", help="--full: local Hugging Face directory of Qwen3-8B")
+  parser.add_argument("--readme", action="store_true", help="print the README section from --out-dir's JSON")
+  parser.add_argument("--update-readme", action="store_true", help="--readme, written between README.md's markers")
+  parser.add_argument("--workdir", default="/tmp/envace_evidence", help="one subfolder per cell; a rerun resumes")
+  parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="evidence.json and the PNGs")
+  parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
+  parser.add_argument("--compile-cache", default=None, help="JAX compilation cache (default --workdir/jax_cache)")
+  for name, value in DEFAULTS["default"].items():  # default None: filled from DEFAULTS below
+    kind = str if name == "heldout" else type(value)  # heldout: a count of test tasks, or the ids themselves
+    parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {value!r}")
+  args, extra = parser.parse_known_args(argv)
+  args.overrides, rest = common.split_overrides(extra)
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)} (config values: --config.KEY=VALUE)")
+  if args.full and not args.model_path:
+    parser.error("--full needs --model-path=/path/to/Qwen3-8B (a local Hugging Face directory)")
+  for name, value in DEFAULTS["smoke" if args.smoke else "default"].items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  if args.model not in common.MODELS:
+    parser.error(f"--model={args.model!r}: choose one of {', '.join(common.MODELS)} (or --full)")
+  args.heldout = int(args.heldout) if str(args.heldout).lstrip("-").isdigit() else str(args.heldout)
+  args.methods, args.test_time_methods = map(common.parse_names, (args.methods, args.test_time_methods))
+  for name in ("methods", "test_time_methods"):
+    unknown = set(getattr(args, name)) - set(METHODS)
+    if unknown:
+      parser.error(f"--{name.replace('_', '-')}: unknown {sorted(unknown)}; valid: {', '.join(METHODS)}")
+  args.seeds, args.ns = common.parse_ints(args.seeds), common.parse_ints(args.ns)
+  return args
+
+
+def main(argv: Sequence[str]) -> dict[str, Any]:
+  """Runs (or resumes) the cells asked for, then writes ``--out-dir/evidence.json`` and the PNGs from every finished
+  cell of the grid in ``--workdir`` and prints the tables. With ``--readme``: prints the README section only.
+
+  Returns:
+    evidence.json's content: {"protocol", "cells", "rows" (`aggregate`), "test_time" (`aggregate_test_time`),
+    "missing": the grid's cells not finished yet ("METHOD/seedS")}.
+  """
+  args = parse_args(argv)
+  out_dir = pathlib.Path(args.out_dir)
+  if args.readme or args.update_readme:
+    result = common.read_json(out_dir / RESULTS_FILE)
+    section = readme_section(result)
+    print(section)
+    if args.update_readme:
+      path = ROOT / "README.md"
+      text = path.read_text(encoding="utf-8")
+      begin, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+      path.write_text(text[:begin] + section + text[end:], encoding="utf-8")
+    return result
+  common.use_compilation_cache(args.compile_cache, args.workdir)
+  common.quiet_libraries()
+  if args.smoke:
+    print(common.TINY_CAVEAT, flush=True)
+  start = time.perf_counter()
+  proto = protocol(args)
+  for seed in args.seeds:
+    for method in args.methods:
+      run_cell(args, method, seed)
+  # Every finished cell of the whole grid (other sessions' parts included), in grid order.
+  methods, seeds = grid(args)
+  cells, missing = [], []
+  for seed in seeds:
+    for method in methods:
+      path = pathlib.Path(args.workdir) / method / f"seed{seed}" / CELL_FILE
+      if path.exists() and not common.budget_mismatch(common.read_json(path)["budget"], budget(args)):
+        cells.append(common.read_json(path))
+      else:
+        missing.append(f"{method}/seed{seed}")
+  cells.sort(key=lambda c: (METHODS.index(c["method"]), c["seed"]))
+  result = {
+    "protocol": {**proto, "methods": methods, "seeds": seeds},
+    "cells": cells,
+    "rows": aggregate(cells, methods),
+    "test_time": aggregate_test_time(cells),
+    "missing": missing,
+  }
+  out_dir.mkdir(parents=True, exist_ok=True)
+  common.write_json(out_dir / RESULTS_FILE, result)
+  plot(result, out_dir)
+  print()
+  print(_title(result))
+  print(evidence_table(result))
+  if result["test_time"]:
+    print(test_time_table(result))
+  if missing:
+    print(f"not run yet: {', '.join(missing)}")
+  print(f"saved {out_dir / RESULTS_FILE} and {', '.join(PNGS.values())} there; {time.perf_counter() - start:.0f} s")
+  return result
+
+
+def grid(args) -> tuple[list[str], list[int]]:
+  """The grid's methods (in ``METHODS`` order) and seeds: the defaults' (the smoke run's with ``--smoke``) and any
+  other asked for."""
+  defaults = DEFAULTS["smoke" if args.smoke else "default"]
+  methods = set(common.parse_names(defaults["methods"])) | set(args.methods)
+  seeds = set(common.parse_ints(defaults["seeds"])) | set(args.seeds)
+  return [m for m in METHODS if m in methods], sorted(seeds)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
