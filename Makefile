@@ -16,11 +16,7 @@ STAMP := $(VENV_DIR)/.envace-jax-installed
 CONFIG ?= configs/tau2.py
 WORKDIR ?= /tmp/envace_airline
 ARGS ?=
-# One pytest-xdist worker per CPU core plus one: the suite's tests wait on subprocesses, the disk and compiles that
-# use one thread, so two workers keep 2 cores ≈83% busy (tests/rl + tests/model: 1.66 cores used, 211 s; with
-# three workers 1.86 cores, 194 s).
-JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
-PYTEST_ARGS ?= -n $(JOBS) --dist worksteal -q
+PYTEST_ARGS ?= -n auto --dist worksteal -q
 
 .PHONY: run test install
 

@@ -23,14 +23,19 @@ import jax
 import numpy as np
 import pytest
 
-# The suite's longest test starts first. pytest-xdist's worksteal scheduler hands each worker a contiguous half of
-# the collection; the quickstart notebook (≈4 of the suite's ≈35 worker-minutes on 2 cores) sat near the end of the
-# second half, so it started late and could end the run alone.
-FIRST = ("tests/test_notebooks.py::test_notebook_runs_and_shows_what_it_computes[quickstart]",)
+# The suite's longest tests start first. pytest-xdist's worksteal scheduler hands each worker a contiguous part of
+# the collection and the rest is stolen from its end: these (the quickstart notebook, ≈3.5 of the suite's ≈35
+# worker-minutes on 2 cores, and the two longest loop tests, ≈2.5 and ≈1.5) sat near the end and could run last
+# while the other workers idled.
+FIRST = (
+  "tests/test_notebooks.py::test_notebook_runs_and_shows_what_it_computes[quickstart]",
+  "tests/test_resume.py::test_training_loop_on_a_2x2x2_mesh_matches_one_device",
+  "tests/test_resume.py::test_killed_during_a_checkpoint_save_resumes_bit_for_bit",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: the rest keep their order
+  items.sort(key=lambda item: FIRST.index(item.nodeid) if item.nodeid in FIRST else len(FIRST))  # stable
 
 
 # ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end nodeid" (Unix seconds), to see how the
