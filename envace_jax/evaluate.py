@@ -344,6 +344,32 @@ def eval_modes(config) -> tuple[str, ...]:
   return config_check.parse_roles(config.eval.rehearsal)
 
 
+def eval_key(seed: int) -> jax.Array:
+  """The evaluation key of ``--mode=eval`` for ``seed``: every policy evaluated with it meets the same openings."""
+  return jax.random.fold_in(jax.random.key(seed), 0xE7A1)
+
+
+def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model, dict[str, Any], int | None]:
+  """(model, samplers for `evaluate_policy`, checkpoint step or None) of the latest checkpoint in ``workdir`` (else
+  the base weights): "policy" (the ACT tree in per_role mode), "rehearse" (per_role only) and "reference" (the base
+  weights), each sized for ``n_rows`` rows.
+
+  Raises:
+    config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint.
+  """
+  model = runtime.load_model(config)
+  if model.tokenizer is None:
+    raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
+  params, step = restore_policy(config, model, workdir)
+  mesh = runtime.make_mesh(config)
+  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
+  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, n_rows)}
+  if per_role:
+    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, n_rows)
+  samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, n_rows)
+  return model, samplers, step
+
+
 def run(config, workdir: str | None) -> dict[str, Any]:
   """``--mode=eval``: evaluates the latest checkpoint in ``workdir`` (or the base weights) on ``env.eval_split``.
 
@@ -359,19 +385,9 @@ def run(config, workdir: str | None) -> dict[str, Any]:
   config_check.validate(config)
   tasks = eval_tasks(config)
   scoring.check_scorers(config, tasks)  # before the model loads: a misconfigured scorer costs no compute
-  model = runtime.load_model(config)
-  if model.tokenizer is None:
-    raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
-  params, step = restore_policy(config, model, workdir)
-  mesh = runtime.make_mesh(config)
   n = len(tasks)
-  rows_hint = n * config.eval.num_trials
-  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
-  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, rows_hint)}
-  if per_role:
-    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, rows_hint)
-  samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, rows_hint)
-  key = jax.random.fold_in(jax.random.key(config.seed), 0xE7A1)
+  model, samplers, step = load_policy(config, workdir, n * config.eval.num_trials)
+  key = eval_key(config.seed)
   rows, gap, gold = [], None, None
   for i, mode in enumerate(eval_modes(config)):
     logging.info("evaluating %d tasks x %d trials, rehearsal %s", n, config.eval.num_trials, mode)

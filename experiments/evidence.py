@@ -180,27 +180,6 @@ def budget(args) -> dict[str, Any]:
   return {**{k: getattr(args, k) for k in keys}, "overrides": [list(o) for o in args.overrides]}
 
 
-def _samplers(config, workdir: pathlib.Path, n_rows: int):
-  """(model, samplers for `evaluate.evaluate_policy`, checkpoint step or None) of the cell's latest checkpoint."""
-  from envace_jax import evaluate, runtime
-
-  model = runtime.load_model(config)
-  params, step = evaluate.restore_policy(config, model, str(workdir))
-  mesh = runtime.make_mesh(config)
-  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
-  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, n_rows)}
-  if per_role:
-    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, n_rows)
-  samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, n_rows)
-  return model, samplers, step
-
-
-def _eval_key(seed: int):
-  import jax
-
-  return jax.random.fold_in(jax.random.key(seed), 0xE7A1)  # evaluate.run's key: the same openings for every method
-
-
 def _curve(workdir: pathlib.Path) -> list[dict[str, float]]:
   from envace_jax import metrics
 
@@ -228,8 +207,8 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
     train.train_and_evaluate(config, str(workdir))
   trained = time.perf_counter()
   tasks = evaluate.eval_tasks(config)
-  model, samplers, step = _samplers(config, workdir, len(tasks) * args.trials)
-  key = _eval_key(seed)
+  model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
+  key = evaluate.eval_key(seed)  # the same openings for every method
   summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
   evaluated = time.perf_counter()
   cell = {
@@ -563,8 +542,9 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
   for seed in seeds:
     for method in methods:
       path = pathlib.Path(args.workdir) / method / f"seed{seed}" / CELL_FILE
-      if path.exists() and not common.budget_mismatch(common.read_json(path)["budget"], budget(args)):
-        cells.append(common.read_json(path))
+      cell = common.read_json(path) if path.exists() else None
+      if cell is not None and not common.budget_mismatch(cell["budget"], budget(args)):
+        cells.append(cell)
       else:
         missing.append(f"{method}/seed{seed}")
   cells.sort(key=lambda c: (METHODS.index(c["method"]), c["seed"]))
