@@ -7,14 +7,23 @@
     python experiments/evidence.py --update-readme        # ... written into README.md between its markers
     python experiments/evidence.py --full --model-path=/path/to/Qwen3-8B --workdir=/ckpt/evidence   # paper sizes
 
-Protocol. SmolLM2-135M-Instruct on τ²-bench airline: trained on tasks of the ``train`` split, judged only on the first
-``--heldout`` tasks of the ``test`` split (disjoint task ids; the JSON lists both, and a test checks it). Airline,
-not τ² mock or BFCL: mock's 9 tasks are three templates with near-identical scenarios (``create_task_1`` and
-``create_task_1_with_env_assertions`` share their instructions and gold call), so no split of them is held out; BFCL's
-200 multi-turn tasks have no official train/test split and their views are as long as airline's (median 5.3k SmolLM2
-tokens vs 4.9k). Airline's own test split is held out by construction, and the signal that can move at 135M
-parameters, REHEARSE's fidelity to the real tools (the base model writes valid ``<tool_response>`` JSON for 0 of 5
-airline gold calls), is measured on the held-out tasks' gold calls executed for real.
+Protocol. SmolLM2-135M-Instruct on τ²-bench mock, split by task template: trained on the "create a task" and
+"impossible request" tasks (``create_task_1*``, ``impossible_task_1``), judged only on the five "update a task's
+status" tasks (``update_task_*``), whose tool (``update_task_status``), scenarios and openings (four of them continue
+a logged conversation) never occur in training; the JSON lists both id sets and a test checks they are disjoint.
+The held-out tasks therefore test transfer to an unseen tool of the same world: REHEARSE must predict a response it
+never saw (a task record with a new status), ACT must call a tool it was never shown being called.
+
+Why mock and not airline, retail or BFCL: measured on this 2-core machine (``--domain=airline --train-split=train
+--eval-split=test --train-ids= --heldout=1``, the base policy), one held-out airline task costs 195 s of committed
+execution and 165 s for REHEARSE on its 4 gold calls, and its reward-gap rollout ran for over 8 minutes; the default
+grid (15 cells, 3 seeds) would need well over 8 CPU-hours for its evaluations alone. Worse, airline's tool responses
+are 650-1300 characters of JSON (≈ 250-500 SmolLM2 tokens), so at the 96 new tokens a CPU step affords every
+rehearsed response is truncated and fidelity cannot move. BFCL's multi-turn views are as long as airline's (median
+5.3k SmolLM2 tokens vs 4.9k) and have no official split. Mock's system prompt is ≈0.5k tokens and its responses are
+short records, so the grid fits the budget with 3 seeds per method. ``--domain=airline --train-split=train
+--eval-split=test --train-ids= --heldout=4`` runs the airline protocol (its own test split held out) where compute
+allows.
 
 Methods (one config each; everything else, seeds included, is shared):
   base           the initial weights, no training;
@@ -35,7 +44,8 @@ held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls,
 The same evaluation key per seed for every method, so all methods meet the same openings. The cells of
 ``--test-time-methods`` then run private rehearsal for every N of ``--ns`` (N > 0) in both modes, before the same
 committed execution (N = 0 is the plain evaluation). A finished cell is ``cell.json`` there and is read back by a
-rerun; its test-time rows are saved one by one (``test_time.json``), so a killed run loses at most one evaluation.
+rerun; its evaluation (``evaluation.json``) and its test-time rows (``test_time.json``) are saved as each is made,
+so a killed run loses at most one evaluation.
 
 Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol,
 the aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with
@@ -74,7 +84,7 @@ from experiments import common  # noqa: E402
 RESULTS_DIR = ROOT / "experiments" / "results"
 RESULTS_FILE = "evidence.json"
 PNGS = {"ablation": "evidence_ablation.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
-CELL_FILE, TEST_TIME_FILE = "cell.json", "test_time.json"
+CELL_FILE, EVAL_FILE, TEST_TIME_FILE = "cell.json", "evaluation.json", "test_time.json"
 README_BEGIN, README_END = "<!-- evidence.py --readme: begin -->", "<!-- evidence.py --readme: end -->"
 
 METHODS = ("base", "warmup", "envace", "grpo_real_env", "per_role")
@@ -118,13 +128,16 @@ COLUMNS = {  # JSON key -> table header
 # Per GRPO step, from metrics.jsonl: the learning curves and the fraction of groups without signal.
 CURVE_KEYS = ("reward/mean", "reward/act/mean", "reward/rehearse/mean", "sft/nll", "rollout/groups_without_signal")
 
-# The default grid (SmolLM2 on airline) and the smoke run (tiny on mock). ``train``: the train split's task ids used
+# The default grid (SmolLM2 on mock, split by template) and the smoke run (tiny on mock). ``train``: the train split's task ids used
 # ("" = all of it); ``heldout``: how many test tasks (the first ones), or the ids for a split without a test part.
 DEFAULTS: dict[str, dict[str, Any]] = {
   "default": dict(
-    model="smollm2", domain="airline", train_split="train", eval_split="test", train_ids="", heldout=4,
+    model="smollm2", domain="mock", train_split="base", eval_split="base",
+    train_ids="create_task_1,create_task_1_with_env_assertions,create_task_1_nl_eval,impossible_task_1",
+    heldout="update_task_1,update_task_with_message_history,update_task_with_initialization_data,"
+    "update_task_with_initialization_actions,update_task_with_history_and_env_assertions",
     methods=",".join(METHODS), seeds="0,1,2", sft_steps=2, steps=4, tasks=1, group=4, lr=2e-5, sft_lr=1e-4,
-    max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2,4", max_turns=4, max_new_tokens=96,
+    max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2", max_turns=3, max_new_tokens=96,
   ),
   "smoke": dict(
     model="tiny", domain="mock", train_split="base", eval_split="base",
@@ -193,16 +206,69 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
   from envace_jax import evaluate, train
 
   workdir = pathlib.Path(args.workdir) / method / f"seed{seed}"
-  path = workdir / CELL_FILE
-  if path.exists():
-    cell = common.read_json(path)
-    stale = common.budget_mismatch(cell["budget"], budget(args))
-    if stale:
-      raise SystemExit(f"{path} was made with another budget ({'; '.join(stale)}); use a fresh --workdir")
+  path, partial = workdir / CELL_FILE, workdir / EVAL_FILE
+  saved = _saved(args, path) or _saved(args, partial)
+  if saved is not None and path.exists():
     print(f"{method} seed {seed}: saved", flush=True)
-    return cell
+    return saved
+  config = cell_config(args, method, seed)
+  tasks = evaluate.eval_tasks(config)
+  start = time.perf_counter()
+  if saved is None:
+    print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
+    if config.train.steps:
+      train.train_and_evaluate(config, str(workdir))
+    trained = time.perf_counter()
+  if saved is not None and method not in args.test_time_methods:
+    common.write_json(path, saved)
+    return saved
+  model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
+  key = evaluate.eval_key(seed)  # the same openings for every method
+  if saved is None:
+    summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
+    cell = {
+      "method": method,
+      "seed": seed,
+      "checkpoint_step": step,
+      "heldout_task_ids": [t.id for t in tasks],
+      "eval": {k: float(summary[k]) for k in KEPT if k in summary},
+      "eval_seconds": {k[5:-8]: float(v) for k, v in summary.items() if k.startswith("cost/") and k.endswith("/seconds")},
+      "curve": _curve(workdir),
+      "train_s": trained - start,
+      "eval_s": time.perf_counter() - trained,
+      "budget": budget(args),
+    }
+    common.write_json(partial, cell)  # a killed test-time grid resumes after the evaluation
+    ev = cell["eval"]
+    print(
+      f"{method} seed {seed}: held-out reward {ev['reward']:.3f}, pass^1 {ev['pass^1']:.3f}, gold-call fidelity "
+      f"(JSON valid) {ev.get('fidelity_gold/json_valid', math.nan):.3f}; train {cell['train_s']:.0f} s, evaluation "
+      f"{cell['eval_s']:.0f} s",
+      flush=True,
+    )
+  else:
+    cell = saved
+    print(f"{method} seed {seed}: evaluation saved; the test-time grid", flush=True)
+  evaluated = time.perf_counter()
+  if method in args.test_time_methods:
+    cell["test_time"] = rehearsal_grid(args, config, tasks, model, samplers, key, workdir, cell["eval"])
+    cell["test_time_s"] = cell.get("test_time_s", 0.0) + time.perf_counter() - evaluated
+  common.write_json(path, cell)
+  return cell
+
+
+def _saved(args, path: pathlib.Path) -> dict[str, Any] | None:
+  """The cell saved at ``path`` (None: none yet). Raises SystemExit for one made with another budget."""
+  if not path.exists():
+    return None
+  cell = common.read_json(path)
+  stale = common.budget_mismatch(cell["budget"], budget(args))
+  if stale:
+    raise SystemExit(f"{path} was made with another budget ({'; '.join(stale)}); use a fresh --workdir")
+  return cell
   config = cell_config(args, method, seed)
   start = time.perf_counter()
+  print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
   if config.train.steps:
     train.train_and_evaluate(config, str(workdir))
   trained = time.perf_counter()
@@ -217,6 +283,7 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
     "checkpoint_step": step,
     "heldout_task_ids": [t.id for t in tasks],
     "eval": {k: float(summary[k]) for k in KEPT if k in summary},
+    "eval_seconds": {k[len("cost/") : -len("/seconds")]: float(v) for k, v in summary.items() if k.endswith("/seconds")},
     "curve": _curve(workdir),
     "train_s": trained - start,
     "eval_s": evaluated - trained,
@@ -355,8 +422,9 @@ def readme_section(result: Mapping[str, Any]) -> str:
     README_BEGIN,
     f"Held-out evidence (`python experiments/evidence.py`; {done} of {grid} cells of the grid done). "
     f"{p['model']} on τ² {p['domain']}: trained on {len(p['train_task_ids'])} tasks of the `{p['train_split']}` "
-    f"split, judged on {len(p['heldout_task_ids'])} tasks of `{p['eval_split']}` it never trained on "
-    f"({p['trials']} trial each), mean ± std over seeds (n). Budget per trained cell: {p['sft_steps']} warm-up steps, "
+    f"split ({_ids(p['train_task_ids'])}), judged on {len(p['heldout_task_ids'])} tasks of `{p['eval_split']}` it "
+    f"never trained on ({_ids(p['heldout_task_ids'])}; {p['trials']} trial{'s' if p['trials'] != 1 else ''} each), "
+    f"mean ± std over seeds (n). Budget per trained cell: {p['sft_steps']} warm-up steps, "
     f"then {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']} with dynamic sampling. Fidelity is REHEARSE's "
     "prediction of the real response to the held-out tasks' gold calls; pass^1 in %.",
     "",
@@ -369,6 +437,11 @@ def readme_section(result: Mapping[str, Any]) -> str:
     lines += ["", "Not run yet: " + ", ".join(result["missing"]) + "."]
   lines += ["", *(f"![{name}](experiments/results/{file})" for name, file in PNGS.items()), README_END]
   return "\n".join(lines)
+
+
+def _ids(ids: Sequence[str], shown: int = 6) -> str:
+  text = ", ".join(f"`{i}`" for i in ids[:shown])
+  return text + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:

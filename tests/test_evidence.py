@@ -84,6 +84,17 @@ def test_smoke_grid_cells_rows_files_and_resume(smoke, data_dir, capsys):
   out = capsys.readouterr().out
   assert out.count(": saved") == 2
   assert json.dumps(again["rows"]) == json.dumps(result["rows"])
+  # A cell killed during its test-time grid: the saved evaluation and rows are read back, the missing row is made
+  # again with the same key (the same numbers), and no evaluation is repeated.
+  envace = tmp / "cells" / "envace" / "seed0"
+  rows = json.loads((envace / evidence.TEST_TIME_FILE).read_text())
+  (envace / evidence.TEST_TIME_FILE).write_text(json.dumps(rows[:-1]))
+  (envace / evidence.CELL_FILE).unlink()
+  resumed = _run(tmp, data_dir)
+  out = capsys.readouterr().out
+  assert "envace seed 0: evaluation saved; the test-time grid" in out and out.count("  test-time ") == 1
+  assert json.dumps(resumed["test_time"]) == json.dumps(result["test_time"])
+  assert json.dumps(resumed["rows"]) == json.dumps(result["rows"])
   evidence.main(["--readme", f"--out-dir={tmp / 'out'}"])
   assert capsys.readouterr().out.strip() == evidence.readme_section(saved)
   with pytest.raises(SystemExit, match="another budget"):
@@ -102,9 +113,12 @@ def test_every_method_is_one_config():
     modes["envace"] == modes["warmup"] == modes["base"] == ("envace", "rehearse", configs["envace"].grpo.trained_roles)
   )
   for c in configs.values():
-    where = (c.model, c.env.domain, c.env.split, c.env.eval_split, c.env.eval_task_ids)
-    assert where == ("smollm2-135m", "airline", "train", "test", "")
-    assert (c.eval.tasks, c.train.group_size, c.grpo.dynamic_sampling, c.rollout.scenario_opening) == (4, 4, True, True)
+    where = (c.model, c.env.domain, c.env.split, c.env.eval_split, c.env.train_task_ids, c.env.eval_task_ids)
+    assert where == ("smollm2-135m", "mock", "base", "base", args.train_ids, args.heldout)
+    assert (c.eval.tasks, c.train.group_size, c.grpo.dynamic_sampling, c.rollout.scenario_opening) == (-1, 4, True, True)
+  # The template split: the "update a task" tasks are held out, none of them trained on.
+  assert all(i.startswith("update_task") for i in args.heldout.split(",")) and len(args.heldout.split(",")) == 5
+  assert not any(i.startswith("update_task") for i in args.train_ids.split(","))
 
 
 def test_bad_arguments_stop_with_the_reason(capsys):
