@@ -355,6 +355,7 @@ def _check_train(ck: _Checker, benchmark: str | None) -> None:
   ck.integer("train.keep_checkpoints", 1)
   ck.integer("train.eval_every", 0)
   ck.integer("train.eval_tasks", -1, why=" (-1: every task of eval_split, 0: no evaluation)")
+  ck.boolean("train.eval_at_start")
   warmup = ck.integer("train.sft_warmup_steps", 0)
   if steps is not _MISSING and warmup is not _MISSING and warmup > steps:
     ck.add(f"train.sft_warmup_steps={warmup} must be <= train.steps={steps}")

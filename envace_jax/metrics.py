@@ -246,6 +246,29 @@ def format_eval_summary(summary: Mapping[str, float], step: int) -> str:
   return "\n".join(lines)
 
 
+_CHANGE_ROWS = (
+  ("pass^1", "eval/pass^1", ".3f"),
+  ("reward", "eval/reward", ".3f"),
+  ("tool-call validity", "eval/tool_call_validity", ".2f"),
+  ("tool calls per trial", "eval/tool_calls", ".2f"),
+  ("fidelity on gold calls: JSON valid", "eval/fidelity_gold/json_valid", ".2f"),
+  ("fidelity on gold calls: key F1", "eval/fidelity_gold/key_f1", ".2f"),
+  ("fidelity on gold calls: value accuracy", "eval/fidelity_gold/value_accuracy", ".2f"),
+  ("rehearsal-vs-real reward gap", "eval/gap/gap", ".3f"),
+)
+
+
+def format_eval_change(initial: Mapping[str, float], final: Mapping[str, float], step: int) -> str:
+  """The held-out evaluation of the initial weights (``train.eval_at_start``: step 0 of ``eval.jsonl``) beside the
+  one after step ``step``, one line per headline number both hold (`format_eval_summary`'s keys); "-" for NaN."""
+  rows = [(name, key, fmt) for name, key, fmt in _CHANGE_ROWS if key in initial and key in final]
+  width = max(len(name) for name, _, _ in rows) if rows else 0
+  lines = [f"held-out, initial weights vs after step {step}:"]
+  for name, key, fmt in rows:
+    lines.append(f"  {name:<{width}}  {_num(initial[key], fmt):>6} -> {_num(final[key], fmt)}")
+  return "\n".join(lines)
+
+
 def _truncate_jsonl(path: str, start_step: int) -> int:
   """Drops lines with step >= start_step (and unparseable ones); returns how many lines were dropped."""
   if not os.path.exists(path):

@@ -436,7 +436,9 @@ class Trainer:
 
     Prints on process 0 (``metrics.py``): the progress bar and a line per step, then, with ``train.eval_tasks``
     nonzero, a line as the held-out evaluation starts and its table (``metrics.format_eval_summary``) when it ends;
-    a resumed run first says from which step.
+    a resumed run first says from which step. With ``train.eval_at_start`` a fresh run first evaluates the initial
+    weights the same way (step 0 of ``eval.jsonl``, its table printed), and the final table is followed by the two
+    side by side (``metrics.format_eval_change``).
 
     Returns:
       {"steps": last step, "last": its metrics, "eval": the evaluation summary or None}.
@@ -449,6 +451,11 @@ class Trainer:
       say(f"resumed from step {self.start_step} in {self.ckpt.directory}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
     try:
+      if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
+        say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
+        initial = self.evaluate(0)
+        evaluate.write_summary(self.workdir, 0, initial)
+        say(metrics.format_eval_summary(initial, 0))
       for step in range(self.start_step + 1, total + 1):
         last = self.step(step)
         if cfg.train.eval_tasks and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
@@ -467,18 +474,24 @@ class Trainer:
       self.ckpt.wait()
       summary = None
       if cfg.train.eval_tasks != 0:
-        n, trials = len(self.eval_tasks()), cfg.eval.num_trials
-        say(
-          f"evaluating on {n} held-out task{'s' * (n != 1)} ({cfg.env.eval_split} split, {trials} "
-          f"trial{'s' * (trials != 1)} each) against the real tools..."
-        )
+        say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
         evaluate.write_summary(self.workdir, total, summary)
         say(metrics.format_eval_summary(summary, total))
+        initial = [r for r in metrics.read_jsonl(self.workdir, "eval.jsonl") if r["step"] == 0]
+        if initial and total:
+          say(metrics.format_eval_change(initial[-1], summary, total))
     finally:
       writer.close()
       self.ckpt.close()
     return {"steps": total, "last": last, "eval": summary}
+
+  def _eval_count(self) -> str:
+    n, trials = len(self.eval_tasks()), self.config.eval.num_trials
+    return (
+      f"{n} held-out task{'s' * (n != 1)} ({self.config.env.eval_split} split, {trials} trial{'s' * (trials != 1)} "
+      "each)"
+    )
 
   def evaluate(self, step: int) -> dict[str, float]:
     """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""

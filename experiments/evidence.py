@@ -123,6 +123,7 @@ COLUMNS = {  # JSON key -> table header
   "reward": "reward",
   "pass^1": "pass^1",
   "tool_call_validity": "tool-call validity",
+  "tool_calls": "tool calls per trial",  # validity counts replies as well-formed: 1.0 with no call at all
   "gap/gap": "reward gap",
 }
 # Per GRPO step, from metrics.jsonl: the learning curves and the fraction of groups without signal.

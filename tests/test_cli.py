@@ -57,10 +57,15 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   command line; by default it prints the step lines, the bar and the held-out table, and no library's INFO/DEBUG
   log (orbax, TFDS, JAX, τ²'s loguru)."""
   workdir = tmp_path / "run"
-  code, out = _main(f"--workdir={workdir}", f"--config.env.data_dir={tmp_path / 'tfds'}", "--config.train.eval_tasks=1")
+  code, out = _main(
+    f"--workdir={workdir}",
+    f"--config.env.data_dir={tmp_path / 'tfds'}",
+    "--config.train.eval_tasks=1",
+    "--config.train.eval_at_start=true",
+  )
   assert code == 0, out
   lines = visible_lines(out)
-  assert len(lines) <= 30, out
+  assert len(lines) <= 40, out
 
   records = metrics.read_jsonl(workdir)
   assert [r["step"] for r in records] == [1, 2]
@@ -68,25 +73,34 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     assert key in records[-1], key
   assert records[-1]["update/tokens"] > 0
   assert checkpoint_lib.Checkpointer(workdir).all_steps() == [1, 2]
-  (held_out,) = metrics.read_jsonl(workdir, "eval.jsonl")
-  assert held_out["step"] == 2 and held_out["eval/tasks"] == 1 and held_out["eval/reward/invalid"] == 0
-  # One task, one trial, τ²'s reward (a product of 0/1 checks): pass^1 is that trial's success, i.e. its reward.
-  assert held_out["eval/reward"] in (0.0, 1.0) and held_out["eval/pass^1"] == held_out["eval/reward"]
+  initial, held_out = metrics.read_jsonl(workdir, "eval.jsonl")
+  assert initial["step"] == 0 and held_out["step"] == 2
+  for summary in (initial, held_out):
+    assert summary["eval/tasks"] == 1 and summary["eval/reward/invalid"] == 0
+    # One task, one trial, τ²'s reward (a product of 0/1 checks): pass^1 is that trial's success, i.e. its reward.
+    assert summary["eval/reward"] in (0.0, 1.0) and summary["eval/pass^1"] == summary["eval/reward"]
 
-  # Every visible line, in order: the two step lines, the bar, the evaluation's start and its table.
+  # Every visible line, in order: the initial weights' evaluation and its table, the two step lines, the bar, the
+  # final evaluation's start and its table, then both side by side.
+  task = "1 held-out task (base split, 1 trial each)"
+  assert lines[0] == f"evaluating the initial weights on {task} before step 1..."
+  first = metrics.format_eval_summary(initial, 0).splitlines()
+  assert lines[1 : 1 + len(first)] == first and len(first) == 7  # header, columns, values, fidelity 3, the gap
+  assert first[0] == "held-out evaluation after step 0: 1 task x 1 trial against the real tools, scored by the benchmark"
+  assert first[1].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
+  assert first[2].split()[:2] == [f"{initial['eval/pass^1']:.3f}", f"{initial['eval/reward']:.3f}"]
+  lines = lines[1 + len(first) :]
   for step, line in zip((1, 2), lines[:2], strict=True):
     r = records[step - 1]
     assert line.startswith(f"step {step}/2: reward {r['reward/mean']:.3f} ± {r['reward/std']:.3f}, loss "), line
     assert line.endswith(f", tool-call validity {r['rollout/tool_call_validity']:.2f}, {r['time/step_s']:.1f} s")
   assert re.fullmatch(r"train: 100%\|█+\| 2/2 \[\d\d:\d\d<00:00, .*step, reward=.*\]", lines[2]), lines[2]
-  assert lines[3] == "evaluating on 1 held-out task (base split, 1 trial each) against the real tools..."
-  assert lines[4:] == metrics.format_eval_summary(held_out, 2).splitlines()
-  assert lines[4] == (
-    "held-out evaluation after step 2: 1 task x 1 trial against the real tools, scored by the benchmark"
-  )
-  assert lines[5].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
-  assert lines[6].split()[:2] == [f"{held_out['eval/pass^1']:.3f}", f"{held_out['eval/reward']:.3f}"]
-  assert len(lines) == 11, out  # the table: header, columns, values, fidelity header and two rows, the reward gap
+  assert lines[3] == f"evaluating on {task} against the real tools..."
+  final = metrics.format_eval_summary(held_out, 2).splitlines()
+  change = metrics.format_eval_change(initial, held_out, 2).splitlines()
+  assert lines[4:] == final + change and len(final) == 7
+  assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 9  # every headline number
+  assert change[2].split() == ["reward", f"{initial['eval/reward']:.3f}", "->", f"{held_out['eval/reward']:.3f}"]
   # Nothing else reached the terminal, not even what the bar's redraws hid: no log line of any library.
   assert not re.search(r"(^|[\r\n])[IDW]\d{4} \d\d:\d\d", out), out  # absl's "I1201 08:37:09.864 ..." lines
   assert "| DEBUG" not in out and "| INFO" not in out and "Generating" not in out and "Downloading" not in out
