@@ -3,7 +3,7 @@
 # created on first use), filled with README.md's install line; a stamp file in the environment makes that step
 # cheap until setup.py or this file changes. People who manage their own environments use the install line itself.
 #
-#   make run                                  # --config=configs/tau2.py --workdir=/tmp/envace_airline
+#   make run                                  # --config=configs/tau2.py:mock_heldout --workdir=/tmp/envace_main
 #   make run CONFIG=configs/tiny.py WORKDIR=/tmp/tiny ARGS="--config.train.steps=1 --verbosity=0"
 #   make test PYTEST_ARGS="-q tests/test_cli.py"
 #   make install                              # the environment only
@@ -13,8 +13,8 @@ VENV ?= .venv
 VENV_DIR := $(abspath $(or $(VIRTUAL_ENV),$(VENV)))
 ACTIVATE := . "$(VENV_DIR)/bin/activate"
 STAMP := $(VENV_DIR)/.envace-jax-installed
-CONFIG ?= configs/tau2.py
-WORKDIR ?= /tmp/envace_airline
+CONFIG ?= configs/tau2.py:mock_heldout
+WORKDIR ?= /tmp/envace_main
 ARGS ?=
 PYTEST_ARGS ?= -n auto --dist worksteal -q
 

@@ -2,6 +2,7 @@
 
     python experiments/evidence.py                        # the default grid, run (or resumed) in full
     python experiments/evidence.py --methods=base,warmup  # only these methods' cells (a session's share)
+    python experiments/evidence.py --methods=             # run nothing: gather the finished cells, write the JSON
     python experiments/evidence.py --smoke --workdir=DIR  # pipeline check: the tiny model on τ² mock, ≈1 min
     python experiments/evidence.py --readme               # the README's results section, from the committed JSON
     python experiments/evidence.py --update-readme        # ... written into README.md between its markers
@@ -129,14 +130,13 @@ COLUMNS = {  # JSON key -> table header
 # Per GRPO step, from metrics.jsonl: the learning curves and the fraction of groups without signal.
 CURVE_KEYS = ("reward/mean", "reward/act/mean", "reward/rehearse/mean", "sft/nll", "rollout/groups_without_signal")
 
-# The default grid (SmolLM2 on mock, split by template) and the smoke run (tiny on mock). ``train``: the train split's task ids used
-# ("" = all of it); ``heldout``: how many test tasks (the first ones), or the ids for a split without a test part.
+_MAIN_JOB = common.config_file("tau2", "mock_heldout")  # configs/tau2.py's MOCK_TRAIN_IDS / MOCK_HELDOUT_IDS
+# The default grid (SmolLM2 on mock, split by template) and the smoke run (tiny on mock). ``train_ids``: the train
+# split's task ids used ("" = all of it); ``heldout``: how many test tasks (the first ones), or the ids themselves.
 DEFAULTS: dict[str, dict[str, Any]] = {
   "default": dict(
     model="smollm2", domain="mock", train_split="base", eval_split="base",
-    train_ids="create_task_1,create_task_1_with_env_assertions,create_task_1_nl_eval,impossible_task_1",
-    heldout="update_task_1,update_task_with_message_history,update_task_with_initialization_data,"
-    "update_task_with_initialization_actions,update_task_with_history_and_env_assertions",
+    train_ids=_MAIN_JOB.env.train_task_ids, heldout=_MAIN_JOB.env.eval_task_ids,  # the main job's template split
     methods=",".join(METHODS), seeds="0,1,2", sft_steps=2, steps=4, tasks=1, group=4, lr=2e-5, sft_lr=1e-4,
     max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2", max_turns=3, max_new_tokens=96,
   ),
@@ -187,10 +187,19 @@ def cell_config(args, method: str, seed: int):
   return c
 
 
-def budget(args) -> dict[str, Any]:
-  """What must match for a saved cell to be reused."""
-  keys = ("full", "model", "domain", "train_split", "eval_split", "train_ids", "heldout", "sft_steps", "steps", "tasks")
-  keys += ("group", "lr", "sft_lr", "max_draws", "trials", "max_turns", "max_new_tokens")
+_EVALUATION_KEYS = ("full", "model", "domain", "eval_split", "heldout", "trials", "max_turns", "max_new_tokens")
+_WARMUP_KEYS = ("train_split", "train_ids", "sft_steps", "sft_lr", "tasks")
+_RL_KEYS = ("steps", "group", "lr", "max_draws")
+
+
+def budget(args, method: str | None = None) -> dict[str, Any]:
+  """What must match for a saved cell of ``method`` to be reused: the settings it depends on (the base policy's
+  cell only on the evaluation's, the warm-up's also on the warm-up's); ``None``: every setting (the protocol)."""
+  keys = _EVALUATION_KEYS
+  if method != "base":
+    keys += _WARMUP_KEYS
+  if method not in ("base", "warmup"):
+    keys += _RL_KEYS
   return {**{k: getattr(args, k) for k in keys}, "overrides": [list(o) for o in args.overrides]}
 
 
@@ -208,7 +217,7 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
 
   workdir = pathlib.Path(args.workdir) / method / f"seed{seed}"
   path, partial = workdir / CELL_FILE, workdir / EVAL_FILE
-  saved = _saved(args, path) or _saved(args, partial)
+  saved = _saved(args, path, method) or _saved(args, partial, method)
   if saved is not None and path.exists():
     print(f"{method} seed {seed}: saved", flush=True)
     return saved
@@ -233,11 +242,15 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
       "checkpoint_step": step,
       "heldout_task_ids": [t.id for t in tasks],
       "eval": {k: float(summary[k]) for k in KEPT if k in summary},
-      "eval_seconds": {k[5:-8]: float(v) for k, v in summary.items() if k.startswith("cost/") and k.endswith("/seconds")},
+      "eval_seconds": {  # per phase: opening, execution, fidelity, fidelity_gold, gap, ...
+        k.removeprefix("cost/").removesuffix("/seconds"): float(v)
+        for k, v in summary.items()
+        if k.startswith("cost/") and k.endswith("/seconds")
+      },
       "curve": _curve(workdir),
       "train_s": trained - start,
       "eval_s": time.perf_counter() - trained,
-      "budget": budget(args),
+      "budget": budget(args, method),
     }
     common.write_json(partial, cell)  # a killed test-time grid resumes after the evaluation
     ev = cell["eval"]
@@ -258,49 +271,14 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
   return cell
 
 
-def _saved(args, path: pathlib.Path) -> dict[str, Any] | None:
+def _saved(args, path: pathlib.Path, method: str) -> dict[str, Any] | None:
   """The cell saved at ``path`` (None: none yet). Raises SystemExit for one made with another budget."""
   if not path.exists():
     return None
   cell = common.read_json(path)
-  stale = common.budget_mismatch(cell["budget"], budget(args))
+  stale = common.budget_mismatch(cell["budget"], budget(args, method))
   if stale:
     raise SystemExit(f"{path} was made with another budget ({'; '.join(stale)}); use a fresh --workdir")
-  return cell
-  config = cell_config(args, method, seed)
-  start = time.perf_counter()
-  print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
-  if config.train.steps:
-    train.train_and_evaluate(config, str(workdir))
-  trained = time.perf_counter()
-  tasks = evaluate.eval_tasks(config)
-  model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
-  key = evaluate.eval_key(seed)  # the same openings for every method
-  summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
-  evaluated = time.perf_counter()
-  cell = {
-    "method": method,
-    "seed": seed,
-    "checkpoint_step": step,
-    "heldout_task_ids": [t.id for t in tasks],
-    "eval": {k: float(summary[k]) for k in KEPT if k in summary},
-    "eval_seconds": {k[len("cost/") : -len("/seconds")]: float(v) for k, v in summary.items() if k.endswith("/seconds")},
-    "curve": _curve(workdir),
-    "train_s": trained - start,
-    "eval_s": evaluated - trained,
-    "budget": budget(args),
-  }
-  if method in args.test_time_methods:
-    cell["test_time"] = rehearsal_grid(args, config, tasks, model, samplers, key, workdir, cell["eval"])
-  cell["test_time_s"] = time.perf_counter() - evaluated
-  common.write_json(path, cell)
-  ev = cell["eval"]
-  print(
-    f"{method} seed {seed}: held-out reward {ev['reward']:.3f}, pass^1 {ev['pass^1']:.3f}, gold-call fidelity "
-    f"(JSON valid) {ev.get('fidelity_gold/json_valid', math.nan):.3f}; train {cell['train_s']:.0f} s, evaluation "
-    f"{cell['eval_s']:.0f} s, test-time {cell['test_time_s']:.0f} s",
-    flush=True,
-  )
   return cell
 
 
@@ -617,7 +595,7 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     for method in methods:
       path = pathlib.Path(args.workdir) / method / f"seed{seed}" / CELL_FILE
       cell = common.read_json(path) if path.exists() else None
-      if cell is not None and not common.budget_mismatch(cell["budget"], budget(args)):
+      if cell is not None and not common.budget_mismatch(cell["budget"], budget(args, method)):
         cells.append(cell)
       else:
         missing.append(f"{method}/seed{seed}")

@@ -86,7 +86,9 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   assert lines[0] == f"evaluating the initial weights on {task} before step 1..."
   first = metrics.format_eval_summary(initial, 0).splitlines()
   assert lines[1 : 1 + len(first)] == first and len(first) == 7  # header, columns, values, fidelity 3, the gap
-  assert first[0] == "held-out evaluation after step 0: 1 task x 1 trial against the real tools, scored by the benchmark"
+  assert first[0] == (
+    "held-out evaluation after step 0: 1 task x 1 trial against the real tools, scored by the benchmark"
+  )
   assert first[1].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
   assert first[2].split()[:2] == [f"{initial['eval/pass^1']:.3f}", f"{initial['eval/reward']:.3f}"]
   lines = lines[1 + len(first) :]

@@ -71,6 +71,7 @@ def qwen3_8b_dir(tmp_path):
     ("tau2.py", "tau2", "airline", "train"),
     ("tau2.py:retail", "tau2", "retail", "train"),
     ("tau2.py:mock", "tau2", "mock", "base"),
+    ("tau2.py:mock_heldout", "tau2", "mock", "base"),
     ("bfcl.py", "bfcl", "multi_turn_base", "test"),
     ("bfcl.py:multi_turn_long_context", "bfcl", "multi_turn_long_context", "test"),
     ("tiny.py", "tau2", "mock", "base"),
@@ -82,6 +83,29 @@ def test_every_config_loads_and_validates(spec, benchmark, domain, split):
   assert (config.env.benchmark, config.env.domain, config.env.split) == (benchmark, domain, split)
   # The demo's keys (envace_jax/demo.py) stay available in every config.
   assert config.sampler.capacity > 0 and config.demo.num_samples >= 1 and config.demo.tools_json
+
+
+def test_the_main_jobs_held_out_tasks_and_tools_are_never_trained_on(data_dir):
+  """configs/tau2.py:mock_heldout (the README's main job, experiments/evidence.py's protocol): training draws only the
+  create/impossible tasks, evaluation runs all five update tasks, and no held-out gold call uses a trained tool."""
+  from envace_jax import runtime
+
+  c = load("tau2.py:mock_heldout", f"--config.env.data_dir={data_dir}")
+  config_check.validate(c)
+  source = runtime.training_tasks(c)
+  trained = [source[i] for i in range(len(source))]
+  held_out = runtime.evaluation_tasks(c, c.train.eval_tasks)
+  assert [t.id for t in trained] == ["create_task_1", "create_task_1_with_env_assertions", "impossible_task_1"]
+  assert [t.id for t in held_out] == [
+    "update_task_1",
+    "update_task_with_message_history",
+    "update_task_with_initialization_data",
+    "update_task_with_initialization_actions",
+    "update_task_with_history_and_env_assertions",
+  ]
+  tools = lambda tasks: {a.name for t in tasks for a in t.gold_actions}  # noqa: E731
+  assert tools(trained) == {"create_task", "transfer_to_human_agents"} and tools(held_out) == {"update_task_status"}
+  assert (c.train.sft_warmup_steps, c.train.steps, c.train.eval_at_start, c.grpo.dynamic_sampling) == (2, 5, True, True)
 
 
 def test_checklist_needs_its_data_path():

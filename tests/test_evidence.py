@@ -115,7 +115,8 @@ def test_every_method_is_one_config():
   for c in configs.values():
     where = (c.model, c.env.domain, c.env.split, c.env.eval_split, c.env.train_task_ids, c.env.eval_task_ids)
     assert where == ("smollm2-135m", "mock", "base", "base", args.train_ids, args.heldout)
-    assert (c.eval.tasks, c.train.group_size, c.grpo.dynamic_sampling, c.rollout.scenario_opening) == (-1, 4, True, True)
+    sizes = (c.eval.tasks, c.train.group_size, c.grpo.dynamic_sampling, c.rollout.scenario_opening)
+    assert sizes == (-1, 4, True, True)
   # The template split: the "update a task" tasks are held out, none of them trained on.
   assert all(i.startswith("update_task") for i in args.heldout.split(",")) and len(args.heldout.split(",")) == 5
   assert not any(i.startswith("update_task") for i in args.train_ids.split(","))
