@@ -156,3 +156,18 @@ def test_aggregate_and_tables_by_hand():
   assert math.isnan(row["gap/gap"][0])
   table = evidence.evidence_table({"rows": [row]})
   assert "| EnvACE | 2 | 0.750 ± 0.354 | - | 0.500 ± 0.707 | 50.0 ± 70.7 | - | - | - | 0.250 ± 0.354 | 36.7 |" in table
+
+
+def test_readme_results_section_is_the_committed_json():
+  """The README's results section is exactly what ``evidence.py --readme`` prints from the committed JSON, the PNGs
+  it shows are committed, and that JSON judged only held-out tasks: the protocol's training and held-out ids are
+  disjoint, and every cell was evaluated on exactly the protocol's held-out tasks."""
+  result = json.loads((evidence.RESULTS_DIR / evidence.RESULTS_FILE).read_text(encoding="utf-8"))
+  proto = result["protocol"]
+  assert proto["heldout_task_ids"] and proto["train_task_ids"]
+  assert not set(proto["train_task_ids"]) & set(proto["heldout_task_ids"])
+  assert result["cells"] and all(c["heldout_task_ids"] == proto["heldout_task_ids"] for c in result["cells"])
+  readme = (evidence.ROOT / "README.md").read_text(encoding="utf-8")
+  assert evidence.readme_section(result) in readme
+  for png in evidence.PNGS.values():
+    assert (evidence.RESULTS_DIR / png).stat().st_size > 0
