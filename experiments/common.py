@@ -162,17 +162,20 @@ def parse_names(text: str) -> list[str]:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-  """Mean and sample standard deviation (ddof 1; 0 for a single value) of the finite ``values`` (nan, nan if none)."""
+  """Mean and sample standard deviation (ddof 1) of the finite ``values``: (nan, nan) if none, (value, nan) for one
+  (a single seed has no spread to report)."""
   v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
   if not len(v):
     return float("nan"), float("nan")
-  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else float("nan")
 
 
 def pm(mean: float, std: float, scale: float = 100.0, digits: int = 1) -> str:
-  """``mean ± std`` (scaled: pass^1 as a percentage), "-" for nan."""
+  """``mean ± std`` (scaled: pass^1 as a percentage); the mean alone for a nan std (one value), "-" for a nan mean."""
   if not np.isfinite(mean):
     return "-"
+  if not np.isfinite(std):
+    return f"{mean * scale:.{digits}f}"
   return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 

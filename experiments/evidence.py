@@ -360,7 +360,7 @@ def _pm(value: Sequence[float], percent: bool) -> str:
   mean, std = value
   if not np.isfinite(mean):
     return "-"
-  return common.pm(mean, std, 100.0, 1) if percent else f"{mean:.3f} ± {std:.3f}"
+  return common.pm(mean, std, 100.0, 1) if percent else common.pm(mean, std, 1.0, 3)
 
 
 def evidence_table(result: Mapping[str, Any]) -> str:
@@ -473,7 +473,7 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   for method, mode in keys:
     rs = sorted((r for r in result["test_time"] if (r["method"], r["mode"]) == (method, mode)), key=lambda r: r["N"])
     label = f"{LABELS[method]}, {mode}"
-    ax.errorbar([r["N"] for r in rs], [100 * r["pass^1"][0] for r in rs], yerr=[100 * r["pass^1"][1] for r in rs],
+    ax.errorbar([r["N"] for r in rs], [100 * r["pass^1"][0] for r in rs], yerr=[100 * np.nan_to_num(r["pass^1"][1]) for r in rs],
                 marker="o", capsize=3, label=label)  # fmt: skip
     bx.plot([r["N"] for r in rs], [r["rehearsal_tokens"][0] for r in rs], marker="o", label=label)
   ax.set(xlabel="N rehearsals", ylabel="held-out pass^1 (%)", title="test-time private rehearsal")

@@ -28,8 +28,11 @@ def test_set_value_converts_flag_text():
     common.set_value(c, "a.missing", "1")
   config = common.make_config("tiny", "mock", 3, "/tmp/d")
   assert config.seed == 3 and config.env.domain == "mock" and config.model == "tiny"
-  assert common.mean_std([0.0, 1.0]) == pytest.approx((0.5, math.sqrt(0.5))) and common.mean_std([0.5]) == (0.5, 0.0)
+  assert common.mean_std([0.0, 1.0]) == pytest.approx((0.5, math.sqrt(0.5)))
+  one = common.mean_std([0.5, float("nan")])  # one finite value: no spread
+  assert one[0] == 0.5 and math.isnan(one[1])
   assert common.pm(0.25, 0.05) == "25.0 ± 5.0" and common.pm(float("nan"), 0.0) == "-"
+  assert common.pm(0.25, float("nan")) == "25.0" and common.pm(0.25, 0.05, 1.0, 3) == "0.250 ± 0.050"
 
 
 @pytest.mark.slow
