@@ -45,8 +45,8 @@ held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls,
 The same evaluation key per seed for every method, so all methods meet the same openings. The cells of
 ``--test-time-methods`` then run private rehearsal for every N of ``--ns`` (N > 0) in both modes, before the same
 committed execution (N = 0 is the plain evaluation). A finished cell is ``cell.json`` there and is read back by a
-rerun; its evaluation (``evaluation.json``) and its test-time rows (``test_time.json``) are saved as each is made,
-so a killed run loses at most one evaluation.
+rerun; a cell with a test-time grid saves its evaluation (``evaluation.json``) and then each test-time row
+(``test_time.json``) as it is made, so a killed run loses at most one evaluation.
 
 Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol,
 the aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with
@@ -217,64 +217,70 @@ def run_cell(args, method: str, seed: int) -> dict[str, Any]:
 
   workdir = pathlib.Path(args.workdir) / method / f"seed{seed}"
   path, partial = workdir / CELL_FILE, workdir / EVAL_FILE
-  saved = _saved(args, path, method) or _saved(args, partial, method)
-  if saved is not None and path.exists():
+  if path.exists():
+    cell = _saved(args, path, method)
     print(f"{method} seed {seed}: saved", flush=True)
-    return saved
+    return cell
   config = cell_config(args, method, seed)
   tasks = evaluate.eval_tasks(config)
-  start = time.perf_counter()
-  if saved is None:
+  test_time = method in args.test_time_methods
+  cell = _saved(args, partial, method) if partial.exists() else None
+  if cell is None:
+    start = time.perf_counter()
     print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
     if config.train.steps:
       train.train_and_evaluate(config, str(workdir))
-    trained = time.perf_counter()
-  if saved is not None and method not in args.test_time_methods:
-    common.write_json(path, saved)
-    return saved
+    train_s = time.perf_counter() - start
+  else:
+    print(f"{method} seed {seed}: evaluation saved; the test-time grid", flush=True)
   model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
   key = evaluate.eval_key(seed)  # the same openings for every method
-  if saved is None:
-    summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
-    cell = {
-      "method": method,
-      "seed": seed,
-      "checkpoint_step": step,
-      "heldout_task_ids": [t.id for t in tasks],
-      "eval": {k: float(summary[k]) for k in KEPT if k in summary},
-      "eval_seconds": {  # per phase: opening, execution, fidelity, fidelity_gold, gap, ...
-        k.removeprefix("cost/").removesuffix("/seconds"): float(v)
-        for k, v in summary.items()
-        if k.startswith("cost/") and k.endswith("/seconds")
-      },
-      "curve": _curve(workdir),
-      "train_s": trained - start,
-      "eval_s": time.perf_counter() - trained,
-      "budget": budget(args, method),
-    }
-    common.write_json(partial, cell)  # a killed test-time grid resumes after the evaluation
-    ev = cell["eval"]
-    print(
-      f"{method} seed {seed}: held-out reward {ev['reward']:.3f}, pass^1 {ev['pass^1']:.3f}, gold-call fidelity "
-      f"(JSON valid) {ev.get('fidelity_gold/json_valid', math.nan):.3f}; train {cell['train_s']:.0f} s, evaluation "
-      f"{cell['eval_s']:.0f} s",
-      flush=True,
-    )
-  else:
-    cell = saved
-    print(f"{method} seed {seed}: evaluation saved; the test-time grid", flush=True)
-  evaluated = time.perf_counter()
-  if method in args.test_time_methods:
+  if cell is None:
+    cell = _evaluate(args, config, tasks, model, samplers, key, method, seed, step, workdir, train_s)
+    if test_time:
+      common.write_json(partial, cell)  # a killed test-time grid resumes after the evaluation
+  if test_time:
+    start = time.perf_counter()
     cell["test_time"] = rehearsal_grid(args, config, tasks, model, samplers, key, workdir, cell["eval"])
-    cell["test_time_s"] = cell.get("test_time_s", 0.0) + time.perf_counter() - evaluated
+    cell["test_time_s"] = cell.get("test_time_s", 0.0) + time.perf_counter() - start
   common.write_json(path, cell)
   return cell
 
 
-def _saved(args, path: pathlib.Path, method: str) -> dict[str, Any] | None:
-  """The cell saved at ``path`` (None: none yet). Raises SystemExit for one made with another budget."""
-  if not path.exists():
-    return None
+def _evaluate(args, config, tasks, model, samplers, key, method, seed, step, workdir, train_s) -> dict[str, Any]:
+  """The cell's held-out evaluation (``evaluate.evaluate_policy``) as its saved record, printed in one line."""
+  from envace_jax import evaluate
+
+  start = time.perf_counter()
+  summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
+  cell = {
+    "method": method,
+    "seed": seed,
+    "checkpoint_step": step,
+    "heldout_task_ids": [t.id for t in tasks],
+    "eval": {k: float(summary[k]) for k in KEPT if k in summary},
+    "eval_seconds": {  # per phase: opening, execution, fidelity, fidelity_gold, gap, ...
+      k.removeprefix("cost/").removesuffix("/seconds"): float(v)
+      for k, v in summary.items()
+      if k.startswith("cost/") and k.endswith("/seconds")
+    },
+    "curve": _curve(workdir),
+    "train_s": train_s,
+    "eval_s": time.perf_counter() - start,
+    "budget": budget(args, method),
+  }
+  ev = cell["eval"]
+  print(
+    f"{method} seed {seed}: held-out reward {ev['reward']:.3f}, pass^1 {ev['pass^1']:.3f}, gold-call fidelity "
+    f"(JSON valid) {ev.get('fidelity_gold/json_valid', math.nan):.3f}; train {train_s:.0f} s, evaluation "
+    f"{cell['eval_s']:.0f} s",
+    flush=True,
+  )
+  return cell
+
+
+def _saved(args, path: pathlib.Path, method: str) -> dict[str, Any]:
+  """The cell saved at ``path``. Raises SystemExit for one made with another budget."""
   cell = common.read_json(path)
   stale = common.budget_mismatch(cell["budget"], budget(args, method))
   if stale:
@@ -473,8 +479,9 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   for method, mode in keys:
     rs = sorted((r for r in result["test_time"] if (r["method"], r["mode"]) == (method, mode)), key=lambda r: r["N"])
     label = f"{LABELS[method]}, {mode}"
-    ax.errorbar([r["N"] for r in rs], [100 * r["pass^1"][0] for r in rs], yerr=[100 * np.nan_to_num(r["pass^1"][1]) for r in rs],
-                marker="o", capsize=3, label=label)  # fmt: skip
+    pass1 = np.array([r["pass^1"] for r in rs], np.float64)  # [N values, (mean, std)]
+    ax.errorbar([r["N"] for r in rs], 100 * pass1[:, 0], yerr=100 * np.nan_to_num(pass1[:, 1]), marker="o", capsize=3,
+                label=label)  # fmt: skip
     bx.plot([r["N"] for r in rs], [r["rehearsal_tokens"][0] for r in rs], marker="o", label=label)
   ax.set(xlabel="N rehearsals", ylabel="held-out pass^1 (%)", title="test-time private rehearsal")
   bx.set(xlabel="N rehearsals", ylabel="tokens per task and trial", title="rehearsal cost")
