@@ -3,11 +3,11 @@
 The argument is the domain: "airline" (default), "retail" or "mock". Telecom does not fit SmolLM2's context and is not
 supported by the τ² adapter (score it with tau2's own orchestrator).
 
-"mock_heldout" is the README's main job: τ² mock split by task template, the protocol of experiments/evidence.py
-(trained on the "create a task" and "impossible request" tasks, evaluated on the five "update a task" tasks it never
+"mock_heldout" is the README's main job: τ² mock with held-out tasks, the protocol of experiments/evidence.py
+(trained on one task of each template, evaluated on the four tasks that continue a logged conversation, which it never
 trains on), with what SmolLM2-135M needs to learn within 30 minutes on 2 CPU cores: the supervised warm-up, the
-scenario as the user's first message, dynamic sampling, and the initial weights evaluated first, so the log ends with
-the held-out numbers before and after training.
+scenario as the user's first message, REHEARSE without grounding, dynamic sampling, and the initial weights evaluated
+first, so the log ends with the held-out numbers before and after training.
 
 The defaults (base.py) train SmolLM2-135M on 2 CPU cores in well under 30 minutes: 3 steps of 1 task × 2 rollouts,
 at most 4 agent turns of ≤ 96 tokens. Airline and retail system prompts are ≈ 5k SmolLM2 tokens, so the ACT view
@@ -31,12 +31,13 @@ base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)
 
 
-# τ² mock's split by template (mock has one 9-task split): the held-out tasks' tool (update_task_status), scenarios
-# and logged openings never occur in training. create_task_1_nl_eval is left out: it has no gold action, so its
-# reference conversation has no assistant turn to learn from (a warm-up step that draws it makes no update).
-MOCK_TRAIN_IDS = ("create_task_1", "create_task_1_with_env_assertions", "impossible_task_1")
+# τ² mock's held-out split (mock has one 9-task split), like airline's and retail's own train/test: the same tools,
+# tasks never trained on. Training has one task of each template (create a task, with and without env assertions;
+# mark task_1 completed; an impossible request); held out are the four tasks that continue a logged conversation about
+# task_2 and ask to mark it completed, so ACT must take the id from a context it never trained on. create_task_1_nl_eval
+# is left out: it has no gold action, so its reference conversation has no assistant turn to learn from.
+MOCK_TRAIN_IDS = ("create_task_1", "create_task_1_with_env_assertions", "update_task_1", "impossible_task_1")
 MOCK_HELDOUT_IDS = (
-  "update_task_1",
   "update_task_with_message_history",
   "update_task_with_initialization_data",
   "update_task_with_initialization_actions",
@@ -59,10 +60,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "mock_heldout":
     c.env.train_task_ids = ",".join(MOCK_TRAIN_IDS)
     c.env.eval_task_ids = ",".join(MOCK_HELDOUT_IDS)
-    c.train.eval_tasks = -1  # all five
+    c.train.eval_tasks = -1  # all four
     c.train.eval_at_start = True
-    c.train.sft_warmup_steps = 2
-    c.train.steps = 5  # the warm-up, then 3 GRPO steps
+    c.train.sft_warmup_steps = 4  # one pass over the four training tasks (B=1; the stream permutes each epoch)
+    c.train.steps = 7  # the warm-up, then 3 GRPO steps
     c.train.group_size = 4
     c.train.checkpoint_every = 1
     c.grpo.learning_rate = 2e-5
@@ -70,6 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.grpo.dynamic_sampling = True
     c.grpo.dynamic_sampling_max_draws = 1
     c.rollout.scenario_opening = True
+    # REHEARSE trains without the reference interactions, as it rehearses held-out tasks (which have none): with them
+    # it learns to copy the logged response and writes invalid JSON for an unseen call (experiments/evidence.py).
+    c.rollout.grounding_max_tokens = 0
     c.rollout.max_turns = 3
     c.rollout.user_max_new_tokens = 96
   return c

@@ -8,12 +8,14 @@
     python experiments/evidence.py --update-readme        # ... written into README.md between its markers
     python experiments/evidence.py --full --model-path=/path/to/Qwen3-8B --workdir=/ckpt/evidence   # paper sizes
 
-Protocol. SmolLM2-135M-Instruct on τ²-bench mock, split by task template: trained on the "create a task" and
-"impossible request" tasks (``create_task_1*``, ``impossible_task_1``), judged only on the five "update a task's
-status" tasks (``update_task_*``), whose tool (``update_task_status``), scenarios and openings (four of them continue
-a logged conversation) never occur in training; the JSON lists both id sets and a test checks they are disjoint.
-The held-out tasks therefore test transfer to an unseen tool of the same world: REHEARSE must predict a response it
-never saw (a task record with a new status), ACT must call a tool it was never shown being called.
+Protocol. SmolLM2-135M-Instruct on τ²-bench mock with held-out tasks, as τ²'s airline and retail train/test splits hold
+out tasks, not tools: trained on one task of each template (``create_task_1``, ``create_task_1_with_env_assertions``,
+``update_task_1``, ``impossible_task_1``), judged only on the four tasks that continue a logged conversation about
+``task_2`` and ask to mark it completed (``update_task_with_*``; configs/tau2.py's ``MOCK_TRAIN_IDS`` /
+``MOCK_HELDOUT_IDS``). Their openings, initial states and gold calls (``update_task_status`` on ``task_2``) never occur
+in training; the JSON lists both id sets and a test checks they are disjoint. (An earlier grid held out every "update a
+task" task, so their tool was never seen called: the warm-up alone took held-out gold-call JSON validity from 0.75 to
+0.25 and no method could earn a held-out reward, so the other three claims could not be tested.)
 
 Why mock and not airline, retail or BFCL: measured on this 2-core machine (``--domain=airline --train-split=train
 --eval-split=test --train-ids= --heldout=1``, the base policy), one held-out airline task costs 195 s of committed
@@ -27,12 +29,21 @@ short records, so the grid fits the budget with 3 seeds per method. ``--domain=a
 allows.
 
 Methods (one config each; everything else, seeds included, is shared):
-  base           the initial weights, no training;
-  warmup         the supervised warm-up alone (``train.sft_warmup_steps``: the reference conversations of the train
-                 split's tasks, gold calls for ACT and the real tools' responses for REHEARSE);
-  envace         the warm-up, then world-rehearsal GRPO (``grpo.mode=envace``: REHEARSE answers every tool call);
-  grpo_real_env  the warm-up, then plain GRPO against the real tools, ACT trained only;
-  per_role       the warm-up, then EnvACE with separate ACT and REHEARSE parameters.
+  base             the initial weights, no training;
+  warmup           the supervised warm-up alone (``train.sft_warmup_steps``: the reference conversations of the train
+                   split's tasks, gold calls for ACT and the real tools' responses for REHEARSE), one pass over the four
+                   training tasks;
+  warmup_grounded  the same warm-up with REHEARSE's grounding (the task's reference interactions in its view,
+                   ``rollout.grounding_max_tokens``, as the paper trains it; configs/base.py's 1024 tokens);
+  envace           the warm-up, then world-rehearsal GRPO (``grpo.mode=envace``: REHEARSE answers every tool call);
+  grpo_real_env    the warm-up, then plain GRPO against the real tools, ACT trained only;
+  per_role         the warm-up, then EnvACE with separate ACT and REHEARSE parameters.
+Every method but ``warmup_grounded`` trains REHEARSE without grounding (``--grounding=0``), the view it has when it
+rehearses a held-out task, which has no reference interactions. A τ² task's reference interactions are its gold calls
+executed for real, so a grounded REHEARSE is trained to copy the response from its context; measured on one seed
+before this grid, after the same four warm-up steps REHEARSE then wrote invalid JSON for all 3 held-out gold calls
+(the call's arguments with a stray brace), where without grounding all 3 were valid with key F1 0.95 (base: valid,
+key F1 0.36). ``warmup_grounded`` keeps that contrast in the grid.
 GRPO steps use dynamic sampling (``grpo.dynamic_sampling``): a group whose rollouts all got one reward is replaced by
 another task's group, up to ``--max-draws`` extra batches per step; the fraction of groups without signal is reported.
 The user's first message is the task's scenario (``rollout.scenario_opening``, in training and evaluation): SmolLM2 as
@@ -41,31 +52,35 @@ the user simulator rarely states the request (experiments/learning_check.py).
 Each cell (method, seed) trains with ``train.train_and_evaluate`` into ``--workdir/METHOD/seedS`` (a killed run
 resumes from its checkpoint) and is evaluated with ``evaluate.evaluate_policy``: committed execution on the held-out
 tasks against the real tools and τ²'s evaluator (reward, pass^1, tool-call validity), REHEARSE's fidelity on the
-held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls, and the rehearsal-vs-real reward gap.
-The same evaluation key per seed for every method, so all methods meet the same openings. The cells of
-``--test-time-methods`` then run private rehearsal for every N of ``--ns`` (N > 0) in both modes, before the same
-committed execution (N = 0 is the plain evaluation). A finished cell is ``cell.json`` there and is read back by a
-rerun; a cell with a test-time grid saves its evaluation (``evaluation.json``) and then each test-time row
-(``test_time.json``) as it is made, so a killed run loses at most one evaluation.
+held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls, and the rehearsal-vs-real reward gap
+(the committed runs' messages and rewards go to ``heldout_transcripts.json`` there, for reading). The same
+evaluation key per seed for every method, so all methods meet the same openings. Every cell asked for is
+trained and evaluated first; then the cells of ``--test-time-methods`` run private rehearsal for every N of ``--ns``
+(N > 0) in both modes, before the same committed execution (N = 0 is the plain evaluation). A cell's record is
+``cell.json`` in its workdir, rewritten as each test-time row is added, so a killed run loses at most one
+evaluation. ``--out-dir/evidence.json`` is rewritten after every cell and row and holds every record, so it is also
+where a later session resumes from when the workdir is gone (the committed file: its cells are read back, and a
+trained cell that still lacks test-time rows is trained again first, deterministically, from its config).
 
-Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol,
-the aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with
-error bars; learning curves: training reward per role per step, held-out fidelity at base / after the warm-up / after
-GRPO; test-time pass^1 and cost vs N). ``--readme`` prints the README's results section from that JSON (a test checks
-that the README holds exactly it). ``--smoke`` is the pipeline check the tests run (the tiny random model on τ² mock,
-whose one split is cut into train and held-out ids here; the base and EnvACE cells: its numbers say nothing about
-the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B in bfloat16, B=16 ×
-G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still apply, and any
+Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol, the
+aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with error
+bars; learning curves: training reward per role per step, held-out gold-call fidelity and reward at base / after the
+warm-up / after GRPO; test-time pass^1 and cost vs N). ``--readme`` prints the README's results section from that JSON
+(a test checks that the README holds exactly it). ``--smoke`` is the pipeline check the tests run (the tiny random model
+on τ² mock, whose one split is cut into train and held-out ids here; the base and EnvACE cells: its numbers say nothing
+about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B in bfloat16, B=16
+× G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still apply, and any
 config value can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``).
 
 Budget: the default grid is sized for about 8 CPU-hours on 2 cores, run in parts (``--methods``, ``--seeds``) across
-sessions; ``--out-dir`` is rewritten after every cell with what is done so far.
+sessions.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import pathlib
 import sys
@@ -85,13 +100,16 @@ from experiments import common  # noqa: E402
 RESULTS_DIR = ROOT / "experiments" / "results"
 RESULTS_FILE = "evidence.json"
 PNGS = {"ablation": "evidence_ablation.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
-CELL_FILE, EVAL_FILE, TEST_TIME_FILE = "cell.json", "evaluation.json", "test_time.json"
+CELL_FILE = "cell.json"
+TRANSCRIPTS_FILE = "heldout_transcripts.json"  # the committed executions of the evaluation, for reading
 README_BEGIN, README_END = "<!-- evidence.py --readme: begin -->", "<!-- evidence.py --readme: end -->"
 
-METHODS = ("base", "warmup", "envace", "grpo_real_env", "per_role")
+METHODS = ("base", "warmup", "warmup_grounded", "envace", "grpo_real_env", "per_role")
+WARMUP_ONLY = ("warmup", "warmup_grounded")
 LABELS = {
   "base": "base policy",
   "warmup": "warm-up only",
+  "warmup_grounded": "warm-up only, grounded REHEARSE",
   "envace": "EnvACE",
   "grpo_real_env": "GRPO (real env)",
   "per_role": "per-role",
@@ -127,6 +145,8 @@ COLUMNS = {  # JSON key -> table header
   "tool_calls": "tool calls per trial",  # validity counts replies as well-formed: 1.0 with no call at all
   "gap/gap": "reward gap",
 }
+# The curves PNG's held-out panels: base -> warm-up -> GRPO.
+STAGE_KEYS = {"fidelity_gold/key_f1": "gold-call fidelity (key F1)", "reward": "reward"}
 # Per GRPO step, from metrics.jsonl: the learning curves and the fraction of groups without signal.
 CURVE_KEYS = ("reward/mean", "reward/act/mean", "reward/rehearse/mean", "sft/nll", "rollout/groups_without_signal")
 
@@ -137,14 +157,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
   "default": dict(
     model="smollm2", domain="mock", train_split="base", eval_split="base",
     train_ids=_MAIN_JOB.env.train_task_ids, heldout=_MAIN_JOB.env.eval_task_ids,  # the main job's template split
-    methods=",".join(METHODS), seeds="0,1,2", sft_steps=2, steps=4, tasks=1, group=4, lr=2e-5, sft_lr=1e-4,
-    max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2", max_turns=3, max_new_tokens=96,
+    methods=",".join(METHODS), seeds="0,1,2", sft_steps=4, steps=4, tasks=1, group=4, lr=2e-5, sft_lr=1e-4,
+    max_draws=1, trials=1, test_time_methods="base,envace", ns="0,2", max_turns=3, max_new_tokens=96, grounding=0,
   ),
   "smoke": dict(
     model="tiny", domain="mock", train_split="base", eval_split="base",
     train_ids="create_task_1,update_task_1,impossible_task_1", heldout="update_task_with_initialization_data",
     methods="base,envace", seeds="0", sft_steps=1, steps=1, tasks=1, group=2, lr=1e-5, sft_lr=1e-4,
-    max_draws=1, trials=1, test_time_methods="envace", ns="0,1", max_turns=2, max_new_tokens=16,
+    max_draws=1, trials=1, test_time_methods="envace", ns="0,1", max_turns=2, max_new_tokens=16, grounding=0,
   ),
 }  # fmt: skip
 
@@ -159,7 +179,7 @@ def cell_config(args, method: str, seed: int):
   c.env.split, c.env.eval_split = args.train_split, args.eval_split
   c.env.train_task_ids = args.train_ids
   c.env.eval_task_ids = args.heldout if isinstance(args.heldout, str) else ""
-  trained = method not in ("base", "warmup")
+  trained = method not in ("base", *WARMUP_ONLY)
   c.train.sft_warmup_steps = 0 if method == "base" else args.sft_steps
   c.train.steps = c.train.sft_warmup_steps + (args.steps if trained else 0)
   if not args.full:  # --full keeps FULL's B, G and learning rate
@@ -173,6 +193,8 @@ def cell_config(args, method: str, seed: int):
   c.grpo.dynamic_sampling_max_draws = args.max_draws
   c.rollout.scenario_opening = True
   c.rollout.max_turns = args.max_turns
+  if method != "warmup_grounded":  # it keeps the config's grounding (configs/base.py), as the paper trains REHEARSE
+    c.rollout.grounding_max_tokens = args.grounding
   if not args.full:  # --full keeps FULL's 8k-token responses
     for role in ("act", "rehearse", "user"):
       c.rollout[f"{role}_max_new_tokens"] = args.max_new_tokens
@@ -181,14 +203,14 @@ def cell_config(args, method: str, seed: int):
   c.eval.fidelity = c.eval.fidelity_gold = c.eval.reward_gap = True
   if trained:
     common.apply_overrides(c, common.TRAINING_MODES[method].items())
-  elif method == "warmup":  # the warm-up trains both roles of the one policy, as EnvACE's does
+  elif method in WARMUP_ONLY:  # the warm-up trains both roles of the one policy, as EnvACE's does
     c.grpo.mode = "envace"
   common.apply_overrides(c, args.overrides)
   return c
 
 
 _EVALUATION_KEYS = ("full", "model", "domain", "eval_split", "heldout", "trials", "max_turns", "max_new_tokens")
-_WARMUP_KEYS = ("train_split", "train_ids", "sft_steps", "sft_lr", "tasks")
+_WARMUP_KEYS = ("train_split", "train_ids", "sft_steps", "sft_lr", "tasks", "grounding")
 _RL_KEYS = ("steps", "group", "lr", "max_draws")
 
 
@@ -198,7 +220,7 @@ def budget(args, method: str | None = None) -> dict[str, Any]:
   keys = _EVALUATION_KEYS
   if method != "base":
     keys += _WARMUP_KEYS
-  if method not in ("base", "warmup"):
+  if method not in ("base", *WARMUP_ONLY):
     keys += _RL_KEYS
   return {**{k: getattr(args, k) for k in keys}, "overrides": [list(o) for o in args.overrides]}
 
@@ -210,49 +232,58 @@ def _curve(workdir: pathlib.Path) -> list[dict[str, float]]:
   return [{"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}} for r in rows]
 
 
-def run_cell(args, method: str, seed: int) -> dict[str, Any]:
-  """Trains (unless ``base``), evaluates and (for ``--test-time-methods``) runs the test-time grid of one cell, or
-  reads its saved result. Raises SystemExit for a saved cell made with another budget."""
-  from envace_jax import evaluate, train
+def cell_dir(args, method: str, seed: int) -> pathlib.Path:
+  return pathlib.Path(args.workdir) / method / f"seed{seed}"
 
-  workdir = pathlib.Path(args.workdir) / method / f"seed{seed}"
-  path, partial = workdir / CELL_FILE, workdir / EVAL_FILE
-  if path.exists():
-    cell = _saved(args, path, method)
+
+def committed_cells(args, out_dir: pathlib.Path) -> dict[tuple[str, int], dict[str, Any]]:
+  """The cells of ``out_dir/evidence.json`` (the committed results) made with this run's budget, by (method, seed):
+  a session whose workdir is gone resumes the grid from them."""
+  path = out_dir / RESULTS_FILE
+  cells = common.read_json(path).get("cells", []) if path.exists() else []
+  return {
+    (c["method"], c["seed"]): c
+    for c in cells
+    if c["method"] in METHODS and not common.budget_mismatch(c["budget"], budget(args, c["method"]))
+  }
+
+
+def run_cell(args, method: str, seed: int, committed: Mapping[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+  """Trains (unless ``base``) and evaluates one cell on the held-out tasks into ``cell_dir/cell.json``, or reads its
+  record back (the workdir's, else the committed one, which is copied there). Raises SystemExit for a workdir cell
+  made with another budget."""
+  from envace_jax import train
+
+  workdir = cell_dir(args, method, seed)
+  path = workdir / CELL_FILE
+  cell = _saved(args, path, method) if path.exists() else committed.get((method, seed))
+  if cell is not None:
     print(f"{method} seed {seed}: saved", flush=True)
+    if not path.exists():
+      common.write_json(path, cell)
     return cell
   config = cell_config(args, method, seed)
-  tasks = evaluate.eval_tasks(config)
-  test_time = method in args.test_time_methods
-  cell = _saved(args, partial, method) if partial.exists() else None
-  if cell is None:
-    start = time.perf_counter()
-    print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
-    if config.train.steps:
-      train.train_and_evaluate(config, str(workdir))
-    train_s = time.perf_counter() - start
-  else:
-    print(f"{method} seed {seed}: evaluation saved; the test-time grid", flush=True)
-  model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
-  key = evaluate.eval_key(seed)  # the same openings for every method
-  if cell is None:
-    cell = _evaluate(args, config, tasks, model, samplers, key, method, seed, step, workdir, train_s)
-    if test_time:
-      common.write_json(partial, cell)  # a killed test-time grid resumes after the evaluation
-  if test_time:
-    start = time.perf_counter()
-    cell["test_time"] = rehearsal_grid(args, config, tasks, model, samplers, key, workdir, cell["eval"])
-    cell["test_time_s"] = cell.get("test_time_s", 0.0) + time.perf_counter() - start
+  start = time.perf_counter()
+  print(f"{method} seed {seed}: {config.train.steps} training steps, then the held-out evaluation", flush=True)
+  if config.train.steps:
+    train.train_and_evaluate(config, str(workdir))
+  cell = _evaluate(args, config, method, seed, workdir, train_s=time.perf_counter() - start)
   common.write_json(path, cell)
   return cell
 
 
-def _evaluate(args, config, tasks, model, samplers, key, method, seed, step, workdir, train_s) -> dict[str, Any]:
-  """The cell's held-out evaluation (``evaluate.evaluate_policy``) as its saved record, printed in one line."""
+def _evaluate(args, config, method: str, seed: int, workdir: pathlib.Path, train_s: float) -> dict[str, Any]:
+  """The cell's held-out evaluation (``evaluate.evaluate_policy`` with the seed's evaluation key, the same openings
+  for every method) as its record, printed in one line."""
   from envace_jax import evaluate
 
+  tasks = evaluate.eval_tasks(config)
+  model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
   start = time.perf_counter()
-  summary, _ = evaluate.evaluate_policy(config, tasks, samplers, model.tokenizer, key, num_trials=args.trials)
+  summary, run = evaluate.evaluate_policy(
+    config, tasks, samplers, model.tokenizer, evaluate.eval_key(seed), num_trials=args.trials
+  )
+  common.write_json(workdir / TRANSCRIPTS_FILE, [_transcript(t) for t in run.committed])
   cell = {
     "method": method,
     "seed": seed,
@@ -279,6 +310,16 @@ def _evaluate(args, config, tasks, model, samplers, key, method, seed, step, wor
   return cell
 
 
+def _transcript(traj) -> dict[str, Any]:
+  reward = traj.reward
+  return {
+    "task": traj.task.id,
+    "trial": traj.sample,
+    "reward": None if reward is None or not reward.valid else reward.reward,
+    "messages": [m.to_dict() for m in traj.messages],
+  }
+
+
 def _saved(args, path: pathlib.Path, method: str) -> dict[str, Any]:
   """The cell saved at ``path``. Raises SystemExit for one made with another budget."""
   cell = common.read_json(path)
@@ -288,36 +329,62 @@ def _saved(args, path: pathlib.Path, method: str) -> dict[str, Any]:
   return cell
 
 
-def rehearsal_grid(args, config, tasks, model, samplers, key, workdir: pathlib.Path, plain: Mapping[str, float]):
-  """Rows {mode, N, pass^1, reward, rehearsal_tokens (generated by rehearsals, assessments and the memory, per task
-  and trial)} for N = 0 (``plain``: the cell's evaluation, shown in both modes) and every N > 0 of ``--ns`` in both
-  modes; each row is saved to ``workdir/test_time.json`` as it is made and read back by a rerun."""
-  from envace_jax import evaluate
+def test_time_wanted(args) -> list[tuple[str, int]]:
+  """The (mode, N) rows of a test-time grid: N = 0 (the plain evaluation) and every N of ``--ns``, in both modes."""
+  return [(mode, n) for mode in MODES for n in sorted({0, *args.ns})]
 
-  path = workdir / TEST_TIME_FILE
-  rows = common.read_json(path) if path.exists() else []
-  done = {(r["mode"], r["N"]) for r in rows}
+
+def run_test_time(args, method: str, seed: int, on_row) -> dict[str, Any]:
+  """The test-time grid of a cell made by `run_cell`: rows {mode, N, pass^1, reward, rehearsal_tokens (generated by
+  rehearsals, assessments and the memory, per task and trial), seconds}, each added to the cell's ``cell.json`` as it
+  is made (then ``on_row()``), so a rerun makes only the missing ones. N = 0 is the cell's evaluation; N > 0 runs
+  private rehearsal (``eval.rehearsal_n`` = N) before the same committed execution, with the same key.
+
+  A trained cell whose checkpoint is not in its workdir (its record came from the committed JSON) is trained again
+  first, as its config says (the record says so: ``retrained_for_test_time``)."""
+  from envace_jax import evaluate, train
+
+  workdir = cell_dir(args, method, seed)
+  cell = common.read_json(workdir / CELL_FILE)
+  rows = {(r["mode"], r["N"]): r for r in cell.get("test_time", [])}
+  todo = [w for w in test_time_wanted(args) if w not in rows]
+  if not todo:
+    return cell
+  config = cell_config(args, method, seed)
+  tasks = evaluate.eval_tasks(config)
   items = len(tasks) * args.trials
-  for mode in MODES:
-    if (mode, 0) not in done:
-      rows.append({"mode": mode, "N": 0, "pass^1": plain["pass^1"], "reward": plain["reward"], "rehearsal_tokens": 0.0})
-    for n in sorted({x for x in args.ns if x > 0}):
-      if (mode, n) in done:
-        continue
+  model = samplers = None
+  for mode, n in todo:
+    if n == 0:
+      ev = cell["eval"]
+      row = {"mode": mode, "N": 0, "pass^1": ev["pass^1"], "reward": ev["reward"], "rehearsal_tokens": 0.0}
+    else:
+      if samplers is None:
+        model, samplers, step = evaluate.load_policy(config, str(workdir), items)
+        if step != cell["checkpoint_step"]:
+          print(
+            f"{method} seed {seed}: no checkpoint of step {cell['checkpoint_step']} here; training again", flush=True
+          )
+          train.train_and_evaluate(config, str(workdir))
+          model, samplers, _ = evaluate.load_policy(config, str(workdir), items)
+          cell["retrained_for_test_time"] = True
       c = copy.deepcopy(config)
       c.eval.rehearsal_n = n
       start = time.perf_counter()
       summary, _ = evaluate.evaluate_policy(
-        c, tasks, samplers, model.tokenizer, key, mode=mode, num_trials=args.trials, fidelity=False, gap=False,
-        gold=False,
+        c, tasks, samplers, model.tokenizer, evaluate.eval_key(seed), mode=mode, num_trials=args.trials,
+        fidelity=False, gap=False, gold=False,
       )  # fmt: skip
       tokens = sum(summary.get(f"cost/{p}/generated_tokens", 0.0) for p in ("rehearsal", "assessment", "memory"))
       row = {"mode": mode, "N": n, "pass^1": float(summary["pass^1"]), "reward": float(summary["reward"])}
       row.update(rehearsal_tokens=tokens / items, seconds=time.perf_counter() - start)
-      rows.append(row)
-      common.write_json(path, rows)
-      print(f"  test-time {mode} N={n}: pass^1 {row['pass^1']:.3f}, {row['seconds']:.0f} s", flush=True)
-  return sorted(rows, key=lambda r: (MODES.index(r["mode"]), r["N"]))
+      print(f"{method} seed {seed}: test-time {mode} N={n}: pass^1 {row['pass^1']:.3f}, {row['seconds']:.0f} s",
+            flush=True)  # fmt: skip
+    rows[(mode, n)] = row
+    cell["test_time"] = sorted(rows.values(), key=lambda r: (MODES.index(r["mode"]), r["N"]))
+    common.write_json(workdir / CELL_FILE, cell)
+    on_row()
+  return cell
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -403,6 +470,7 @@ def readme_section(result: Mapping[str, Any]) -> str:
   """The README's results section, between the two markers, from ``evidence.json``'s content."""
   p = result["protocol"]
   done, grid = len(result["cells"]), len(result["cells"]) + len(result["missing"])
+  grounding = f"with {p['grounding']} tokens of grounding" if p.get("grounding") else "without grounding"
   lines = [
     README_BEGIN,
     f"Held-out evidence (`python experiments/evidence.py`; {done} of {grid} cells of the grid done). "
@@ -410,16 +478,19 @@ def readme_section(result: Mapping[str, Any]) -> str:
     f"split ({_ids(p['train_task_ids'])}), judged on {len(p['heldout_task_ids'])} tasks of `{p['eval_split']}` it "
     f"never trained on ({_ids(p['heldout_task_ids'])}; {p['trials']} trial{'s' if p['trials'] != 1 else ''} each), "
     f"mean ± std over seeds (n). Budget per trained cell: {p['sft_steps']} warm-up steps, "
-    f"then {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']} with dynamic sampling. Fidelity is REHEARSE's "
-    "prediction of the real response to the held-out tasks' gold calls; pass^1 in %.",
+    f"then {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']} with dynamic sampling; REHEARSE trains "
+    f"{grounding}, as it rehearses a held-out task, except in the grounded warm-up. Fidelity is REHEARSE's "
+    "prediction of the real response to the held-out tasks' gold calls; pass^1 in %; groups without signal: the "
+    "fraction of a GRPO step's groups whose rollouts all got one reward (dynamic sampling replaces them).",
     "",
     evidence_table(result),
   ]
   if result["test_time"]:
     lines += ["", "Test-time private rehearsal on the same held-out tasks (pass^1 in %; N = 0: no rehearsal):", ""]
     lines.append(test_time_table(result))
-  if result["missing"]:
-    lines += ["", "Not run yet: " + ", ".join(result["missing"]) + "."]
+  not_run = [*result["missing"], *result.get("missing_test_time", [])]
+  if not_run:
+    lines += ["", "Not run yet: " + ", ".join(not_run) + "."]
   lines += ["", *(f"![{name}](experiments/results/{file})" for name, file in PNGS.items()), README_END]
   return "\n".join(lines)
 
@@ -449,7 +520,7 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   fig.savefig(out_dir / PNGS["ablation"], dpi=110)
   plt.close(fig)
 
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+  fig, (ax, *stage_axes) = plt.subplots(1, 3, figsize=(15, 3.8))
   for method in (m for m in METHODS if any(c["method"] == m for c in cells)):
     mine = [c for c in cells if c["method"] == method]
     for key, style in (("reward/act/mean", "-"), ("reward/rehearse/mean", "--")):
@@ -458,18 +529,18 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
         ys = [np.nanmean([r[key] for c in mine for r in c["curve"] if r["step"] == s and key in r]) for s in steps]
         ax.plot(steps, ys, style, marker="o", label=f"{LABELS[method]} {key.split('/')[1].upper()}")
   ax.set(xlabel="step", ylabel="training reward (rule checklist)", title="training reward per role, mean over seeds")
-  ax.legend(fontsize=7)
-  stages = {"base": 0, "warmup": 1}
-  for method in ("envace", "grpo_real_env", "per_role"):
-    pts = [(stage, r) for m, stage in {**stages, method: 2}.items() for r in rows if r["method"] == m]
-    if any(r["method"] == method for _, r in pts):
-      xs = [stage for stage, _ in pts]
-      ys = [r["fidelity_gold/json_valid"][0] for _, r in pts]
-      es = [r["fidelity_gold/json_valid"][1] for _, r in pts]
-      bx.errorbar(xs, ys, yerr=np.nan_to_num(es), marker="o", capsize=3, label=LABELS[method])
-  bx.set_xticks([0, 1, 2], ["base", "after warm-up", "after GRPO"])
-  bx.set(ylabel="held-out gold-call fidelity (JSON valid)", title="world-model fidelity on held-out tasks")
-  bx.legend(fontsize=7)
+  _legend(ax)
+  # Held-out numbers along a GRPO cell's path: the base weights, the warm-up it starts from, after its GRPO steps.
+  for bx, (key, what) in zip(stage_axes, STAGE_KEYS.items(), strict=True):
+    for method in ("envace", "grpo_real_env", "per_role"):
+      pts = [(stage, r) for stage, m in enumerate(("base", "warmup", method)) for r in rows if r["method"] == m]
+      if any(r["method"] == method for _, r in pts):
+        mean_std = np.array([r[key] for _, r in pts], np.float64)  # [stages, (mean, std)]
+        bx.errorbar([stage for stage, _ in pts], mean_std[:, 0], yerr=np.nan_to_num(mean_std[:, 1]), marker="o",
+                    capsize=3, label=LABELS[method])  # fmt: skip
+    bx.set_xticks([0, 1, 2], ["base", "after warm-up", "after GRPO"])
+    bx.set(ylabel=f"held-out {what}", title=f"held-out {what}, mean ± std over seeds")
+    _legend(bx)
   fig.tight_layout()
   fig.savefig(out_dir / PNGS["curves"], dpi=110)
   plt.close(fig)
@@ -486,10 +557,15 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   ax.set(xlabel="N rehearsals", ylabel="held-out pass^1 (%)", title="test-time private rehearsal")
   bx.set(xlabel="N rehearsals", ylabel="tokens per task and trial", title="rehearsal cost")
   for a in (ax, bx):
-    a.legend(fontsize=7)
+    _legend(a)
   fig.tight_layout()
   fig.savefig(out_dir / PNGS["test_time"], dpi=110)
   plt.close(fig)
+
+
+def _legend(ax) -> None:
+  if ax.get_legend_handles_labels()[0]:  # a partial grid may have nothing to label yet
+    ax.legend(fontsize=7)
 
 
 def _title(result: Mapping[str, Any]) -> str:
@@ -567,12 +643,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> dict[str, Any]:
-  """Runs (or resumes) the cells asked for, then writes ``--out-dir/evidence.json`` and the PNGs from every finished
-  cell of the grid in ``--workdir`` and prints the tables. With ``--readme``: prints the README section only.
+  """Runs (or resumes) the cells asked for: first every cell's training and held-out evaluation (`run_cell`), then
+  the test-time grids (`run_test_time`), rewriting ``--out-dir/evidence.json`` and the PNGs after every cell and row
+  (`write_results`); then prints the tables. With ``--readme``: prints the README section only.
 
   Returns:
-    evidence.json's content: {"protocol", "cells", "rows" (`aggregate`), "test_time" (`aggregate_test_time`),
-    "missing": the grid's cells not finished yet ("METHOD/seedS")}.
+    evidence.json's content (`write_results`).
   """
   args = parse_args(argv)
   out_dir = pathlib.Path(args.out_dir)
@@ -592,49 +668,73 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     print(common.TINY_CAVEAT, flush=True)
   start = time.perf_counter()
   proto = protocol(args)
+  committed = committed_cells(args, out_dir)
+  save = functools.partial(write_results, args, proto, out_dir, committed)
   for seed in args.seeds:
     for method in args.methods:
-      run_cell(args, method, seed)
-  # Every finished cell of the whole grid (other sessions' parts included), in grid order.
-  methods, seeds = grid(args)
-  cells, missing = [], []
-  for seed in seeds:
-    for method in methods:
-      path = pathlib.Path(args.workdir) / method / f"seed{seed}" / CELL_FILE
-      cell = common.read_json(path) if path.exists() else None
-      if cell is not None and not common.budget_mismatch(cell["budget"], budget(args, method)):
-        cells.append(cell)
-      else:
-        missing.append(f"{method}/seed{seed}")
-  cells.sort(key=lambda c: (METHODS.index(c["method"]), c["seed"]))
-  result = {
-    "protocol": {**proto, "methods": methods, "seeds": seeds},
-    "cells": cells,
-    "rows": aggregate(cells, methods),
-    "test_time": aggregate_test_time(cells),
-    "missing": missing,
-  }
-  out_dir.mkdir(parents=True, exist_ok=True)
-  common.write_json(out_dir / RESULTS_FILE, result)
-  plot(result, out_dir)
+      run_cell(args, method, seed, committed)
+      save()
+  for seed in args.seeds:
+    for method in (m for m in args.methods if m in args.test_time_methods):
+      run_test_time(args, method, seed, save)
+  result = save()
   print()
   print(_title(result))
   print(evidence_table(result))
   if result["test_time"]:
     print(test_time_table(result))
-  if missing:
-    print(f"not run yet: {', '.join(missing)}")
+  for key in ("missing", "missing_test_time"):
+    if result[key]:
+      print(f"not run yet: {', '.join(result[key])}")
   print(f"saved {out_dir / RESULTS_FILE} and {', '.join(PNGS.values())} there; {time.perf_counter() - start:.0f} s")
   return result
 
 
-def grid(args) -> tuple[list[str], list[int]]:
-  """The grid's methods (in ``METHODS`` order) and seeds: the defaults' (the smoke run's with ``--smoke``) and any
-  other asked for."""
+def write_results(args, proto, out_dir: pathlib.Path, committed) -> dict[str, Any]:
+  """Gathers every finished cell of the whole grid (`grid`; other sessions' parts included: a cell's workdir record,
+  else its committed one) and writes ``out_dir/evidence.json`` and the PNGs.
+
+  Returns:
+    {"protocol", "cells" (grid order), "rows" (`aggregate`), "test_time" (`aggregate_test_time`), "missing": the
+    grid's cells not made yet ("METHOD/seedS"), "missing_test_time": its test-time rows not made yet ("METHOD/seedS
+    MODE N=n")}.
+  """
+  methods, seeds, test_time_methods = grid(args)
+  cells, missing, missing_rows = [], [], []
+  for seed in seeds:
+    for method in methods:
+      path = cell_dir(args, method, seed) / CELL_FILE
+      cell = common.read_json(path) if path.exists() else committed.get((method, seed))
+      if cell is None or common.budget_mismatch(cell["budget"], budget(args, method)):
+        missing.append(f"{method}/seed{seed}")
+        continue
+      cells.append(cell)
+      if method in test_time_methods:
+        made = {(r["mode"], r["N"]) for r in cell.get("test_time", [])}
+        missing_rows += [f"{method}/seed{seed} {m} N={n}" for m, n in test_time_wanted(args) if (m, n) not in made]
+  cells.sort(key=lambda c: (METHODS.index(c["method"]), c["seed"]))
+  result = {
+    "protocol": {**proto, "methods": methods, "seeds": seeds, "test_time_methods": test_time_methods},
+    "cells": cells,
+    "rows": aggregate(cells, methods),
+    "test_time": aggregate_test_time(cells),
+    "missing": missing,
+    "missing_test_time": missing_rows,
+  }
+  out_dir.mkdir(parents=True, exist_ok=True)
+  common.write_json(out_dir / RESULTS_FILE, result)
+  plot(result, out_dir)
+  return result
+
+
+def grid(args) -> tuple[list[str], list[int], list[str]]:
+  """The grid's methods and its test-time methods (in ``METHODS`` order), and its seeds: the defaults' (the smoke
+  run's with ``--smoke``) and any other asked for."""
   defaults = DEFAULTS["smoke" if args.smoke else "default"]
   methods = set(common.parse_names(defaults["methods"])) | set(args.methods)
   seeds = set(common.parse_ints(defaults["seeds"])) | set(args.seeds)
-  return [m for m in METHODS if m in methods], sorted(seeds)
+  test_time = set(common.parse_names(defaults["test_time_methods"])) | set(args.test_time_methods)
+  return [m for m in METHODS if m in methods], sorted(seeds), [m for m in METHODS if m in test_time & methods]
 
 
 if __name__ == "__main__":

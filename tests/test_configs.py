@@ -85,27 +85,33 @@ def test_every_config_loads_and_validates(spec, benchmark, domain, split):
   assert config.sampler.capacity > 0 and config.demo.num_samples >= 1 and config.demo.tools_json
 
 
-def test_the_main_jobs_held_out_tasks_and_tools_are_never_trained_on(data_dir):
-  """configs/tau2.py:mock_heldout (the README's main job, experiments/evidence.py's protocol): training draws only the
-  create/impossible tasks, evaluation runs all five update tasks, and no held-out gold call uses a trained tool."""
+def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
+  """configs/tau2.py:mock_heldout (the README's main job, experiments/evidence.py's protocol): training draws one task
+  of each template, evaluation the four that continue a logged conversation; no held-out gold call is a trained one
+  (the same tool, another task id), and only held-out tasks start from an initial state."""
   from envace_jax import runtime
+  from envace_jax.envs import tau2 as tau2_env
 
   c = load("tau2.py:mock_heldout", f"--config.env.data_dir={data_dir}")
   config_check.validate(c)
   source = runtime.training_tasks(c)
   trained = [source[i] for i in range(len(source))]
   held_out = runtime.evaluation_tasks(c, c.train.eval_tasks)
-  assert [t.id for t in trained] == ["create_task_1", "create_task_1_with_env_assertions", "impossible_task_1"]
+  assert [t.id for t in trained] == ["create_task_1", "create_task_1_with_env_assertions", "update_task_1",
+                                     "impossible_task_1"]  # fmt: skip
   assert [t.id for t in held_out] == [
-    "update_task_1",
     "update_task_with_message_history",
     "update_task_with_initialization_data",
     "update_task_with_initialization_actions",
     "update_task_with_history_and_env_assertions",
   ]
-  tools = lambda tasks: {a.name for t in tasks for a in t.gold_actions}  # noqa: E731
-  assert tools(trained) == {"create_task", "transfer_to_human_agents"} and tools(held_out) == {"update_task_status"}
-  assert (c.train.sft_warmup_steps, c.train.steps, c.train.eval_at_start, c.grpo.dynamic_sampling) == (2, 5, True, True)
+  calls = lambda tasks: {(a.name, json.dumps(a.arguments, sort_keys=True)) for t in tasks for a in t.gold_actions}  # noqa: E731
+  assert calls(held_out) == {("update_task_status", '{"status": "completed", "task_id": "task_2"}')}
+  assert not calls(held_out) & calls(trained)
+  initialised = lambda t: tau2_env.package_task(t).initial_state is not None  # noqa: E731
+  assert all(map(initialised, held_out)) and not any(map(initialised, trained))
+  sizes = (c.train.sft_warmup_steps, c.train.steps, c.train.eval_at_start, c.grpo.dynamic_sampling)
+  assert sizes == (4, 7, True, True) and c.rollout.grounding_max_tokens == 0
 
 
 def test_checklist_needs_its_data_path():

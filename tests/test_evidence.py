@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -84,21 +85,36 @@ def test_smoke_grid_cells_rows_files_and_resume(smoke, data_dir, capsys):
   out = capsys.readouterr().out
   assert out.count(": saved") == 2
   assert json.dumps(again["rows"]) == json.dumps(result["rows"])
-  # A cell killed during its test-time grid: the saved evaluation and rows are read back, the missing row is made
-  # again with the same key (the same numbers), and no evaluation is repeated.
-  envace = tmp / "cells" / "envace" / "seed0"
-  rows = json.loads((envace / evidence.TEST_TIME_FILE).read_text())
-  (envace / evidence.TEST_TIME_FILE).write_text(json.dumps(rows[:-1]))
-  (envace / evidence.CELL_FILE).unlink()
+  # A run killed during a test-time grid: the cell's saved rows are read back and only the missing one is made again,
+  # with the same key (the same numbers).
+  envace = tmp / "cells" / "envace" / "seed0" / evidence.CELL_FILE
+  cell = json.loads(envace.read_text())
+  cell["test_time"] = cell["test_time"][:-1]
+  envace.write_text(json.dumps(cell))
   resumed = _run(tmp, data_dir)
   out = capsys.readouterr().out
-  assert "envace seed 0: evaluation saved; the test-time grid" in out and out.count("  test-time ") == 1
+  assert out.count(": saved") == 2 and out.count(": test-time ") == 1 and "training again" not in out
   assert json.dumps(resumed["test_time"]) == json.dumps(result["test_time"])
   assert json.dumps(resumed["rows"]) == json.dumps(result["rows"])
+  # A later session without the workdir: the cells come from the committed evidence.json; a test-time row missing
+  # there is made after training the cell again (its checkpoint is gone), with the same numbers.
+  committed = json.loads((tmp / "out" / evidence.RESULTS_FILE).read_text())
+  envace_cell = next(c for c in committed["cells"] if c["method"] == "envace")
+  envace_cell["test_time"] = envace_cell["test_time"][:-1]
+  (tmp / "out" / evidence.RESULTS_FILE).write_text(json.dumps(committed))
+  shutil.rmtree(tmp / "cells")
+  restored = _run(tmp, data_dir)
+  out = capsys.readouterr().out
+  assert out.count(": saved") == 2 and out.count(": test-time ") == 1
+  assert "envace seed 0: no checkpoint of step 2 here; training again" in out
+  assert json.dumps(restored["test_time"]) == json.dumps(result["test_time"])
+  assert [c["eval"] for c in restored["cells"]] == [c["eval"] for c in result["cells"]]
+  assert next(c for c in restored["cells"] if c["method"] == "envace")["retrained_for_test_time"] is True
   evidence.main(["--readme", f"--out-dir={tmp / 'out'}"])
   assert capsys.readouterr().out.strip() == evidence.readme_section(saved)
   with pytest.raises(SystemExit, match="another budget"):
     _run(tmp, data_dir, "--steps=2")
+  assert restored["missing"] == restored["missing_test_time"] == []
 
 
 def test_every_method_is_one_config():
@@ -106,20 +122,22 @@ def test_every_method_is_one_config():
   args = evidence.parse_args([])
   configs = {m: evidence.cell_config(args, m, 0) for m in evidence.METHODS}
   steps = {m: (c.train.sft_warmup_steps, c.train.steps) for m, c in configs.items()}
-  assert steps == {"base": (0, 0), "warmup": (2, 2), "envace": (2, 6), "grpo_real_env": (2, 6), "per_role": (2, 6)}
+  assert steps == {"base": (0, 0), "warmup": (4, 4), "warmup_grounded": (4, 4), "envace": (4, 8),
+                   "grpo_real_env": (4, 8), "per_role": (4, 8)}  # fmt: skip
+  # REHEARSE trains without grounding, as it is evaluated, except in the grounded warm-up (the config's 1024 tokens).
+  grounding = {m: c.rollout.grounding_max_tokens for m, c in configs.items()}
+  assert grounding == {**dict.fromkeys(evidence.METHODS, 0), "warmup_grounded": 1024}
   modes = {m: (c.grpo.mode, c.rollout.env_mode, tuple(c.grpo.trained_roles)) for m, c in configs.items()}
   assert modes["grpo_real_env"] == ("grpo_real_env", "real", ("act",)) and modes["per_role"][0] == "per_role"
-  assert (
-    modes["envace"] == modes["warmup"] == modes["base"] == ("envace", "rehearse", configs["envace"].grpo.trained_roles)
-  )
+  envace = ("envace", "rehearse", configs["envace"].grpo.trained_roles)
+  assert modes["envace"] == modes["warmup"] == modes["warmup_grounded"] == modes["base"] == envace
   for c in configs.values():
     where = (c.model, c.env.domain, c.env.split, c.env.eval_split, c.env.train_task_ids, c.env.eval_task_ids)
     assert where == ("smollm2-135m", "mock", "base", "base", args.train_ids, args.heldout)
     sizes = (c.eval.tasks, c.train.group_size, c.grpo.dynamic_sampling, c.rollout.scenario_opening)
     assert sizes == (-1, 4, True, True)
-  # The template split: the "update a task" tasks are held out, none of them trained on.
-  assert all(i.startswith("update_task") for i in args.heldout.split(",")) and len(args.heldout.split(",")) == 5
-  assert not any(i.startswith("update_task") for i in args.train_ids.split(","))
+  # The main job's split (configs/tau2.py; tests/test_configs.py checks it): four held-out tasks, none trained on.
+  assert len(args.heldout.split(",")) == 4 and not set(args.heldout.split(",")) & set(args.train_ids.split(","))
 
 
 def test_bad_arguments_stop_with_the_reason(capsys):
@@ -134,7 +152,7 @@ def test_bad_arguments_stop_with_the_reason(capsys):
     assert stop.value.code == 2 and message in capsys.readouterr().err, argv
   args = evidence.parse_args(["--smoke", "--seeds=3", "--config.grpo.learning_rate=1e-5"])
   assert args.model == "tiny" and args.seeds == [3] and args.overrides == [("grpo.learning_rate", "1e-5")]
-  assert evidence.grid(args) == (["base", "envace"], [0, 3])  # the smoke grid and the seed asked for
+  assert evidence.grid(args) == (["base", "envace"], [0, 3], ["envace"])  # the smoke grid and the seed asked for
 
 
 def test_aggregate_and_tables_by_hand():
