@@ -191,8 +191,9 @@ def _smollm2_problem() -> str | None:
   return None
 
 
-def _check_model(ck: _Checker) -> int | None:
-  """Checks model / model_path / tokenizer / dtypes; returns the model's context length when it is known."""
+def _check_model(ck: _Checker, weights: bool = True) -> int | None:
+  """Checks model / model_path / tokenizer / dtypes (``weights``: that the weights exist too); returns the model's
+  context length when it is known."""
   model, path, tokenizer = ck.text("model"), ck.text("model_path"), ck.text("tokenizer")
   for key in ("dtype", "param_dtype"):
     ck.one_of(key, DTYPES)
@@ -208,7 +209,9 @@ def _check_model(ck: _Checker) -> int | None:
       if path:
         ck.add(f"model_path={path!r} is set, but model='tiny' is randomly initialised; clear model_path")
     elif not path:
-      if model == SMOLLM2:
+      if not weights:
+        pass
+      elif model == SMOLLM2:
         problem = _smollm2_problem()
         if problem:
           ck.add(f"model={model!r} has no weights: {problem}")
@@ -524,7 +527,7 @@ def _check_eval(ck: _Checker) -> None:
   ck.boolean("eval.reward_gap")
 
 
-def validate(config) -> None:
+def validate(config, *, weights: bool = True) -> None:
   """Checks a run's config (a ``ml_collections.ConfigDict`` from configs/*.py); loads no model, computes nothing.
 
   Checks every key the training loop reads (see configs/base.py for their meaning): enum values (modes, roles,
@@ -532,13 +535,15 @@ def validate(config) -> None:
   weights, tokenizer and checklist data exist, and that the settings fit together (grpo_real_env needs
   env_mode="real", a trained "user" role needs the policy to play the user, ...).
 
+  ``weights=False`` (``--mode=plan``, which reads only shapes): a preset needs no weights on disk.
+
   Raises:
     ConfigError: one or more problems; ``ConfigError.problems`` lists them, each naming the key, its value and the
       valid values (or the flag that fixes it).
   """
   ck = _Checker(config)
   ck.integer("seed", 0)
-  context = _check_model(ck)
+  context = _check_model(ck, weights)
   _check_mesh(ck)
   ck.integer("sampler.prefill_chunk", 1)
   benchmark = _check_env(ck)

@@ -1,9 +1,10 @@
-"""Entry point: python -m envace_jax.main --config=configs/tau2.py --workdir=DIR [--mode=train|eval|demo]
+"""Entry point: python -m envace_jax.main --config=configs/tau2.py --workdir=DIR [--mode=train|eval|demo|plan]
 
 Parses flags and hands over; nothing else lives here. ``train`` (the default) runs world-rehearsal training and a
 held-out evaluation (``train.train_and_evaluate``); ``eval`` evaluates the latest checkpoint in DIR (or the base
 weights) with test-time private rehearsal off / parallel / sequential (``evaluate.run``); ``demo`` samples one ACT
-turn on real weights.
+turn on real weights; ``plan`` prints each device's memory for the run from its compiled programs, with no weights
+loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX reports no limit for).
 
 Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
 ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
@@ -19,7 +20,10 @@ _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail)."
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs (a checkpoint resumes).")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo", "plan"], "What to run.")
+_DEVICE_GB = flags.DEFINE_float(
+  "device_memory_gb", 0.0, "--mode=plan: device memory in GB to compare with (0: the limit JAX reports, if any)."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -46,6 +50,10 @@ def main(argv: list[str]) -> None:
       from envace_jax import evaluate
 
       evaluate.run(_CONFIG.value, _WORKDIR.value)
+    elif _MODE.value == "plan":
+      from envace_jax import plan
+
+      plan.run(_CONFIG.value, _DEVICE_GB.value)
   except config_check.ConfigError as e:
     console.config_error(e)
 

@@ -108,7 +108,7 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   assert "| DEBUG" not in out and "| INFO" not in out and "Generating" not in out and "Downloading" not in out
 
 
-@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("mode", ["train", "eval", "plan"])
 def test_bad_config_values_print_one_line_each_and_exit_2(tmp_path, mode):
   """A bad value fails before anything loads or is prepared (no data under env.data_dir, no workdir): one line per
   bad key naming the key, its value and the valid values, exit status 2, no traceback."""

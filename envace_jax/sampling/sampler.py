@@ -143,7 +143,8 @@ class Sampler:
 
   Args:
     config: the model config.
-    params: the parameter tree (assign ``sampler.params`` to use new weights; no recompilation).
+    params: the parameter tree (assign ``sampler.params`` to use new weights; no recompilation), or None for a
+      sampler whose programs are only lowered with abstract parameters (``envace_jax/plan.py``).
     eos_ids: ids that end a sequence (finish reason STOP), e.g. ``Tokenizer.eos_ids``.
     token_bytes: bytes per id (``Tokenizer.token_bytes()``); needed only for stop strings.
     pad_id: id written past each row's end in outputs.
@@ -174,7 +175,8 @@ class Sampler:
     self.config = config.replace(scan_layers=False)
     self.mesh, self.rules = mesh, rules
     self._param_shardings = sharding.param_shardings(self.config, mesh, rules) if mesh is not None else None
-    self.params = params
+    if params is not None:
+      self.params = params
     self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
     self.pad_id = pad_id
     self.prefill_chunk = prefill_chunk
