@@ -132,7 +132,7 @@ def score_committed(
   Returns:
     {"reward": mean reward of the valid trials (NaN when none is), "pass^1".."pass^n", "tasks", "trials",
     "reward/invalid", "reward/scoring_errors" (`scoring.counts`), "turns", "tool_calls" (means per trial),
-    "tool_call_validity" (`scoring.tool_call_validity`)}.
+    "tool_call_validity" (`scoring.tool_call_validity`), "act_rehearse_format" (`scoring.act_in_rehearse_format`)}.
   """
   rewards_ = []
   successes = [0] * num_tasks
@@ -149,6 +149,7 @@ def score_committed(
     "turns": float(np.mean([t.counts.get("generations_act", 0) for t in trajectories])),
     "tool_calls": float(np.mean([t.counts.get("tool_calls", 0) for t in trajectories])),
     "tool_call_validity": scoring.tool_call_validity(trajectories),
+    "act_rehearse_format": scoring.act_in_rehearse_format(trajectories),
   }
   for k in range(1, num_trials + 1):
     summary[f"pass^{k}"] = pass_hat_k(successes, num_trials, k)

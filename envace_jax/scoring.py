@@ -32,6 +32,8 @@ from absl import logging
 
 from envace_jax import config_check
 from envace_jax.envs.base import EnvError, RewardInfo, Task, ToolEnv
+from envace_jax.model import tool_format
+from envace_jax.rehearsal.episode import initial_conversation
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rl import rewards
 
@@ -157,6 +159,21 @@ def tool_call_validity(trajectories: Sequence[Trajectory]) -> float:
   acts = sum(t.counts.get("generations_act", 0) for t in trajectories)
   malformed = sum(t.counts.get("malformed_act", 0) for t in trajectories)
   return 1.0 - malformed / acts if acts else float("nan")
+
+
+def act_in_rehearse_format(trajectories: Sequence[Trajectory]) -> float:
+  """The fraction of ACT generations written in REHEARSE's format (the agent's message holds a ``<tool_response>``
+  block; the benchmark's logged history is not counted): the shared policy answering as the environment instead of
+  acting. NaN when there is no generation."""
+  acts = sum(t.counts.get("generations_act", 0) for t in trajectories)
+  tag = tool_format.TOOL_RESPONSE_OPEN
+  confused = sum(
+    tag in m.content
+    for t in trajectories
+    for m in t.messages[len(initial_conversation(t.task)) :]
+    if m.role == "assistant"
+  )
+  return confused / acts if acts else float("nan")
 
 
 def check_scorers(config, real_tasks: Sequence[Task] = ()) -> None:

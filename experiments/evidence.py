@@ -123,6 +123,7 @@ KEPT = (
   "pass^1",
   "tool_call_validity",
   "tool_calls",
+  "act_rehearse_format",
   "reward/invalid",
   "reward/scoring_errors",
   "fidelity_gold/calls",
@@ -143,6 +144,7 @@ COLUMNS = {  # JSON key -> table header
   "pass^1": "pass^1",
   "tool_call_validity": "tool-call validity",
   "tool_calls": "tool calls per trial",  # validity counts replies as well-formed: 1.0 with no call at all
+  "act_rehearse_format": "ACT turns in REHEARSE's format",  # the agent writing a <tool_response> block
   "gap/gap": "reward gap",
 }
 # The curves PNG's held-out panels: base -> warm-up -> GRPO.

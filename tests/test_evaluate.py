@@ -193,3 +193,27 @@ def test_eval_mode_on_a_trained_checkpoint(tmp_path, data_dir, capsys, monkeypat
     assert word in table
   written = json.loads((tmp_path / "run" / evaluate.RESULTS_FILE).read_text())
   assert json.dumps(written["rows"], sort_keys=True) == json.dumps(result["rows"], sort_keys=True, default=float)
+
+
+def test_act_turns_in_rehearse_format_hand_counted(create_task):
+  """1 of 4 ACT generations holds a ``<tool_response>`` block (the agent answering as the environment); the tool
+  message's own block is not ACT's; no generation at all: NaN."""
+  import math
+
+  from envace_jax import scoring
+  from envace_jax.envs.base import ChatMessage, ToolCall
+  from envace_jax.rehearsal.trajectory import Trajectory
+
+  call = ToolCall("create_task", {"user_id": "user_1", "title": "T"}, id="c0")
+  confused = [ChatMessage("user", "hi"), ChatMessage("assistant", '<tool_response>\n{"ok": 1}\n</tool_response>'),
+              ChatMessage("assistant", "Done.")]  # fmt: skip
+  fine = [ChatMessage("assistant", tool_calls=(call,)), ChatMessage("tool", "<tool_response>", tool_call_id="c0"),
+          ChatMessage("assistant", "Created.")]  # fmt: skip
+  trajectories = [
+    Trajectory(create_task, 0, 0, confused, counts={"generations_act": 2}),
+    Trajectory(create_task, 0, 1, fine, counts={"generations_act": 2}),
+  ]
+  assert scoring.act_in_rehearse_format(trajectories) == 0.25
+  assert math.isnan(scoring.act_in_rehearse_format([Trajectory(create_task, 0, 0, [], counts={})]))
+  summary = evaluate.score_committed(_tiny_config("/unused"), trajectories, [_KnownEnv(0.0)] * 2, 1, 2)
+  assert summary["act_rehearse_format"] == 0.25
