@@ -149,6 +149,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 # Query-block size for attention over long self-contained sequences (no cache): see Attention.
 ATTENTION_BLOCK = 512
+# Key-block size for a multi-token chunk attending over a long cache (prefill; `_attend_key_blocks`), used when it
+# attends over more than two blocks. Prefill of SmolLM2 at context 4096 on a 2-core CPU (tok/s, best of 3,
+# interleaved): dense 244, blocks of 512: 294, 256: 341, 128: 312; at context 256 the dense path is faster.
+KEY_BLOCK = 256
 
 
 def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
@@ -157,6 +161,45 @@ def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
   scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts * (head_dim**-0.5), _MASKED)
   probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_bkgth.dtype)
   return jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)
+
+
+def _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, block: int):
+  """`_attend` one key block of ``block`` slots at a time with a running max and sum (the online softmax of
+  FlashAttention, Dao et al. 2022), stopping after the last block any query sees: the temporaries are
+  [B, K, G, T, block] instead of [B, K, G, T, S], and a chunk early in a long cache reads only the filled blocks.
+
+  Shapes as `_attend`'s, S a multiple of ``block``. A query that sees no key gets zeros (padding; `_attend` gives
+  the mean of the values there: both are meaningless and never used).
+  """
+  b, k, g, t, h = q_bkgth.shape
+  s = k_bkhs.shape[-1]
+  seen = jnp.any(mask_bts, axis=(0, 1))  # [S]: slots some query attends to
+  last = jnp.max(jnp.where(seen, jnp.arange(s), -1))
+  scale = head_dim**-0.5
+
+  def body(j, carry):
+    best, total, acc = carry  # [B, K, G, T], [B, K, G, T], float32[B, K, G, T, H]
+    k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, j * block, block, axis=3)
+    v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
+    mask = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)[:, None, None]
+    scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_blk, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask, scores, _MASKED)
+    new_best = jnp.maximum(best, scores.max(axis=-1))
+    probs = jnp.where(mask, jnp.exp(scores - new_best[..., None]), 0.0)
+    carry_scale = jnp.exp(best - new_best)
+    total = total * carry_scale + probs.sum(axis=-1)
+    acc = acc * carry_scale[..., None] + jnp.einsum(
+      "bkgts,bksh->bkgth", probs.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+    )
+    return new_best, total, acc
+
+  init = (
+    jnp.full((b, k, g, t), _MASKED, jnp.float32),
+    jnp.zeros((b, k, g, t), jnp.float32),
+    jnp.zeros((b, k, g, t, h), jnp.float32),
+  )
+  _, total, acc = jax.lax.fori_loop(0, (last + block) // block, body, init)
+  return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q_bkgth.dtype)
 
 
 class Attention(nn.Module):
@@ -224,6 +267,8 @@ class Attention(nn.Module):
         rows, end = slice(i * block, (i + 1) * block), (i + 1) * block
         outs.append(_attend(q_bkgth[:, :, :, rows], k_bkhs[..., :end], v_bksh[:, :, :end], mask[:, rows, :end], h))
       out_bkgth = jnp.concatenate(outs, axis=3)
+    elif cache is not None and t > 1 and k_bkhs.shape[-1] > 2 * KEY_BLOCK and k_bkhs.shape[-1] % KEY_BLOCK == 0:
+      out_bkgth = _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask, h, KEY_BLOCK)
     else:
       out_bkgth = _attend(q_bkgth, k_bkhs, v_bksh, mask, h)
     # As one [B, T, N*H] @ [N*H, D] matmul: an einsum over (n, h) let XLA transpose the weight (a copy of o_proj

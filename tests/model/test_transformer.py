@@ -188,3 +188,44 @@ def test_blockwise_causal_attention_equals_dense(monkeypatch):
   monkeypatch.setattr(transformer, "ATTENTION_BLOCK", 8)
   blocked = apply()
   np.testing.assert_allclose(blocked[valid], dense[valid], atol=1e-5, rtol=0)
+
+
+def test_key_blocked_attention_equals_dense():
+  """The online softmax over key blocks gives `_attend`'s output for every query that sees a key: ragged histories,
+  a causal chunk, a row with no visible key (padding: zeros), and blocks past every filled slot skipped."""
+  b, k, g, t, h, s = 3, 2, 2, 5, 8, 32
+  keys = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(keys[0], (b, k, g, t, h))
+  kk = jax.random.normal(keys[1], (b, k, h, s))
+  v = jax.random.normal(keys[2], (b, k, s, h))
+  filled = np.array([3, 11, 0])  # slots already in each row's cache; the chunk's t tokens follow
+  slots = np.arange(s)[None, None, :]
+  query_slot = filled[:, None, None] + np.arange(t)[None, :, None]
+  mask = slots <= query_slot
+  mask[2] = False  # a padding row: no query of it sees anything
+  dense = np.asarray(transformer._attend(q, kk, v, mask, h))
+  blocked = np.asarray(transformer._attend_key_blocks(q, kk, v, mask, h, block=4))
+  np.testing.assert_allclose(blocked[:2], dense[:2], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(blocked[2], 0.0)
+
+
+def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
+  """A cached multi-token chunk over a long cache attends key block by key block: the logits and the cache equal
+  the dense computation's, for ragged rows continuing a history."""
+  _, config, params = tiny_pair
+  tokens = _tokens((2, 40), config.vocab_size, seed=9)
+  valid = np.arange(40)[None, :] < np.array([[40], [23]])
+
+  def run():  # a fresh jit: KEY_BLOCK is read when tracing
+    apply = jax.jit(transformer.apply, static_argnums=0)
+    cache = transformer.init_cache(config, batch=2, capacity=64)
+    first, cache = apply(config, params, tokens[:, :9], cache=cache)
+    second, cache = apply(config, params, tokens[:, 9:], cache=cache, valid=valid[:, 9:])
+    return np.concatenate([first, second], axis=1), cache
+
+  monkeypatch.setattr(transformer, "KEY_BLOCK", 1 << 20)
+  dense, dense_cache = run()
+  monkeypatch.setattr(transformer, "KEY_BLOCK", 8)
+  blocked, blocked_cache = run()
+  np.testing.assert_allclose(blocked[valid], dense[valid], atol=2e-5, rtol=0)
+  jax.tree.map(np.testing.assert_array_equal, blocked_cache, dense_cache)
