@@ -33,13 +33,13 @@ How each cell is measured (both sides alike; prompts are real text tokens, tiled
     outside the timed region; every timed region ends with ``jax.block_until_ready`` (torch on CPU is synchronous).
   * ``same`` counts rows whose N+1 greedy tokens are identical on both sides (a check that both ran the same task).
 
-Runtime and memory (2-core EPYC VM, 23 GiB): ``--quick`` takes about 10 minutes, the turn table about half of it.
-The full grid is 221k prompt tokens per side plus warm-ups: expect 1.5-2 hours. Our prefill slows with context as
-attention's share of the FLOPs grows (SmolLM2 is narrow: at context 4096 attention costs about as much as the rest of
-a layer); at batch 1, ``--batches 1 --contexts 256,4096 --skip-turns`` (2026-12-02, the grid paused): 663 and 311
-tok/s (torch 582 and 408) with attention over key blocks (transformer.KEY_BLOCK, then 512; 256 since), 608 and 265
-(torch 414 and 389) with dense attention over the whole bucket before it. Memory: batch 32 x context 4096 holds two 6.1 GB caches plus
-the prefill's attention temporaries; at the default prefill chunk (512) it reached 21.7 GB on our side and was
+Runtime and memory (2-core EPYC VM, 23 GiB): ``--quick`` takes about 10 minutes, the turn table about half of it. The
+full grid is 221k prompt tokens per side plus warm-ups: expect 1.5-2 hours. Our prefill slows with context as
+attention's share of the FLOPs grows (SmolLM2 is narrow: at context 4096 attention costs about as much as the rest of a
+layer); at batch 1, ``--batches 1 --contexts 256,4096 --skip-turns`` (2026-12-02, the grid paused): 663 and 311 tok/s
+(torch 582 and 408) with attention over key blocks (transformer.KEY_BLOCK, then 512; 256 since), 608 and 265 (torch 414
+and 389) with dense attention over the whole bucket before it. Memory: batch 32 x context 4096 holds two 6.1 GB caches
+plus the prefill's attention temporaries; at the default prefill chunk (512) it reached 21.7 GB on our side and was
 killed on this 23 GB machine (with tests running alongside); ``--prefill-chunk 256`` halves the temporaries. Pass
 ``--results FILE`` on long runs: every cell is saved as it is measured, and a rerun with the same flags reuses them.
 Run it on a quiet machine: each row and the header report how many cores other processes used (and the hypervisor
