@@ -212,6 +212,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (rl/batch.py). Exact (same logprobs, loss and gradients); tokens per step G x (P + S) -> P + G x S.
   c.grpo.pack_shared_prefix = True
   c.grpo.min_shared_prefix = 64  # a shorter shared prefix leaves the rows unpacked (tokens)
+  # Rows of one role in several tasks share a root (a domain's ACT system prompt): packed across tasks too, the root
+  # once, while a row stays within this many tokens (0: per task only). Dense attention within a row: keep it short.
+  c.grpo.max_packed_length = 8192
   # Dynamic sampling (DAPO): a group whose valid rewards are all equal (no advantage for any role) is dropped and
   # another batch of B tasks is rolled out, until the step has B groups with signal or max_draws extra batches are
   # spent (train.Trainer.dynamic_sampling).

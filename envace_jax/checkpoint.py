@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from envace_jax.metrics import from_json_safe, to_json_safe
+from envace_jax.model import transformer
 
 CHECKPOINT_SUBDIR = "checkpoints"
 _STATE, _CONFIG, _META = "state", "config", "meta"
@@ -118,6 +119,27 @@ def _abstract(tree: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if sharding is None else x.dtype, sharding=sharding)
 
   return jax.tree.map(leaf, tree)
+
+
+def _stacked_abstract(tree: Any) -> Any:
+  """``tree``'s abstract arrays with every per-layer dict (``layers_0 ..``) as one stacked ``layers`` dict: the
+  layout checkpoints had before the train state held its layers apart. A stacked leaf keeps layer 0's sharding with
+  the layer axis replicated."""
+
+  def stack_leaf(*xs):
+    s = xs[0].sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+      s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec))
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=s)
+
+  def stack(d):
+    names = sorted((n for n in d if n.startswith("layers_")), key=lambda n: int(n.split("_")[1]))
+    out = {k: v for k, v in d.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(stack_leaf, *(d[n] for n in names))
+    return out
+
+  is_layers = lambda x: isinstance(x, dict) and "layers_0" in x  # noqa: E731
+  return jax.tree.map(lambda x: stack(x) if is_layers(x) else x, tree, is_leaf=is_layers)
 
 
 def _path_name(path: tuple) -> str:
@@ -397,10 +419,12 @@ class Checkpointer:
 
     Raises:
       CheckpointError: no checkpoint; or the checkpoint's arrays do not match ``abstract_state`` (another model,
-        per-role vs shared parameters, another dtype).
+        per-role vs shared parameters, another dtype). A checkpoint with stacked layers restores onto a target with
+        per-layer arrays (``layers_0 ..``), as older runs saved them.
       ValueError: ``abstract_state`` lacks "params" or "opt_state".
     """
     step = self._step(step)
+    stored_stacked = False
     if abstract_state is None:
       target = self._default_target(step)
     else:
@@ -408,6 +432,10 @@ class Checkpointer:
       if missing:
         raise ValueError(f"abstract_state needs the keys 'params' and 'opt_state'; missing {sorted(missing)}")
       target = _abstract({"params": abstract_state["params"], "opt_state": abstract_state["opt_state"]})
+      saved, wanted = self.saved_arrays(step), _flat_target(target)
+      stored_stacked = any("/layers/" in n for n in saved) and not any("/layers/" in n for n in wanted)
+      if stored_stacked:  # written before the train state held its layers apart: restored stacked, then split
+        target = _stacked_abstract(target)
       self._check_compatible(step, target)
     args = ocp.args.Composite(
       **{
@@ -420,10 +448,13 @@ class Checkpointer:
     meta = from_json_safe(restored[_META])
     key = meta["rng"]
     key_data = np.asarray(key["data"], dtype=key["dtype"]).reshape(key["shape"])
+    state = restored[_STATE]
+    if stored_stacked:
+      state = transformer.unstack_tree(state)
     return Restored(
       step=int(meta["step"]),
-      params=restored[_STATE]["params"],
-      opt_state=restored[_STATE]["opt_state"],
+      params=state["params"],
+      opt_state=state["opt_state"],
       rng=jax.random.wrap_key_data(key_data, impl=key["impl"]),
       data_state=meta.get("data_state"),
       metrics=meta.get("metrics") or {},

@@ -469,6 +469,7 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
   ck.boolean("grpo.remat")
   ck.boolean("grpo.pack_shared_prefix")
   ck.integer("grpo.min_shared_prefix", 1)
+  ck.integer("grpo.max_packed_length", 0)
   ck.boolean("grpo.dynamic_sampling")
   ck.integer("grpo.dynamic_sampling_max_draws", 0)
   # How the pieces fit together.

@@ -40,6 +40,7 @@ from absl import logging
 
 from envace_jax import config_check, metrics, runtime, scoring
 from envace_jax.envs.base import ChatMessage, Task, ToolEnv
+from envace_jax.model import transformer
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal import fidelity as fidelity_lib
 from envace_jax.rehearsal import private
@@ -311,7 +312,8 @@ def write_summary(workdir: str, step: int, summary: Mapping[str, float]) -> str:
 
 
 def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[Any, int | None]:
-  """The parameters to evaluate: the latest checkpoint's in ``workdir``, else the model's base weights.
+  """The parameters to evaluate: the latest checkpoint's in ``workdir`` (layers apart, as the train state holds
+  them), else the model's base weights (``model.params`` itself).
 
   Returns:
     (params: one tree, or {"act", "rehearse"} in per_role mode; the checkpoint's step or None).
@@ -322,15 +324,14 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   from envace_jax.rl import grpo
 
   cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
+  base = ({name: model.params for name in grpo.ROLE_TREES} if cfg.per_role else model.params), None
   if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
-    params = model.params
-    return ({name: params for name in grpo.ROLE_TREES} if cfg.per_role else params), None
+    return base
   with checkpoint_lib.Checkpointer.from_config(workdir, config, read_only=True) as ckpt:
     step = ckpt.latest_step()
     if step is None:
-      params = model.params
-      return ({name: params for name in grpo.ROLE_TREES} if cfg.per_role else params), None
-    target = grpo.init_train_state(cfg, model.params)
+      return base
+    target = jax.eval_shape(functools.partial(grpo.init_train_state, cfg), model.params)  # shapes: nothing allocated
     restored = ckpt.restore(step, abstract_state={"params": target.params, "opt_state": target.opt_state})
   return restored.params, step
 
@@ -361,6 +362,9 @@ def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model
   model = runtime.load_model(config)
   if model.tokenizer is None:
     raise config_check.ConfigError([f"model={config.model!r} has no tokenizer; set config.tokenizer"])
+  # The base weights with their layers apart (the samplers' layout), once: the reference and, without a checkpoint,
+  # the policy sample the same arrays.
+  model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
   params, step = restore_policy(config, model, workdir)
   mesh = runtime.make_mesh(config)
   per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}

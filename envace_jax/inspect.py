@@ -38,6 +38,7 @@ import numpy as np
 
 from envace_jax import metrics as metrics_lib
 from envace_jax.checkpoint import CHECKPOINT_SUBDIR, Checkpointer, CheckpointError
+from envace_jax.model import transformer
 from envace_jax.model.roles import Role
 from envace_jax.rl import grpo
 
@@ -151,7 +152,8 @@ def l2_norm(array: Any) -> float:
 
 
 def param_table(params: Any) -> dict[str, list[dict[str, Any]]]:
-  """One row per parameter array, per tree.
+  """One row per parameter array, per tree; layers saved apart (``layers_0 ..``, as the train state holds them) are
+  shown stacked, one row per array of all layers.
 
   Args:
     params: a parameter tree (nested dicts of arrays), or a per_role run's ``{"act": tree, "rehearse": tree}``.
@@ -161,7 +163,7 @@ def param_table(params: Any) -> dict[str, list[dict[str, Any]]]:
     "dtype": "float32", "size": number of values, "norm": L2 norm}, ...]} in tree order.
   """
   out = {}
-  for name, tree in split_trees(params).items():
+  for name, tree in split_trees(transformer.stack_tree(params)).items():
     rows = []
     for path, leaf in _flatten(tree):
       array = np.asarray(leaf)

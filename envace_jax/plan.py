@@ -14,10 +14,11 @@ XLA's own (``memory_analysis()``: per device, after partitioning):
   * the update step (`rl.grpo.make_update_step`): the train state (parameters and AdamW's two moments) and one
     micro-batch of ``grpo.micro_batch_size`` rows of the longest view.
 
-Parts, per device, as the training loop holds them (`train.Trainer`): the loaded weights (the reference, on the
-default device), the train state's parameters and optimizer moments, each sampler's own unstacked copy of its
-parameters, the KV caches, and each program's temporaries (activations, logits, the decode loop's carry). The rollout
-and the update run one after the other, so the peak is what persists plus the larger of the two phases' own memory.
+Parts, per device, as the training loop holds them (`train.Trainer`): the reference (the initial weights), the train
+state's parameters (which the policy's samplers read) and optimizer moments, a sampler's own copy where it is placed
+unlike the train state, the KV caches, and each program's temporaries (activations, logits, the decode loop's carry).
+The rollout and the update run one after the other, so the peak is what persists plus the larger of the two phases' own
+memory.
 """
 
 from __future__ import annotations
@@ -125,35 +126,37 @@ def plan(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
   parts: list[Part] = []
   programs: dict[str, dict[str, int]] = {}
 
-  # Persistent: the loaded weights (the reference), the train state, the samplers' copies.
-  train_cfg = mc.replace(scan_layers=True)
-  shapes = jax.eval_shape(functools.partial(transformer.init_params, train_cfg), jax.random.key(0))
-  param_mb = device_bytes(shapes)
-  parts.append(Part("loaded weights (the frozen reference)", param_mb, "persistent", "whole, on the default device"))
+  # Persistent: the reference (the initial weights), the train state, and a sampler's own copy of the policy only
+  # where its placement is not the train state's (`train.Trainer`: the samplers read the state's arrays).
   shards = sharding.batch_size_multiple(mesh)
   update_mesh = mesh if shards > 1 and gcfg.micro_batch_size % shards == 0 else None
-  state = jax.eval_shape(functools.partial(grpo.init_train_state, gcfg), shapes)
-  state_sh = grpo.train_state_shardings(train_cfg, gcfg, update_mesh) if update_mesh is not None else None
+  sample_cfg = mc.replace(scan_layers=False)
+  on_mesh = mesh if n % shards == 0 else None  # as runtime.make_sampler places a sampler of B×G rows
+  sample_shapes = jax.eval_shape(functools.partial(transformer.init_params, sample_cfg), jax.random.key(0))
+  sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
+  placed = on_mesh is not None and on_mesh.size > 1
+  if ucfg.user_mode == "reference" and placed:
+    parts.append(Part("reference (the initial weights)", device_bytes(sample_shapes, sample_sh), "persistent",
+                      "sharded like the reference user's sampler, which reads it"))  # fmt: skip
+  else:
+    parts.append(Part("reference (the initial weights)", device_bytes(sample_shapes), "persistent",
+                      "whole, on the default device"))  # fmt: skip
+  state = jax.eval_shape(functools.partial(grpo.init_train_state, gcfg), sample_shapes)
+  state_sh = grpo.train_state_shardings(mc, gcfg, update_mesh) if update_mesh is not None else None
   where = "sharded over the mesh" if update_mesh is not None else "on one device"
   trees = f" × {len(grpo.ROLE_TREES)} role trees" if gcfg.per_role else ""
+  shared = placed == (update_mesh is not None)
   parts.append(Part("train state: parameters", device_bytes(state.params, state_sh and state_sh.params),
-                    "persistent", where + trees))  # fmt: skip
+                    "persistent", where + trees + (", read by the policy's samplers" if shared else "")))  # fmt: skip
   parts.append(Part("train state: AdamW moments", device_bytes(state.opt_state, state_sh and state_sh.opt_state),
                     "persistent", where + trees))  # fmt: skip
-  sample_cfg = mc.replace(scan_layers=False)
-  on_mesh = mesh if n % shards == 0 or mesh.size == 1 else None
+  if not shared:
+    for name in ["policy"] + (["rehearse (per_role)"] if gcfg.per_role else []):
+      parts.append(Part(f"sampler copy: {name}", device_bytes(sample_shapes, sample_sh), "persistent",
+                        "the sampler is placed unlike the train state"))  # fmt: skip
   # Stop strings are matched against a stand-in byte table (16 bytes per token; a few MB at most): no tokenizer loads.
   sampler = Sampler(sample_cfg, None, token_bytes=[b"\0" * 16] * sample_cfg.vocab_size,
                     prefill_chunk=config.sampler.prefill_chunk, mesh=on_mesh)  # fmt: skip
-  sample_shapes = jax.eval_shape(functools.partial(transformer.init_params, sample_cfg), jax.random.key(0))
-  sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
-  copy = device_bytes(sample_shapes, sample_sh)
-  sampler_names = ["policy"] + (["rehearse (per_role)"] if gcfg.per_role else [])
-  if ucfg.user_mode == "reference":
-    sampler_names.append("reference user")
-  for name in sampler_names:
-    parts.append(Part(f"sampler copy: {name}", copy, "persistent",
-                      "layers unstacked, " + ("sharded" if on_mesh is not None else "one device")))  # fmt: skip
   params_abstract = _abstract(sample_shapes, sample_sh)
 
   # The rollout: the caches and the sampler's programs.
@@ -190,11 +193,11 @@ def plan(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
   field = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((1, m, *shape), dtype)  # noqa: E731
   batch = batch_lib.TrainBatch(
     tokens=field(t), roles=field(t), valid=field(t, dtype=bool), positions=field(t), segments=field(t),
-    loss_mask=field(t, dtype=bool), old_logprobs=field(t, dtype=jnp.float32), ref_logprobs=field(t, dtype=jnp.float32),
-    row_role=field(), target_index=field(t), source_index=field(t), target_mask=field(t, dtype=bool),
-    target_advantages=field(t, dtype=jnp.float32),
+    parents=field(t), loss_mask=field(t, dtype=bool), old_logprobs=field(t, dtype=jnp.float32),
+    ref_logprobs=field(t, dtype=jnp.float32), row_role=field(), target_index=field(t), source_index=field(t),
+    target_mask=field(t, dtype=bool), target_advantages=field(t, dtype=jnp.float32),
   )  # fmt: skip
-  step = grpo.make_update_step(train_cfg, gcfg, mesh=update_mesh)
+  step = grpo.make_update_step(mc.replace(scan_layers=True), gcfg, mesh=update_mesh)
   update = _memory(step.jitted.lower(_abstract(state, state_sh), batch).compile())
   programs["update step"] = update
   parts.append(Part("update temporaries", update["temp"], "update",

@@ -29,7 +29,8 @@ class Model:
 
   Attributes:
     config: its ModelConfig, training layout (``scan_layers=True``: layers stacked on a leading axis).
-    params: the parameter tree in that layout (float32 on CPU).
+    params: the parameter tree in that layout as loaded (float32 on CPU). `train.Trainer` and `evaluate.load_policy`
+      replace it with the layers apart (`transformer.unstack_tree`: the samplers' layout, the reference policy).
     tokenizer: the tokenizer rendering its chats, or None (a random preset without ``config.tokenizer``).
     source: where the weights came from ("random init (seed s)" or the weights path), for logs.
   """

@@ -34,6 +34,7 @@ from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import config_check, evaluate, metrics, runtime, scoring
 from envace_jax.envs import datasets
 from envace_jax.envs.base import EnvError, Task
+from envace_jax.model import transformer
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.episode import UnfoldConfig
@@ -136,7 +137,9 @@ class Trainer:
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
     self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
     self.update_mesh = update_mesh
-    # The reference policy: the initial weights, a copy (the update donates the train state's buffers).
+    # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree besides
+    # the train state's; the stacked load is released. The train state starts as a copy (the update donates it).
+    self.model = dataclasses.replace(self.model, params=transformer.unstack_tree(self.model.params))
     self.ref_params = self.model.params
     state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
     if update_mesh is not None:
@@ -179,16 +182,22 @@ class Trainer:
   # -- rollouts ----------------------------------------------------------------------------------------------------
 
   def _samplers(self, rows: int) -> dict[str, Any]:
-    cfg = self.config
-    out = {"policy": runtime.make_sampler(cfg, self.model, self.model.params, self.mesh, rows)}
-    if self.grpo_cfg.per_role:
-      out["rehearse"] = runtime.make_sampler(cfg, self.model, self.model.params, self.mesh, rows)
+    """The policy's samplers over the train state's own arrays, and the reference user's over the reference's (on
+    a mesh the reference tree is the reference sampler's placed one: one copy)."""
+    cfg, params = self.config, self.state.params
+    per_role = self.grpo_cfg.per_role
+    out = {"policy": runtime.make_sampler(cfg, self.model, params["act"] if per_role else params, self.mesh, rows)}
+    if per_role:
+      out["rehearse"] = runtime.make_sampler(cfg, self.model, params["rehearse"], self.mesh, rows)
     if self.unfold_cfg.user_mode == "reference":
       out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, self.mesh, rows)
+      self.ref_params = out["reference"].params
+      self.model = dataclasses.replace(self.model, params=self.ref_params)
     return out
 
   def _sync_samplers(self) -> None:
-    """The policy samplers sample the current parameters (per_role: the ACT tree; the REHEARSE tree separately)."""
+    """Points the policy samplers at the train state's current arrays (per_role: ACT and REHEARSE trees); no copy
+    where the sampler's placement is the state's. Called after every update: the update donates the old arrays."""
     params = self.state.params
     if self.grpo_cfg.per_role:
       self.samplers["policy"].params = params["act"]
@@ -322,6 +331,7 @@ class Trainer:
     batch = self.with_reference(batch)
     state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=supervised)
     self.state, update_metrics = self.update(state, batch)
+    self._sync_samplers()
     return {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
 
   # -- the supervised warm-up (train.sft_warmup_steps) ------------------------------------------------------------

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from envace_jax import checkpoint
 from envace_jax.checkpoint import Checkpointer, CheckpointError
+from envace_jax.model import transformer
 
 
 def _params(key, d=8, f=16, vocab=32):
@@ -89,6 +90,29 @@ def test_round_trip_is_bit_exact(tmp_path):
   assert restored.metrics["reward/mean"] == 0.25 and restored.metrics["malformed_act"] == 2
   assert math.isnan(restored.metrics["loss"]) and restored.metrics["grad_norm"] == math.inf
   assert restored.config.model == "tiny" and restored.config.grpo.lr == 1e-6
+
+
+def test_a_checkpoint_with_stacked_layers_restores_with_the_layers_apart(tmp_path):
+  """Checkpoints written before the train state held its layers apart (``layers`` stacked, AdamW's moments too)
+  restore onto a per-layer target (``layers_0``, ``layers_1``, as the train state now holds them): the same values,
+  per_role trees included; a per-layer checkpoint round-trips as it is."""
+  params, opt_state = _trained_state(_params(jax.random.key(0)))
+  params = {"act": params, "rehearse": jax.tree.map(lambda x: x * 2, params)}
+  opt_state = {"act": opt_state, "rehearse": opt_state}
+  rng = jax.random.key(3)
+  with Checkpointer(tmp_path / "stacked") as ckpt:
+    ckpt.save(1, params=params, opt_state=opt_state, rng=rng)
+  apart = transformer.unstack_tree({"params": params, "opt_state": opt_state})
+  assert set(apart["params"]["act"]) == {"embed", "roles", "layers_0", "layers_1"}
+  assert set(apart["opt_state"]["rehearse"][1][0].mu) == {"embed", "roles", "layers_0", "layers_1"}
+  with Checkpointer(tmp_path / "stacked") as ckpt:
+    restored = ckpt.restore(abstract_state=_abstract(apart["params"], apart["opt_state"]))
+  _assert_bitwise_equal(restored.params, apart["params"])
+  _assert_bitwise_equal(restored.opt_state, apart["opt_state"])
+  with Checkpointer(tmp_path / "apart") as ckpt:
+    ckpt.save(1, params=apart["params"], opt_state=apart["opt_state"], rng=rng)
+    again = ckpt.restore(abstract_state=_abstract(apart["params"], apart["opt_state"]))
+  _assert_bitwise_equal(again.params, apart["params"])
 
 
 def test_per_role_params_and_other_key_impl(tmp_path):

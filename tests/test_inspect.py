@@ -35,8 +35,9 @@ def _leaves(tree):
 
 
 def _check_against_restored(description, restored_params):
-  """Every reported row (shape, dtype, norm) and role-embedding norm equals numpy's on the restored arrays."""
-  trees = ckpt_inspect.split_trees(restored_params)
+  """Every reported row (shape, dtype, norm) and role-embedding norm equals numpy's on the restored arrays (layers
+  saved apart are reported stacked)."""
+  trees = ckpt_inspect.split_trees(transformer.stack_tree(restored_params))
   assert list(description["params"]) == list(trees)
   for name, tree in trees.items():
     leaves = _leaves(tree)

@@ -214,7 +214,8 @@ def _check_inspect_checkpoint(nb, facts: dict) -> None:
 
   # The parameter table: every array of the tiny model over SmolLM2's vocabulary, its norm recomputed here.
   shapes = _shapes(config_lib.get_model_config("tiny", vocab_size=49152))
-  arrays = {"/".join(k.key for k in p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(restored.params)}
+  stacked = transformer.stack_tree(restored.params)  # saved with the layers apart, as the train state holds them
+  arrays = {"/".join(k.key for k in p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(stacked)}
   assert {path: a.shape for path, a in arrays.items()} == shapes
   table = _printed(nb, "ckpt_inspect.param_table(restored.params)")
   count = sum(math.prod(s) for s in shapes.values())

@@ -36,10 +36,12 @@ def test_plan_on_the_mesh_matches_the_formulas(data_dir):
   assert parts["KV cache: policy"].bytes == (slot * config.rollout.act_capacity + 4) * 16 // devices
   assert parts["KV cache: reference user"].bytes == (slot * config.rollout.user_capacity + 4) * 8 // devices
   params = transformer.param_count(transformer.init_params(mc, jax.random.key(0))) * 4
-  assert parts["loaded weights (the frozen reference)"].bytes == params
   state = parts["train state: parameters"].bytes
   assert params // devices <= state < params  # sharded over fsdp where a dimension divides
   assert parts["train state: AdamW moments"].bytes == 2 * state + 4  # two moments laid out like the params, a count
+  # The samplers read the train state's arrays and the reference user's sampler the reference: no other copy.
+  assert parts["reference (the initial weights)"].bytes == state
+  assert not [name for name in parts if name.startswith("sampler copy")]
   assert parts["sampler temporaries"].bytes == max(
     result["programs"]["prefill (policy)"]["temp"], result["programs"]["decode (policy)"]["temp"]
   )
@@ -61,7 +63,9 @@ def test_plan_off_the_mesh_and_without_a_limit(data_dir):
   parts = _parts(result)
   slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
   assert result["rows"] == 4 and parts["KV cache: policy"].bytes == (slot * config.rollout.act_capacity + 4) * 4
-  assert parts["sampler copy: policy"].detail.endswith("one device")
+  params = transformer.param_count(transformer.init_params(mc, jax.random.key(0))) * 4
+  assert parts["reference (the initial weights)"].bytes == parts["train state: parameters"].bytes == params
+  assert not [name for name in parts if name.startswith("sampler copy")]
   assert result["device_bytes"] is None and result["fits"] is None
   assert "pass --device_memory_gb=N to compare" in plan.format_plan(result)
 

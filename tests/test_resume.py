@@ -431,10 +431,13 @@ def test_training_loop_on_a_2x2x2_mesh_matches_one_device(tmp_path, data_dir):
   state_shardings = grpo.train_state_shardings(meshed.model.config, meshed.grpo_cfg, mesh)
   _assert_placed(_placement(meshed.state.params), state_shardings.params, "params")
   _assert_placed(_placement(meshed.state.opt_state), state_shardings.opt_state, "opt_state")
-  up = meshed.state.params["layers"]["mlp"]["up_proj"]  # [layers, embed, mlp]
-  assert up.sharding.spec == PartitionSpec(None, "fsdp", "tensor") and len(up.sharding.device_set) == 8
+  up = meshed.state.params["layers_0"]["mlp"]["up_proj"]  # [embed, mlp]: the state holds its layers apart
+  assert up.sharding.spec == PartitionSpec("fsdp", "tensor") and len(up.sharding.device_set) == 8
   (_, mu), *_ = optax.tree_utils.tree_get_all_with_path(meshed.state.opt_state, "mu")
-  assert mu["layers"]["mlp"]["up_proj"].sharding.spec == up.sharding.spec  # AdamW's moments sharded like params
+  assert mu["layers_0"]["mlp"]["up_proj"].sharding.spec == up.sharding.spec  # AdamW's moments sharded like params
+  # The policy sampler samples the state's own (sharded) arrays: no copy on the mesh either.
+  policy = jax.tree.leaves(meshed.samplers["policy"].params)
+  assert all(a is b for a, b in zip(policy, jax.tree.leaves(meshed.state.params), strict=True))
 
   # The same rollouts: every row's tokens, roles and loss mask exactly, the sampler's logprobs to float rounding.
   assert len(rollouts) == len(single_rollouts) == 2

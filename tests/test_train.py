@@ -178,6 +178,15 @@ def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mod
   assert np.count_nonzero(token_adv > 0) and np.count_nonzero(token_adv < 0)
   moved = float(np.sum(np.where(np.asarray(batch.loss_mask), token_adv * delta, 0.0)))
   assert moved > 0.0, moved
+  # One copy of the policy's weights: after the update the samplers sample the train state's own arrays (per_role:
+  # each role's tree), the reference user the reference's; no other parameter tree is held.
+  state = trainer.state.params
+  trees = {"policy": state["act"], "rehearse": state["rehearse"]} if mode == "per_role" else {"policy": state}
+  trees["reference"] = trainer.ref_params
+  for name, tree in trees.items():
+    held = jax.tree.leaves(trainer.samplers[name].params)
+    assert all(a is b for a, b in zip(held, jax.tree.leaves(tree), strict=True)), name
+  assert jax.tree.leaves(trainer.model.params)[0] is jax.tree.leaves(trainer.ref_params)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

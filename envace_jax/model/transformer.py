@@ -408,6 +408,22 @@ def stack_layers(params: Params) -> Params:
   return out
 
 
+def _is_layer_tree(x: Any) -> bool:
+  return isinstance(x, dict) and ("layers" in x or "layers_0" in x)
+
+
+def stack_tree(tree: Any) -> Any:
+  """`stack_layers` applied to every parameter-shaped dict in ``tree`` (a parameter tree, a per-role mapping of
+  them, an optimizer state whose moments mirror the parameters): the scanned (training and checkpoint) layout."""
+  return jax.tree.map(lambda x: stack_layers(x) if _is_layer_tree(x) else x, tree, is_leaf=_is_layer_tree)
+
+
+def unstack_tree(tree: Any) -> Any:
+  """`unstack_layers` applied to every parameter-shaped dict in ``tree`` (see `stack_tree`): the sampler's layout,
+  which is also the train state's (samplers read the train state's arrays without a copy)."""
+  return jax.tree.map(lambda x: unstack_layers(x) if _is_layer_tree(x) else x, tree, is_leaf=_is_layer_tree)
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) projections, unit norms, zero role embeddings), as plain arrays.
 

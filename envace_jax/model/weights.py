@@ -226,8 +226,12 @@ def params_from_hf_state(
 
 
 def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
-  """Our parameter tree -> Hugging Face tensors (float32 numpy). Role embeddings have no HF counterpart and are
-  not exported; a non-zero table is reported by ``save_hf_dir``."""
+  """Our parameter tree, either layout (layers stacked, or apart as a train state holds them) -> Hugging Face
+  tensors (float32 numpy). Role embeddings have no HF counterpart and are not exported; a non-zero table is reported
+  by ``save_hf_dir``."""
+  if "layers" not in params:
+    params = {**params, "layers": jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                                               *(params[f"layers_{i}"] for i in range(config.num_layers)))}  # fmt: skip
   state = {
     "model.embed_tokens.weight": np.asarray(params["embed"], np.float32),
     "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32),

@@ -10,6 +10,9 @@ Shared-prefix packing (``collate(..., pack_groups=...)``, on by default in ``grp
 (task, role) fork one prefilled opening (the ACT system prompt alone is ~4.9k tokens on tau2 airline), so they are
 trained as one row, prefix + suffix_1 + ... + suffix_G, with a segment mask that keeps the suffixes apart. The
 logprobs, the loss and its gradient are exact; the forward and backward see P + G x S tokens instead of G x (P + S).
+Across tasks (``max_packed_length``): the rows of one role in several tasks share a root (every ACT view of a domain
+opens with the same policy and tool schemas), so up to that many tokens they are one row too, a two-level tree: the
+root once, then per task its own shared part and its rows' suffixes.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from envace_jax.rehearsal.trajectory import TrainingRow
 class TrainBatch:
   """Padded training rows. ``collate`` gives [B, ...] arrays; ``split_micro_batches`` adds a leading K axis.
 
-  A row is either one ``TrainingRow`` or several rows of one (group, role) packed around their shared prefix
-  (``collate``'s ``pack_groups``): prefix + suffix_1 + ... + suffix_G, where suffix s attends to the prefix and to
-  itself only, at the rotary positions it has in its own row.
+  A row is either one ``TrainingRow`` or several rows of one role packed around their shared prefix (``collate``'s
+  ``pack_groups``): prefix + suffix_1 + ... + suffix_G, where suffix s attends to the prefix and to itself only, at
+  the rotary positions it has in its own row. Packed across groups (``collate``'s ``max_packed_length``) it is a tree
+  of depth two: the root shared by every group, then per group the rest of its own shared prefix (a segment whose
+  parent is the root) followed by its rows' suffixes (segments whose parent is that one).
 
   Attributes (per row; B rows, T tokens, I trained-token slots):
     tokens: int32[B, T] ids, padded with pad_id.
@@ -39,8 +44,11 @@ class TrainBatch:
     valid: bool[B, T] False on padding (and on every token of a padding row).
     positions: int32[B, T] rotary position of every token (a plain row: its index; packed: a suffix continues at
       P, P + 1, ... after a prefix of P tokens, as in its own row; padding: 0).
-    segments: int32[B, T] 0 for a plain row and a packed row's shared prefix, s >= 1 for suffix s. Query q sees key
-      k <= q iff valid[k] and (segments[k] == 0 or segments[k] == segments[q]).
+    segments: int32[B, T] 0 for a plain row and a packed row's root (its shared prefix), s >= 1 for the packed
+      parts after it, numbered in order.
+    parents: int32[B, T] the segment that a token's segment continues, besides the root: 0 except for a suffix of a
+      group packed across groups, whose parent is its group's own shared part. Query q sees key k <= q iff valid[k]
+      and segments[k] in (0, segments[q], parents[q]).
     loss_mask: bool[B, T] trained tokens: the row's generated tokens, of a trained role, of a valid trajectory
       (position 0, and a packed row's prefix, are never trained).
     old_logprobs: float32[B, T] the sampler's logprob of each token (meaningful where loss_mask).
@@ -60,6 +68,7 @@ class TrainBatch:
   valid: Any
   positions: Any
   segments: Any
+  parents: Any
   loss_mask: Any
   old_logprobs: Any
   ref_logprobs: Any
@@ -90,6 +99,7 @@ class _Packed:
   roles: np.ndarray  # int32[n]
   positions: np.ndarray  # int32[n]
   segments: np.ndarray  # int32[n]
+  parents: np.ndarray  # int32[n]
   loss_mask: np.ndarray  # bool[n]
   logprobs: np.ndarray  # float32[n]
   source: np.ndarray  # int32[n]: the position whose hidden state predicts each token
@@ -104,6 +114,7 @@ def _plain(row: TrainingRow, loss_mask: np.ndarray, advantage: float) -> _Packed
     roles=np.asarray(row.roles, np.int32),
     positions=np.arange(n, dtype=np.int32),
     segments=np.zeros(n, np.int32),
+    parents=np.zeros(n, np.int32),
     loss_mask=loss_mask,
     logprobs=np.asarray(row.logprobs, np.float32),
     source=np.maximum(np.arange(n, dtype=np.int32) - 1, 0),
@@ -129,44 +140,82 @@ def shared_prefix_length(rows: Sequence[TrainingRow], loss_masks: Sequence[np.nd
   return p
 
 
-def _pack(rows: Sequence[TrainingRow], loss_masks: Sequence[np.ndarray], advantages: Sequence[float], p: int):
-  """Rows sharing their first p tokens as one row: prefix + suffix_1 + ... (segment s, positions p, p + 1, ...)."""
-  first = rows[0]
-  parts = [
-    _Packed(
-      tokens=np.asarray(first.tokens[:p], np.int32),
-      roles=np.asarray(first.roles[:p], np.int32),
-      positions=np.arange(p, dtype=np.int32),
-      segments=np.zeros(p, np.int32),
-      loss_mask=np.zeros(p, bool),
-      logprobs=np.asarray(first.logprobs[:p], np.float32),
-      source=np.maximum(np.arange(p, dtype=np.int32) - 1, 0),
-      advantages=np.zeros(p, np.float32),
-      role=int(first.role),
-    )
-  ]
-  start = p
-  for s, (row, mask, adv) in enumerate(zip(rows, loss_masks, advantages, strict=True), start=1):
-    n = len(row.tokens) - p
-    source = start + np.arange(n, dtype=np.int32) - 1
-    source[0] = p - 1  # the suffix's first token is predicted by the prefix's last
-    parts.append(
-      _Packed(
-        tokens=np.asarray(row.tokens[p:], np.int32),
-        roles=np.asarray(row.roles[p:], np.int32),
-        positions=np.arange(p, p + n, dtype=np.int32),
-        segments=np.full(n, s, np.int32),
-        loss_mask=mask[p:],
-        logprobs=np.asarray(row.logprobs[p:], np.float32),
-        source=source,
-        advantages=np.full(n, adv, np.float32),
-        role=int(row.role),
-      )
-    )
-    start += n
+def _segment(
+  row: TrainingRow,
+  lo: int,
+  hi: int,
+  start: int,
+  source0: int,
+  segment: int,
+  parent: int,
+  mask: np.ndarray,
+  advantage: float,
+) -> _Packed:
+  """Tokens lo..hi-1 of ``row`` placed at packed positions start.., their first predicted from ``source0``."""
+  n = hi - lo
+  source = start + np.arange(n, dtype=np.int32) - 1
+  if n:
+    source[0] = source0
+  return _Packed(
+    tokens=np.asarray(row.tokens[lo:hi], np.int32),
+    roles=np.asarray(row.roles[lo:hi], np.int32),
+    positions=np.arange(lo, hi, dtype=np.int32),
+    segments=np.full(n, segment, np.int32),
+    parents=np.full(n, parent, np.int32),
+    loss_mask=mask[lo:hi],
+    logprobs=np.asarray(row.logprobs[lo:hi], np.float32),
+    source=source,
+    advantages=np.full(n, advantage, np.float32),
+    role=int(row.role),
+  )
+
+
+def _pack(
+  rows: Sequence[TrainingRow],
+  groups: Sequence[tuple[Sequence[int], int]],
+  root: int,
+  loss_masks: Sequence[np.ndarray],
+  advantages: Sequence[float],
+) -> _Packed:
+  """Rows sharing their first ``root`` tokens as one row: the root (segment 0), then per group (row indices, P: the
+  first P tokens its rows share, P >= root) the group's tokens root..P-1 as one segment (none when P == root), then
+  each of its rows' remaining tokens as one segment (parent: the group's segment, else the root)."""
+  first = rows[groups[0][0][0]]
+  parts = [_segment(first, 0, root, 0, 0, 0, 0, np.zeros(len(first.tokens), bool), 0.0)]
+  start, segment = root, 0
+  for members, p in groups:
+    lead, parent, last = rows[members[0]], 0, root - 1  # last: the packed position of the shared part's last token
+    if p > root:
+      segment += 1
+      parent = segment
+      parts.append(_segment(lead, root, p, start, last, segment, 0, np.zeros(len(lead.tokens), bool), 0.0))
+      start += p - root
+      last = start - 1
+    for i in members:
+      segment += 1
+      row = rows[i]
+      parts.append(_segment(row, p, len(row.tokens), start, last, segment, parent, loss_masks[i], advantages[i]))
+      start += len(row.tokens) - p
   cat = lambda name: np.concatenate([getattr(x, name) for x in parts])
   fields = [f.name for f in dataclasses.fields(_Packed) if f.name != "role"]
   return _Packed(**{name: cat(name) for name in fields}, role=int(first.role))
+
+
+def _packed_length(rows: Sequence[TrainingRow], units: Sequence[tuple[Sequence[int], int]], root: int) -> int:
+  """Tokens of the row `_pack` makes of ``units`` (row indices, shared length) around a root of ``root`` tokens."""
+  n = root
+  for idx, p in units:
+    p = p if len(idx) > 1 else root
+    n += p - root + sum(len(rows[i].tokens) - p for i in idx)
+  return n
+
+
+def _common_prefix(a: TrainingRow, b: TrainingRow, limit: int) -> int:
+  """The number of leading positions (at most ``limit``) where rows a and b have the same token and role ids."""
+  m = min(limit, len(a.tokens), len(b.tokens))
+  same = (np.asarray(a.tokens[:m]) == np.asarray(b.tokens[:m])) & (np.asarray(a.roles[:m]) == np.asarray(b.roles[:m]))
+  differ = np.flatnonzero(~same)
+  return int(differ[0]) if differ.size else m
 
 
 def collate(
@@ -179,6 +228,7 @@ def collate(
   pad_id: int = 0,
   pack_groups: Sequence[Any] | None = None,
   min_shared_prefix: int = 64,
+  max_packed_length: int = 0,
 ) -> TrainBatch:
   """Pads rows into a ``TrainBatch`` of host numpy arrays [B', T], packing rows that share a prefix if asked.
 
@@ -189,6 +239,12 @@ def collate(
   predicted from the prefix's last hidden state, so every trained token's logprob, the loss and the gradients are
   those of the unpacked rows (up to float summation order), for G x (P + S) -> P + G x S tokens. A group of one
   row, or with P < ``min_shared_prefix``, stays unpacked; a packed row takes the place of its group's first row.
+
+  Across groups (``max_packed_length`` > 0): consecutive groups (packed or lone rows) of one role whose rows all
+  share a root of at least ``min_shared_prefix`` tokens join one row while it stays within ``max_packed_length``
+  tokens: the root once, then per group its shared tokens past the root and its rows' suffixes (``TrainBatch``'s
+  ``parents``). Exact in the same way. A group longer than the limit is never split. The update's attention is
+  dense within a row, so the limit trades the root's tokens saved against a quadratic cost in the row's length.
 
   T is ``bucket_length(max row length, length_bucket)`` and I (at most T) ``bucket_length(most trained tokens in a
   row, length_bucket)``.
@@ -203,8 +259,10 @@ def collate(
     pad_id: the id written into padding.
     pack_groups: B hashable group keys (e.g. the trajectory's task index), or None: no packing.
     min_shared_prefix: the shortest prefix worth packing (tokens, >= 1).
+    max_packed_length: the longest row (tokens) that packing across groups may make; 0: no packing across groups.
   Raises:
-    ValueError: no rows, advantages / row_valid / pack_groups not of length B, or min_shared_prefix < 1.
+    ValueError: no rows, advantages / row_valid / pack_groups not of length B, min_shared_prefix < 1, or
+      max_packed_length < 0.
   """
   b = len(rows)
   if b == 0:
@@ -217,6 +275,8 @@ def collate(
     raise ValueError(f"collate: {b} rows need {b} pack_groups; got {len(pack_groups)}.")
   if min_shared_prefix < 1:
     raise ValueError(f"collate: min_shared_prefix={min_shared_prefix}; it must be >= 1.")
+  if max_packed_length < 0:
+    raise ValueError(f"collate: max_packed_length={max_packed_length}; it must be >= 0 (0: no packing across groups).")
   trained = np.asarray(sorted(int(r) for r in trained_roles), np.int32)
   masks = []
   for i, row in enumerate(rows):
@@ -227,23 +287,41 @@ def collate(
     masks.append(mask)
   adv = np.where([m.any() for m in masks], adv, 0.0).astype(np.float32)
 
-  members: dict[Any, list[int]] = {}
+  # Units of packing, per role in row order: a group of rows sharing at least min_shared_prefix tokens, else a row.
+  units: dict[int, list[tuple[list[int], int]]] = {}  # role -> [(row indices, the tokens they share)]
   if pack_groups is not None:
+    members: dict[Any, list[int]] = {}
     for i, row in enumerate(rows):
       if masks[i].any():
         members.setdefault((pack_groups[i], int(row.role)), []).append(i)
-  packed_at: dict[int, tuple[list[int], int]] = {}  # first member -> (members, P)
-  for idx in members.values():
-    if len(idx) > 1:
+    for (_, role), idx in members.items():
       p = shared_prefix_length([rows[i] for i in idx], [masks[i] for i in idx])
-      if p >= min_shared_prefix:
-        packed_at[idx[0]] = (idx, p)
-  skip = {i for idx, _ in packed_at.values() for i in idx[1:]}
+      if len(idx) > 1 and p >= min_shared_prefix:
+        units.setdefault(role, []).append((idx, p))
+      else:
+        units.setdefault(role, []).extend(([i], shared_prefix_length([rows[i]], [masks[i]])) for i in idx)
+  # Bins: consecutive units of a role whose common root is long enough, while the packed row stays within
+  # max_packed_length tokens (0: one unit per bin).
+  bins: list[tuple[list[tuple[list[int], int]], int]] = []  # (units, root)
+  for role_units in units.values():
+    current, root = [role_units[0]], role_units[0][1]
+    for unit in role_units[1:]:
+      r = min(root, unit[1], _common_prefix(rows[current[0][0][0]], rows[unit[0][0]], root))
+      n = _packed_length(rows, [*current, unit], r)
+      if max_packed_length and r >= min_shared_prefix and n <= max_packed_length:
+        current, root = [*current, unit], r
+      else:
+        bins.append((current, root))
+        current, root = [unit], unit[1]
+    bins.append((current, root))
+  packed_at = {b[0][0][0][0]: b for b in bins if len(b[0]) > 1 or len(b[0][0][0]) > 1}  # first row -> bin
+  skip = {i for groups, _ in packed_at.values() for idx, _ in groups for i in idx} - set(packed_at)
   out: list[_Packed] = []
   for i, row in enumerate(rows):
     if i in packed_at:
-      idx, p = packed_at[i]
-      out.append(_pack([rows[j] for j in idx], [masks[j] for j in idx], [adv[j] for j in idx], p))
+      groups, root = packed_at[i]
+      groups = [(idx, p if len(idx) > 1 else root) for idx, p in groups]  # a lone row: all of it past the root
+      out.append(_pack(rows, groups, root, masks, adv))
     elif i not in skip:
       out.append(_plain(row, masks[i], adv[i]))
 
@@ -254,12 +332,13 @@ def collate(
   valid = np.zeros((b, t), bool)
   positions = np.zeros((b, t), np.int32)
   segments = np.zeros((b, t), np.int32)
+  parents = np.zeros((b, t), np.int32)
   loss_mask = np.zeros((b, t), bool)
   old = np.zeros((b, t), np.float32)
   for i, row in enumerate(out):
     n = len(row.tokens)
     tokens[i, :n], roles[i, :n], valid[i, :n] = row.tokens, row.roles, True
-    positions[i, :n], segments[i, :n] = row.positions, row.segments
+    positions[i, :n], segments[i, :n], parents[i, :n] = row.positions, row.segments, row.parents
     loss_mask[i, :n], old[i, :n] = row.loss_mask, row.logprobs
   counts = loss_mask.sum(axis=1)
   width = min(bucket_length(int(counts.max()), length_bucket), t)
@@ -278,6 +357,7 @@ def collate(
     valid=valid,
     positions=positions,
     segments=segments,
+    parents=parents,
     loss_mask=loss_mask,
     old_logprobs=old,
     ref_logprobs=np.zeros((b, t), np.float32),
@@ -342,6 +422,7 @@ def split_micro_batches(
     ref_logprobs=take(host.ref_logprobs, 0.0),
     positions=take(host.positions, 0),
     segments=take(host.segments, 0),
+    parents=take(host.parents, 0),
     row_role=np.where(pad, chunk_role, host.row_role[safe]).astype(np.int32),
     target_index=take(host.target_index, 0),
     source_index=take(host.source_index, 0),

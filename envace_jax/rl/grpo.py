@@ -118,6 +118,9 @@ class GrpoConfig:
       holding the shared prefix once (``batch.collate``'s ``pack_groups``): exact, and G x (P + S) tokens become
       P + G x S.
     min_shared_prefix: the shortest shared prefix (tokens) worth packing; shorter ones leave the rows unpacked.
+    max_packed_length: ``build_batch`` also packs the rows of one role across tasks (their common root, e.g. a
+      domain's ACT system prompt, once) while the packed row stays within this many tokens; 0: per task only. The
+      update attends densely within a row, so merging long rows costs more attention than the root it saves.
     dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, §3.2), which the training loop applies
       (`train.Trainer.dynamic_sampling`): a group whose valid rewards are all equal gives every role a zero
       advantage, so it is dropped and further batches of tasks are rolled out until the step holds B groups with
@@ -151,6 +154,7 @@ class GrpoConfig:
   head_chunk: int = 512
   pack_shared_prefix: bool = True
   min_shared_prefix: int = 64
+  max_packed_length: int = 8192
   dynamic_sampling: bool = False
   dynamic_sampling_max_draws: int = 4
 
@@ -195,6 +199,7 @@ class GrpoConfig:
       ("length_bucket", self.length_bucket >= 1 and not self.length_bucket & (self.length_bucket - 1), "a power of 2"),
       ("head_chunk", self.head_chunk >= 1 and not self.head_chunk & (self.head_chunk - 1), "a power of 2"),
       ("min_shared_prefix", self.min_shared_prefix >= 1, ">= 1"),
+      ("max_packed_length", self.max_packed_length >= 0, ">= 0"),
       ("dynamic_sampling_max_draws", self.dynamic_sampling_max_draws >= 0, ">= 0"),
     )
     for name, ok, need in checks:
@@ -243,7 +248,7 @@ def build_batch(
 
   With ``cfg.pack_shared_prefix`` the rows of one task (``Trajectory.group``) and one role are packed on their
   shared opening (``collate``'s ``pack_groups``): one packed row per (task, role) when that prefix has at least
-  ``cfg.min_shared_prefix`` tokens.
+  ``cfg.min_shared_prefix`` tokens, and one row for several tasks of a role up to ``cfg.max_packed_length`` tokens.
 
   Args:
     trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
@@ -273,6 +278,7 @@ def build_batch(
     pad_id=pad_id,
     pack_groups=groups if cfg.pack_shared_prefix else None,
     min_shared_prefix=cfg.min_shared_prefix,
+    max_packed_length=cfg.max_packed_length,
   )
   return split_micro_batches(batch, cfg.micro_batch_size, by_role=cfg.per_role, num_micro_batches=num_micro_batches)
 
@@ -487,7 +493,9 @@ class TrainState:
 
   Attributes:
     step: int32[] updates applied so far.
-    params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode.
+    params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
+      (``layers_0 ..``, `transformer.unstack_layers`), the layout samplers read, so a sampler uses these arrays
+      without a copy. The update stacks them for its scanned forward (inside the jitted step, a temporary).
     opt_state: the optax state of ``make_optimizer(cfg)`` for params; per_role: ``{"act": ..., "rehearse": ...}``.
   """
 
@@ -545,13 +553,14 @@ def _is_split(params: Any) -> bool:
 
 
 def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
-  """Step 0: params and a fresh optimizer state.
+  """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state.
 
   Args:
     cfg: the GRPO config.
-    params: one parameter tree. In per_role mode either that (both role trees start as copies of it, as the
-      paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
+    params: one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
+      as the paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
   """
+  params = transformer.unstack_tree(params)
   if cfg.per_role and not _is_split(params):
     params = {name: jax.tree.map(jnp.array, params) for name in ROLE_TREES}  # copies: each tree owns its buffers
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_init_opt_state(cfg, params))
@@ -591,7 +600,10 @@ def update_step(
     (the new state, metrics): those of ``loss_and_grads`` plus ``grad_norm`` (global norm before clipping; per_role
     also ``grad_norm/<tree>``).
   """
-  grads, metrics = loss_and_grads(config, cfg, state.params, batch)
+  # The scanned forward wants the layers stacked: one copy, a temporary of this step; the gradient comes back
+  # per layer, as the state holds them.
+  grads, metrics = loss_and_grads(config, cfg, transformer.stack_tree(state.params), batch)
+  grads = transformer.unstack_tree(grads)
   opt = make_optimizer(cfg)
   if cfg.per_role:
     params, opt_state, norms = {}, {}, []
@@ -613,8 +625,10 @@ def update_step(
 def train_state_shardings(
   config: ModelConfig, cfg: GrpoConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_RULES
 ) -> TrainState:
-  """A TrainState of ``NamedSharding``s: params by ``sharding.param_shardings``, AdamW moments like their params,
-  scalars (step, optimizer counts) replicated. Abstract shapes only: nothing is allocated."""
+  """A TrainState of ``NamedSharding``s for its layout (layers unstacked): params by ``sharding.param_shardings``,
+  AdamW moments like their params, scalars (step, optimizer counts) replicated. Abstract shapes only: nothing is
+  allocated."""
+  config = config.replace(scan_layers=False)
   p_shardings = sharding.param_shardings(config, mesh, rules)
   shapes = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
   opt = make_optimizer(cfg)

@@ -34,6 +34,7 @@ def training_hidden(
   remat: bool,
   positions: jax.Array | None = None,
   segments: jax.Array | None = None,
+  parents: jax.Array | None = None,
 ) -> jax.Array:
   """The decoder's final-normed hidden states at chosen positions, with per-layer rematerialisation.
 
@@ -51,9 +52,9 @@ def training_hidden(
     index: int32[B, I] positions whose hidden states are wanted.
     remat: checkpoint each layer.
     positions: int32[B, T] rotary positions; default: each valid token's index.
-    segments: int32[B, T] packed-row segments (``TrainBatch.segments``): query q sees key k <= q iff valid[k] and
-      (segments[k] == 0 or segments[k] == segments[q]). Still lower-triangular, so the block-wise causal attention
-      of long rows stays exact. Default (None): plain causal rows.
+    segments, parents: int32[B, T] packed-row segments and their parents (``TrainBatch``): query q sees key k <= q
+      iff valid[k] and segments[k] in (0, segments[q], parents[q]). Still lower-triangular, so the block-wise causal
+      attention of long rows stays exact. Default (None): plain causal rows.
   Returns:
     dtype[B, I, D] (``config.dtype``).
   """
@@ -65,7 +66,10 @@ def training_hidden(
   idx = jnp.arange(t)
   mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]  # [B, T(query), T(key)]
   if segments is not None:
-    mask = mask & ((segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None]))
+    seen = (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])
+    if parents is not None:
+      seen = seen | (segments[:, None, :] == parents[:, :, None])
+    mask = mask & seen
   x_btd = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
   x_btd = x_btd + jnp.take(params["role_embed"], roles, axis=0).astype(dtype)
   layer = transformer.DecoderLayer(config)
@@ -143,12 +147,13 @@ def target_logprobs(
     remat,
     positions=batch.positions,
     segments=batch.segments,
+    parents=batch.parents,
   )
   targets = jnp.take_along_axis(batch.tokens, batch.target_index, axis=1)
   return _head_logprobs(config, params, x_bid, targets, head_chunk, remat)
 
 
-_RECOMPUTE_FIELDS = ("tokens", "roles", "valid", "positions", "segments", "target_index", "source_index", "target_mask")
+_RECOMPUTE_FIELDS = tuple("tokens roles valid positions segments parents target_index source_index target_mask".split())
 
 
 @functools.partial(jax.jit, static_argnums=0)

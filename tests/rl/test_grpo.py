@@ -404,7 +404,8 @@ def test_frozen_roles_contribute_exactly_zero_gradient(params):
   assert metrics["tokens"] == 0 and tree_max_abs(grads) == 0.0
   state = grpo.init_train_state(cfg, params)
   new_state, _ = grpo.make_update_step(CONFIG, cfg, donate=False)(state, frozen)
-  assert tree_bitwise_equal(new_state.params, params)
+  assert tree_bitwise_equal(new_state.params, state.params)
+  assert tree_bitwise_equal(transformer.stack_tree(state.params), params)  # the state holds the layers apart
   # Mixed: REHEARSE tokens occur only in frozen rows, so REHEARSE's role embedding gets exactly zero gradient while
   # ACT's and USER's do not; and the whole gradient equals that of the ACT rows alone.
   mixed = batch_of(act_rows + rehearse_rows, [1.0, -0.5, 5.0, -5.0])
@@ -625,6 +626,82 @@ def test_rows_without_a_long_enough_shared_prefix_stay_unpacked():
     collate(rows, [1.0, -1.0, 0.5], trained_roles=(ACT,), pack_groups=[0, 0])
 
 
+def task_rows(rng, root, extra, suffixes, task, trajectory):
+  """``forked_rows`` of one task whose opening is the domain's ``root`` tokens, then ``extra`` tokens of its own
+  (the first of them ``task + 1``, so no two tasks share more than the root)."""
+  rows = forked_rows(rng, len(root) + extra, suffixes, trajectory=trajectory)
+  for row in rows:
+    row.tokens[: len(root)] = root
+    if extra:
+      row.tokens[len(root)] = task + 1
+  return rows
+
+
+def test_packing_across_tasks_is_exact(params):
+  """ACT rows of three tasks that share a 70-token root (a domain's system prompt): task 0's two rows share 15 more
+  tokens, task 1's three rows only the root, task 2 has one row. Packed across tasks they are one row, a tree of
+  depth two, whose logprobs, loss, metrics and gradient are those of the rows apart; a limit splits it."""
+  rng = np.random.default_rng(15)
+  params = with_role_embeddings(params)
+  root = rng.integers(10, CONFIG.vocab_size, 70).astype(np.int32)
+  tasks = [(15, [(0, 20), (6, 11)]), (0, [(3, 14), (0, 9), (5, 12)]), (4, [(2, 16)])]
+  rows, groups = [], []
+  for task, (extra, suffixes) in enumerate(tasks):
+    rows += task_rows(rng, root, extra, suffixes, task, trajectory=len(rows))
+    groups += [task] * len(suffixes)
+  rows.append(make_row(rng, 50, 20, REHEARSE, trajectory=0, old_noise=1.0))  # another role: never in an ACT row
+  groups.append(0)
+  adv = [1.0, -0.7, -1.5, 0.4, 0.9, -0.2, 0.8]
+  cfg = grpo.GrpoConfig(use_kl=True, kl_coef=0.1)
+
+  def batch_of(pack, limit=0):
+    batch = collate(rows, adv, trained_roles=cfg.trained_roles, length_bucket=16, pack_groups=groups if pack else None,
+                    max_packed_length=limit)  # fmt: skip
+    return batch.replace(ref_logprobs=np.where(batch.loss_mask, batch.old_logprobs + 0.3, 0.0).astype(np.float32))
+
+  plain, per_task, across = batch_of(False), batch_of(True), batch_of(True, limit=4096)
+  assert plain.tokens.shape[0] == 7 and per_task.tokens.shape[0] == 4 and across.tokens.shape[0] == 2
+  assert not per_task.parents.any()  # per task (the default of collate): one level, as before
+  # The tree: root (segment 0); task 0's own 15 tokens (1), its suffixes (2, 3: parent 1); task 1's suffixes (4, 5,
+  # 6: parent 0); task 2's lone row past the root (7: parent 0). Positions are each token's own row index.
+  lengths = [len(r.tokens) for r in rows[:6]]
+  spans = [(0, 70, 0, 0), (70, 85, 1, 0), (85, lengths[0], 2, 1), (85, lengths[1], 3, 1)]
+  spans += [(70, lengths[2 + i], 4 + i, 0) for i in range(3)] + [(70, lengths[5], 7, 0)]
+  n = sum(hi - lo for lo, hi, _, _ in spans)
+  assert across.valid[0].sum() == n
+  np.testing.assert_array_equal(across.segments[0, :n], np.concatenate([np.full(hi - lo, s) for lo, hi, s, _ in spans]))
+  np.testing.assert_array_equal(across.parents[0, :n], np.concatenate([np.full(hi - lo, p) for lo, hi, _, p in spans]))
+  np.testing.assert_array_equal(across.positions[0, :n], np.concatenate([np.arange(lo, hi) for lo, hi, _, _ in spans]))
+  # The first token of task 1's second suffix (trained: no prompt) is predicted by the root's last token.
+  start = 70 + 15 + (lengths[0] - 85) + (lengths[1] - 85) + (lengths[2] - 70)
+  at = np.flatnonzero(across.target_index[0] == start)[0]
+  assert across.source_index[0, at] == 69 and across.target_advantages[0, at] == np.float32(0.4)
+  assert across.num_tokens == plain.num_tokens == sum(r.num_trained_tokens for r in rows)
+  # Per-token logprobs, the loss, every metric and the gradient.
+  plain_logp = np.asarray(recompute_logprobs(CONFIG, params, plain))
+  across_logp = np.asarray(recompute_logprobs(CONFIG, params, across))
+  want = trained_logprobs_per_row(plain, plain_logp, [(i, 0) for i in range(7)])
+  got = trained_logprobs_per_row(across, across_logp, [(0, s) for s in (2, 3, 4, 5, 6, 7)] + [(1, 0)])
+  for w, x in zip(want, got, strict=True):
+    assert w.size and w.size == x.size
+    np.testing.assert_allclose(x, w, atol=1e-5, rtol=0)
+  g_plain, m_plain = loss_and_grads(cfg, params, split_micro_batches(plain, 2, num_micro_batches=4))
+  g_across, m_across = loss_and_grads(cfg, params, split_micro_batches(across, 2, num_micro_batches=4))
+  assert m_plain["kl"] > 0
+  for k in m_plain:
+    np.testing.assert_allclose(m_across[k], m_plain[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert tree_max_abs(g_plain) > 1e-3
+  for a, b in zip(jax.tree.leaves(g_across), jax.tree.leaves(g_plain), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # A limit below the whole: tasks 0 and 1 around the root (greedy, in order), then task 2's lone row unpacked.
+  split = batch_of(True, limit=n - 1)
+  assert split.tokens.shape[0] == 3 and split.segments[0].max() == 6 and split.parents[0].max() == 1
+  assert not split.segments[1].any() and split.valid[1].sum() == lengths[5]
+  assert batch_of(True, limit=8).tokens.shape[0] == 4  # every group longer than the limit: per task
+  with pytest.raises(ValueError, match="max_packed_length"):
+    batch_of(True, limit=-1)
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
 def test_step0_ratio_is_one_on_packed_rows_from_the_sampler(params, sampling):
   """Two tasks x G = 3 rollouts of two ACT turns, forked from each task's prefilled opening as the rollout does;
@@ -751,11 +828,9 @@ def test_sharded_update_equals_unsharded(params):
   state = grpo.shard_train_state(grpo.init_train_state(cfg, params), grpo.train_state_shardings(CONFIG, cfg, mesh))
   step = grpo.make_update_step(CONFIG, cfg, mesh=mesh)
   new_state, metrics = step(state, batch)
-  assert new_state.params["layers"]["mlp"]["gate_proj"].sharding.spec == jax.sharding.PartitionSpec(
-    None, "fsdp", "tensor"
-  )
+  assert new_state.params["layers_0"]["mlp"]["gate_proj"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   assert tree_max_diff(new_state.params, plain_state.params) <= 1e-5
-  assert tree_max_diff(new_state.params, params) > 1e-4
+  assert tree_max_diff(transformer.stack_tree(new_state.params), params) > 1e-4
   for k in plain_metrics:
     np.testing.assert_allclose(metrics[k], plain_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
   with pytest.raises(ValueError, match="batch shards"):
