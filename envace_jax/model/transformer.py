@@ -72,6 +72,15 @@ class KVCache:
     kv = lambda x: jnp.repeat(x, group_size, axis=1 if stacked else 0)
     return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=jnp.repeat(self.lengths, group_size))
 
+  def take(self, rows: Any) -> KVCache:
+    """Row i of the result is row ``rows[i]`` of this cache (int[B'] indices; a row may be taken several times),
+    or an empty row (zeros, length 0) where ``rows[i]`` is B or more."""
+    stacked = not isinstance(self.k, tuple)
+    index = jnp.asarray(rows, jnp.int32)
+    take = lambda x, axis: jnp.take(x, index, axis=axis, mode="fill", fill_value=0)  # noqa: E731
+    kv = lambda x: take(x, 1 if stacked else 0)  # noqa: E731
+    return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=take(self.lengths, 0))
+
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
   """An empty KV cache of ``capacity`` slots per row, laid out for ``config.scan_layers`` (see KVCache).

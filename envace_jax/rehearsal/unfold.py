@@ -56,6 +56,21 @@ from envace_jax.sampling.sampler import SamplingParams
 __all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
 
 
+SHARED_OPENING_MIN = 64
+"""The shortest common start of a role's openings across tasks (tokens) that `_Unfolder` prefills once per step."""
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]], prompt_roles: Sequence[Sequence[int]]) -> int:
+  """The number of leading positions where every prompt has the same token and role id (0 for no prompts)."""
+  if not prompts:
+    return 0
+  n = min(len(p) for p in prompts)
+  ids = np.asarray([p[:n] for p in prompts]), np.asarray([r[:n] for r in prompt_roles])
+  same = np.all([(x == x[:1]).all(axis=0) for x in ids], axis=0)
+  differ = np.flatnonzero(~same)
+  return int(differ[0]) if differ.size else n
+
+
 @dataclasses.dataclass
 class UnfoldOutput:
   """What `unfold` returns.
@@ -64,7 +79,9 @@ class UnfoldOutput:
     trajectories: B*G trajectories, task-major (index b*G + g), each with its training rows (the views the policy
       sampled: ACT, REHEARSE in rehearse mode, USER when the policy plays the user).
     stats: numbers for metrics: ``steps``, ``policy_calls``, ``reference_calls``, ``external_requests``,
-      ``prefill_tokens_shared`` (the group-shared openings, once per task), ``prefill_tokens`` (continuations),
+      ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
+      shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens copied from another task's row
+      instead), ``prefill_tokens`` (continuations),
       ``generated_tokens_{act,rehearse,user}``, ``time_{setup,policy,reference,external,host,total}_s``,
       ``terminated_<reason>``.
     views: per trajectory, its token views by role (`views.View`: the messages each role saw, and its tokens
@@ -144,36 +161,70 @@ class _Unfolder:
     return episodes
 
   def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role]):
-    """One prefill of every task's view openings (all but their last token), then ``fork`` G ways.
+    """Prefills every task's view openings (all but their last token), then ``fork``s the cache G ways.
 
-    With one sampler per role (per_role parameters) each sampler prefills its own roles' rows of the shared cache.
+    A role's openings that all start with the same ``SHARED_OPENING_MIN`` or more tokens (the domain-wide part: ACT's
+    policy and tool schemas, REHEARSE's instructions and schemas) have that part prefilled once, in the first task's
+    row of a cache of those parts alone, and copied to every task's row (``copy_rows``) before each task's own rest
+    is prefilled. With one sampler per role (per_role parameters) each sampler prefills its own roles' rows.
     """
+    b = len(openings)
     prompts, prompt_roles = [], []
     for role in roles:
       for o in openings:
         view = o.views.get(role)
         fits = view is not None and len(view) + 1 <= self.cfg.capacity(role)
-        prompts.append(view.tokens[:-1] if fits else [])
-        prompt_roles.append(view.roles[:-1] if fits else [])
-    capacity = max(self.cfg.capacity(r) for r in roles)
-    by_sampler: dict[int, tuple[Any, list[int]]] = {}
-    for row in range(len(prompts)):
-      s = _sampler_for(sampler, roles[row // len(openings)])
-      by_sampler.setdefault(id(s), (s, []))[1].append(row)
-    first = next(iter(by_sampler.values()))[0]
+        prompts.append(list(view.tokens[:-1]) if fits else [])
+        prompt_roles.append(list(view.roles[:-1]) if fits else [])
+    samplers = [_sampler_for(sampler, roles[row // b]) for row in range(len(prompts))]
+    first = samplers[0]
     pad = -len(prompts) % first.batch_multiple  # on a mesh the rows must split over its batch shards: empty rows
     prompts, prompt_roles = prompts + [[]] * pad, prompt_roles + [[]] * pad
-    cache = first.init_cache(batch=len(prompts), capacity=capacity)
-    for s, rows in by_sampler.values():
-      mine = set(rows)
-      own = lambda xs, mine=mine: [x if i in mine else [] for i, x in enumerate(xs)]
-      cache, _, fitted, count = s.prefill(cache, own(prompts), own(prompt_roles))
-      self.stats["prefill_tokens_shared"] += count
-      fitted = np.asarray(fitted)
-      for row in rows:
-        if fitted[row]:
-          openings[row % len(openings)].views[roles[row // len(openings)]].cached = len(prompts[row])
+    shared = np.zeros(len(prompts), np.int64)  # tokens of each row's opening prefilled once for all its tasks
+    lead: dict[int, int] = {}  # role -> the row (its first task's) whose opening prefix is prefilled for all
+    for r in range(len(roles)):
+      rows = [row for row in range(r * b, (r + 1) * b) if prompts[row]]
+      root = _common_prefix([prompts[row] for row in rows], [prompt_roles[row] for row in rows])
+      if len(rows) > 1 and root >= SHARED_OPENING_MIN:
+        shared[rows], lead[r] = root, rows[0]
+    capacity = max(self.cfg.capacity(r) for r in roles)
+    if lead:  # the common parts in a cache of their own, one row each, copied to every row (others: empty)
+      heads = list(lead.values())
+      m = len(heads) + (-len(heads) % first.batch_multiple)
+      small = first.init_cache(batch=m, capacity=capacity)
+      small, _ = self._prefill_rows(
+        small,
+        [samplers[row] for row in heads] + [first] * (m - len(heads)),
+        [prompts[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
+        [prompt_roles[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
+      )
+      index = [list(lead).index(row // b) if shared[row] else m for row in range(len(prompts))]
+      cache = first.copy_rows(small, index)
+      self.stats["prefill_tokens_reused"] += int(shared.sum() - shared[heads].sum())
+    else:
+      cache = first.init_cache(batch=len(prompts), capacity=capacity)
+    rest = [p[n:] for p, n in zip(prompts, shared, strict=True)]
+    rest_roles = [p[n:] for p, n in zip(prompt_roles, shared, strict=True)]
+    cache, fitted = self._prefill_rows(cache, samplers, rest, rest_roles)
+    for row in range(len(samplers)):
+      if prompts[row] and (fitted[row] or not rest[row]):
+        openings[row % b].views[roles[row // b]].cached = len(prompts[row])
     return first.fork(cache, self.cfg.group_size)
+
+  def _prefill_rows(self, cache, samplers: Sequence[Any], prompts, prompt_roles) -> tuple[Any, np.ndarray]:
+    """``prefill`` of each row's prompt by that row's sampler (``samplers[row]``; padding rows: the first's)."""
+    fitted = np.zeros(len(prompts), bool)
+    by_sampler: dict[int, tuple[Any, set[int]]] = {}
+    for row, s in enumerate(samplers):
+      by_sampler.setdefault(id(s), (s, set()))[1].add(row)
+    for s, mine in by_sampler.values():
+      own = lambda xs, mine=mine: [x if i in mine else [] for i, x in enumerate(xs)]  # noqa: E731
+      if not any(own(prompts)):
+        continue
+      cache, _, ok, count = s.prefill(cache, own(prompts), own(prompt_roles))
+      self.stats["prefill_tokens_shared"] += count
+      fitted |= np.asarray(ok, bool)
+    return cache, fitted
 
   # ------------------------------------------------------------------------------------------------ the loop
 

@@ -245,6 +245,21 @@ class Sampler:
     """Repeats each row ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
     return cache.repeat(group_size)
 
+  def copy_rows(self, cache: KVCache, source: Sequence[int]) -> KVCache:
+    """A cache whose row i is a copy of row ``source[i]`` of ``cache``, or empty where ``source[i]`` is past its last
+    row (B' = len(source) rows, placed on the mesh like any cache of B' rows): a prefix prefilled once in one row,
+    given to every row that starts with it.
+
+    Raises:
+      ValueError: on a mesh, B' is not a multiple of the batch shards.
+    """
+    out = cache.take(np.asarray(source, np.int32))
+    if self.mesh is not None:
+      if len(source) % self.batch_multiple:
+        raise ValueError(f"copy_rows: {len(source)} rows do not split over {self.batch_multiple} batch shards.")
+      out = jax.device_put(out, sharding.cache_shardings(self.config, self.mesh, out, self.rules))
+    return out
+
   # ------------------------------------------------------------------------------------------------ jitted parts
 
   def _prefill_chunk(self, params, cache, last_logits, tokens, roles, valid, last_index, is_last, attend):

@@ -82,6 +82,11 @@ class ScriptedSampler(_Recorder):
     rep = lambda rows: [list(r) for r in rows for _ in range(g)]
     return FakeCache(rep(cache.tokens), rep(cache.roles), cache.capacity)
 
+  @staticmethod
+  def copy_rows(cache, source):  # a source past the last row: an empty row
+    row = lambda rows, i: list(rows[i]) if i < len(rows) else []  # noqa: E731
+    return FakeCache([row(cache.tokens, i) for i in source], [row(cache.roles, i) for i in source], cache.capacity)
+
   def prefill(self, cache, prompts, prompt_roles, active=None):
     self.prefills.append([len(p) for p in prompts])
     fitted = np.zeros(len(prompts), bool)
@@ -139,6 +144,9 @@ class ForcingSampler(_Recorder):
 
   def fork(self, cache, g):
     return self.sampler.fork(cache, g)
+
+  def copy_rows(self, cache, source):
+    return self.sampler.copy_rows(cache, source)
 
   def prefill(self, cache, prompts, prompt_roles, active=None):
     self.prefills.append([len(p) for p in prompts])

@@ -163,21 +163,42 @@ def test_one_batched_policy_call_per_step_serves_act_and_rehearse(real_run):
   assert all({r for r, *_ in c.values()} == {Role.USER} for c in reference.calls)
 
 
+def _common_start(a, b) -> int:
+  """Leading positions where training rows a and b have the same token and role ids."""
+  n = min(len(a.tokens), len(b.tokens))
+  differ = np.flatnonzero((a.tokens[:n] != b.tokens[:n]) | (a.roles[:n] != b.roles[:n]))
+  return int(differ[0]) if differ.size else n
+
+
 def test_continuation_prefills_only_new_tokens_and_openings_once_per_task(real_run):
+  """Every token in the caches was prefilled once: each role's opening part common to both tasks (its system
+  prompt) once, in a cache of those parts alone (one row per role), copied to each task's row; then each task's
+  rest of its openings, forked G ways; then only new prompt tokens."""
   out, policy, reference, tasks = real_run
   g, b = REAL.group_size, len(tasks)
+  reused = 0
   for sampler, name, roles in ((policy, "policy", out.policy_roles), (reference, "reference", (Role.USER,))):
-    shared = sampler.prefills[0]  # the first prefill: every view's opening, one row per task (not per trajectory)
-    assert len(shared) == len(roles) * b and all(n > 0 for n in shared)
+    common, rest = sampler.prefills[0], sampler.prefills[1]
+    assert len(common) == len(roles)  # one row per role
+    assert len(rest) == len(roles) * b  # one row per (role, task), not per trajectory
+    openings = []
+    for r, role in enumerate(roles):
+      root = common[r]
+      assert root >= 64 and all(n > 0 for n in rest[r * b : (r + 1) * b])
+      if role != Role.USER:  # the common part ends exactly where the two tasks' rows part
+        assert root == _common_start(*(out.trajectories[t * g].rows[int(role)] for t in range(b)))
+      openings += [root + n for n in rest[r * b : (r + 1) * b]]
+      reused += root * (b - 1)
     generated = sum(len(x[2]) for c in sampler.calls for x in c.values())
     continued = sum(x[1] for c in sampler.calls for x in c.values())
-    # Every token in the caches was prefilled once: the shared opening (forked G ways), then only new prompt tokens.
-    assert int(np.sum(out.caches[name].lengths)) == g * sum(shared) + continued + generated
-  assert out.stats["prefill_tokens_shared"] == sum(policy.prefills[0]) + sum(reference.prefills[0])
+    assert int(np.sum(out.caches[name].lengths)) == g * sum(openings) + continued + generated
+  assert out.stats["prefill_tokens_shared"] == sum(sum(p[0]) + sum(p[1]) for p in (policy.prefills, reference.prefills))
+  assert out.stats["prefill_tokens_reused"] == reused
   assert out.stats["prefill_tokens"] == sum(x[1] for s in (policy, reference) for c in s.calls for x in c.values())
   for t in range(b):  # the G rows of a task start with the same opening
+    n = policy.prefills[0][0] + policy.prefills[1][t]  # ACT: the common part, then task t's rest
     rows = [out.trajectories[t * g + s].rows[int(Role.ACT)].tokens for s in range(g)]
-    assert all(np.array_equal(rows[0][: policy.prefills[0][t]], r[: policy.prefills[0][t]]) for r in rows)
+    assert all(np.array_equal(rows[0][:n], r[:n]) for r in rows)
 
 
 def test_faults_are_recorded_and_history_is_shown(real_run, tokenizer):

@@ -175,6 +175,23 @@ def test_group_fork_equals_separate_prefills(tiny_with_roles):
   assert len({tuple(shared.row(b)) for b in range(4)}) > 1  # the G samples differ
 
 
+def test_a_prefix_prefilled_once_and_copied_equals_each_rows_own_prefill(tiny_with_roles):
+  """Two rows start with the same prefix: prefilled once in a one-row cache, copied with ``copy_rows`` (row 2, an
+  index past the last row, is empty), then each row's own rest; the cache equals prefilling each row whole."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  prefix = PROMPTS[2]
+  rows = [prefix + [5, 6, 7], prefix + [9], [11, 12]]
+  whole, _, _, _ = sampler.prefill(sampler.init_cache(3, 64), rows, Role.USER)
+  small, _, _, count = sampler.prefill(sampler.init_cache(1, 64), [prefix], Role.USER)
+  copied = sampler.copy_rows(small, [0, 0, 1])
+  assert count == len(prefix) and np.asarray(copied.lengths).tolist() == [len(prefix), len(prefix), 0]
+  copied, _, _, _ = sampler.prefill(copied, [r[len(prefix) :] for r in rows[:2]] + [rows[2]], Role.USER)
+  np.testing.assert_array_equal(copied.lengths, whole.lengths)
+  for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(whole), strict=True):  # unwritten slots: zeros in both
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+
+
 def test_prompt_buckets_bound_compilations(tiny_with_roles):
   config, params = tiny_with_roles
   sampler = Sampler(config, params, prefill_chunk=32, min_bucket=8)
