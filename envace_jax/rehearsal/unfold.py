@@ -194,11 +194,12 @@ class _Unfolder:
       small = first.init_cache(batch=m, capacity=capacity)
       small, _ = self._prefill_rows(
         small,
-        [samplers[row] for row in heads] + [first] * (m - len(heads)),
+        [samplers[row] for row in heads],
         [prompts[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
         [prompt_roles[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
       )
-      index = [list(lead).index(row // b) if shared[row] else m for row in range(len(prompts))]
+      slot = {r: i for i, r in enumerate(lead)}  # role -> its row in the small cache
+      index = [slot[row // b] if shared[row] else m for row in range(len(prompts))]
       cache = first.copy_rows(small, index)
       self.stats["prefill_tokens_reused"] += int(shared.sum() - shared[heads].sum())
     else:
@@ -212,7 +213,8 @@ class _Unfolder:
     return first.fork(cache, self.cfg.group_size)
 
   def _prefill_rows(self, cache, samplers: Sequence[Any], prompts, prompt_roles) -> tuple[Any, np.ndarray]:
-    """``prefill`` of each row's prompt by that row's sampler (``samplers[row]``; padding rows: the first's)."""
+    """``prefill`` of each row's prompt by that row's sampler (``samplers[row]``); rows past ``samplers`` (padding)
+    are left empty."""
     fitted = np.zeros(len(prompts), bool)
     by_sampler: dict[int, tuple[Any, set[int]]] = {}
     for row, s in enumerate(samplers):

@@ -210,14 +210,6 @@ def _packed_length(rows: Sequence[TrainingRow], units: Sequence[tuple[Sequence[i
   return n
 
 
-def _common_prefix(a: TrainingRow, b: TrainingRow, limit: int) -> int:
-  """The number of leading positions (at most ``limit``) where rows a and b have the same token and role ids."""
-  m = min(limit, len(a.tokens), len(b.tokens))
-  same = (np.asarray(a.tokens[:m]) == np.asarray(b.tokens[:m])) & (np.asarray(a.roles[:m]) == np.asarray(b.roles[:m]))
-  differ = np.flatnonzero(~same)
-  return int(differ[0]) if differ.size else m
-
-
 def collate(
   rows: Sequence[TrainingRow],
   advantages: Sequence[float] | np.ndarray,
@@ -306,7 +298,8 @@ def collate(
   for role_units in units.values():
     current, root = [role_units[0]], role_units[0][1]
     for unit in role_units[1:]:
-      r = min(root, unit[1], _common_prefix(rows[current[0][0][0]], rows[unit[0][0]], root))
+      a, c = current[0][0][0], unit[0][0]  # the first rows of the bin and of the unit
+      r = min(root, unit[1], shared_prefix_length([rows[a], rows[c]], [masks[a], masks[c]]))
       n = _packed_length(rows, [*current, unit], r)
       if max_packed_length and r >= min_shared_prefix and n <= max_packed_length:
         current, root = [*current, unit], r
