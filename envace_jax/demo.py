@@ -62,7 +62,7 @@ def run(cfg, workdir: str | None = None) -> list[dict]:
       f"the {len(ids)}-token prompt does not fit sampler.capacity={cfg.sampler.capacity}; "
       "raise --config.sampler.capacity."
     )
-  cache = Sampler.fork(cache, group)
+  cache = sampler.fork(cache, group)
   if mesh is not None:
     cache = jax.device_put(cache, sharding.cache_shardings(sampler.config, mesh, cache))
   sampling = SamplingParams(cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.top_k)

@@ -4,7 +4,8 @@ Parses flags and hands over; nothing else lives here. ``train`` (the default) ru
 held-out evaluation (``train.train_and_evaluate``); ``eval`` evaluates the latest checkpoint in DIR (or the base
 weights) with test-time private rehearsal off / parallel / sequential (``evaluate.run``); ``demo`` samples one ACT
 turn on real weights; ``plan`` prints each device's memory for the run from its compiled programs, with no weights
-loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX reports no limit for).
+loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX reports no limit for, ``--opening_tokens``
+for the openings a task's rollouts share).
 
 Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
 ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
@@ -23,6 +24,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo", "plan"], "What to run.")
 _DEVICE_GB = flags.DEFINE_float(
   "device_memory_gb", 0.0, "--mode=plan: device memory in GB to compare with (0: the limit JAX reports, if any)."
+)
+_OPENING = flags.DEFINE_integer(
+  "opening_tokens", 0, "--mode=plan: tokens of each view's opening, stored once for a task's G rollouts (0: none)."
 )
 flags.mark_flags_as_required(["config"])
 
@@ -53,7 +57,7 @@ def main(argv: list[str]) -> None:
     elif _MODE.value == "plan":
       from envace_jax import plan
 
-      plan.run(_CONFIG.value, _DEVICE_GB.value)
+      plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value)
   except config_check.ConfigError as e:
     console.config_error(e)
 

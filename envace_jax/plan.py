@@ -8,9 +8,12 @@ lowered with the run's mesh and shardings and compiled (``jax.jit(...).lower(...
 XLA's own (``memory_analysis()``: per device, after partitioning):
 
   * the rollout's sampler, as `rehearsal.unfold` allocates it: one policy cache of ``views × B × G`` rows (ACT,
-    REHEARSE in rehearse mode, USER when the policy plays it), each row as long as the largest role capacity (the
-    dense layout), and a reference cache of ``B × G`` rows when the frozen reference plays the user; one prefill chunk
-    (``sampler.prefill_chunk`` tokens over the whole capacity) and the decode loop;
+    REHEARSE in rehearse mode, USER when the policy plays it) and a reference cache of ``B × G`` rows when the frozen
+    reference plays the user. With ``opening_tokens`` = O > 0 each view's opening (system prompt, tool schemas, the
+    task) is a prefix level of ``views × B`` rows of O slots (rounded up as `Sampler.fork` cuts it: `slot_bucket`)
+    that a task's G rollouts share, and each rollout's row owns the largest role capacity less O; with O = 0 each
+    row owns the largest role capacity. One prefill chunk (``sampler.prefill_chunk`` tokens) and the decode
+    loop;
   * the update step (`rl.grpo.make_update_step`): the train state (parameters and AdamW's two moments) and one
     micro-batch of ``grpo.micro_batch_size`` rows of the longest view.
 
@@ -40,7 +43,7 @@ from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
 from envace_jax.sampling import sharding
-from envace_jax.sampling.sampler import Sampler, _next_pow2
+from envace_jax.sampling.sampler import Sampler, _next_pow2, slot_bucket
 
 GIB = 1024**3
 
@@ -97,13 +100,34 @@ def _sampler_programs(sampler: Sampler, params, cache, num_new: int, sampling, s
   return _memory(prefill), _memory(decode)
 
 
-def plan(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
+def _cache(config, mesh, rows: int, capacity: int, openings: int, opening_tokens: int, min_bucket: int):
+  """The abstract cache `rehearsal.unfold` forks: ``rows`` rows, and with ``opening_tokens`` a prefix level of
+  ``openings`` rows (placed as `Sampler.fork` places it)."""
+
+  def make(batch, slots):
+    shape = jax.eval_shape(functools.partial(transformer.init_cache, config, batch, slots))
+    return _abstract(shape, sharding.cache_shardings(config, mesh, shape) if mesh is not None else None)
+
+  if not opening_tokens:
+    return make(rows, capacity)
+  prefix = make(openings, slot_bucket(opening_tokens, min_bucket))
+  return make(rows, capacity - opening_tokens).replace(prefix=prefix)
+
+
+def _shared(cache, names: str, b: int) -> str:
+  if cache.prefix is None:
+    return ""
+  return f", after openings of {names} × {b} rows × {cache.prefix.capacity} slots stored once for the G rollouts"
+
+
+def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict[str, Any]:
   """The per-device memory plan of ``config``'s training run (see the module docstring).
 
   Args:
     config: a run config (``configs/*.py``); validated first.
     device_memory_gb: the device's memory in GB (10^9 bytes) to compare with; 0: the limit JAX reports for the
       first device (GPU, TPU), none on CPU.
+    opening_tokens: tokens of each view's opening, shared by a task's G rollouts (0: none assumed).
   Returns:
     {"model", "devices", "mesh" {axis: size}, "rows", "capacity", "parts": [Part], "programs": {name: memory
     analysis}, "peak_bytes", "device_bytes" (None when unknown), "fits" (None when unknown)}.
@@ -123,6 +147,10 @@ def plan(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
   if ucfg.user_mode == "policy":
     views.append(Role.USER)
   capacity = max(ucfg.capacity(r) for r in views)
+  if not 0 <= opening_tokens < min(ucfg.capacity(r) for r in views):
+    raise config_check.ConfigError(
+      [f"opening_tokens={opening_tokens}: must be >= 0 and below every view's capacity (rollout.*_capacity)."]
+    )
   parts: list[Part] = []
   programs: dict[str, dict[str, int]] = {}
 
@@ -165,22 +193,19 @@ def plan(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
   rows += -rows % pad_to
   stops = tuple(sorted({s.encode() for r in views for s in ucfg.stop_strings(r)}))
   num_new = _next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
-  cache_shape = jax.eval_shape(functools.partial(transformer.init_cache, sample_cfg, rows, capacity))
-  cache_sh = sharding.cache_shardings(sample_cfg, on_mesh, cache_shape) if on_mesh is not None else None
-  cache = _abstract(cache_shape, cache_sh)
+  cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
   parts.append(Part("KV cache: policy", device_bytes(cache), "rollout",
-                    f"{rows} rows ({names} × {b}×{g}) × {capacity} slots, {jnp.dtype(mc.dtype).name}"))  # fmt: skip
+                    f"{rows} rows ({names} × {b}×{g}) × {cache.capacity} slots" + _shared(cache, names, b)
+                    + f", {jnp.dtype(mc.dtype).name}"))  # fmt: skip
   prefill, decode = _sampler_programs(sampler, params_abstract, cache, num_new, ucfg.sampling(Role.ACT), stops)
   programs["prefill (policy)"], programs["decode (policy)"] = prefill, decode
   rollout_temp = max(prefill["temp"], decode["temp"])
   if ucfg.user_mode == "reference":
     ref_rows = n + (-n % pad_to)
-    ref_shape = jax.eval_shape(functools.partial(transformer.init_cache, sample_cfg, ref_rows, ucfg.user_capacity))
-    ref_sh = sharding.cache_shardings(sample_cfg, on_mesh, ref_shape) if on_mesh is not None else None
-    ref_cache = _abstract(ref_shape, ref_sh)
+    ref_cache = _cache(sample_cfg, on_mesh, ref_rows, ucfg.user_capacity, b, opening_tokens, sampler.min_bucket)
     parts.append(Part("KV cache: reference user", device_bytes(ref_cache), "rollout",
-                      f"{ref_rows} rows × {ucfg.user_capacity} slots"))  # fmt: skip
+                      f"{ref_rows} rows × {ref_cache.capacity} slots" + _shared(ref_cache, "USER", b)))  # fmt: skip
     stops_user = tuple(s.encode() for s in ucfg.stop_strings(Role.USER))
     num_user = _next_pow2(ucfg.user_max_new_tokens, 1)
     _, ref_decode = _sampler_programs(sampler, params_abstract, ref_cache, num_user, ucfg.user_sampling, stops_user)
@@ -247,8 +272,8 @@ def format_plan(result: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def run(config, device_memory_gb: float = 0.0) -> dict[str, Any]:
+def run(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict[str, Any]:
   """``--mode=plan``: prints `format_plan` of `plan` and returns the result."""
-  result = plan(config, device_memory_gb)
+  result = plan(config, device_memory_gb, opening_tokens)
   print(format_plan(result))
   return result

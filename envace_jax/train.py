@@ -85,7 +85,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   seconds = stats.get("time_total_s", 0.0)
   out["rollout/generated_tokens"] = float(generated)
   out["rollout/prefill_tokens"] = float(stats.get("prefill_tokens", 0) + stats.get("prefill_tokens_shared", 0))
-  out["rollout/prefill_tokens_reused"] = float(stats.get("prefill_tokens_reused", 0))  # copied, not prefilled
+  out["rollout/prefill_tokens_reused"] = float(stats.get("prefill_tokens_reused", 0))  # shared, not prefilled
+  out["rollout/kv_slots"] = float(stats.get("kv_slots", 0))
+  out["rollout/kv_slots_dense"] = float(stats.get("kv_slots_dense", 0))
   out["rollout/tokens_per_s"] = (generated + out["rollout/prefill_tokens"]) / seconds if seconds else float("nan")
   out["time/rollout_s"] = float(seconds)
   return out

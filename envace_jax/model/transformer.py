@@ -12,11 +12,17 @@ H head dim, F MLP width, V vocab, R roles):
                                keys after the rotary embedding, stored transposed (head dim before slots)
     KVCache.v                  dtype[L, B, K, S, H] or a tuple of L dtype[B, K, S, H]
     KVCache.lengths            int32[B]      filled slots per sequence
+    KVCache.prefix             None or a KVCache of P rows (P divides B): row b continues prefix row b // (B / P)
 
 Both layouts are the ones the two attention matmuls read in place: scores = q @ k contracts k's second-to-last axis
 (H) and out = probs @ v contracts v's (S). Keys stored [B, K, S, H] made XLA copy every layer's keys to [B, K, H, S]
 at every decode step (a full read and write of the key cache, ~7% of a SmolLM2 step at 322 slots and growing with
 capacity).
+
+Shared prefixes (``KVCache.prefix``, per-layer layout only): the G rows that continue one prefix row store only their
+own tokens; a query attends over its own slots and, one einsum per prefix level, over its prefix row's filled slots
+together with the other rows of its group, and the parts merge by log-sum-exp (`_merge_parts`). Positions continue
+after the prefixes' tokens (``KVCache.offsets``).
 
 Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
 the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
@@ -48,38 +54,106 @@ _MASKED = -1e30
 
 @struct.dataclass
 class KVCache:
-  """Keys and values of every layer with a static capacity, and the filled length of each sequence.
+  """Keys and values of every layer with a static capacity, and the filled length of each sequence; optionally the
+  continuation of a shorter cache of shared prefixes (``prefix``), whose storage its rows share instead of copying.
 
   Attributes:
     k: rotary-embedded keys, transposed: dtype[L, B, K, H, S] for a scanned model, a tuple of L dtype[B, K, H, S]
       otherwise.
     v: values: dtype[L, B, K, S, H], or a tuple of L dtype[B, K, S, H].
-    lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its history).
+    lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its own tokens).
+    prefix: None, or a KVCache of P rows (P divides B, per-layer layout) whose row ``b // (B // P)`` holds what
+      precedes row b's own slots: row b's history is its prefix row's history (prefixes nest), then its own slots.
+      The G rows that continue one prefix attend over it together (`_attend_prefix`), so its keys and values are
+      stored and read once per step, not once per row (Hydragen, Juravsky et al. 2024; cascade attention).
   """
 
   k: jax.Array | tuple[jax.Array, ...]
   v: jax.Array | tuple[jax.Array, ...]
   lengths: jax.Array
+  prefix: KVCache | None = None
 
   @property
   def capacity(self) -> int:
-    """S, the number of slots per sequence."""
+    """S, the number of own slots per sequence (a prefix's tokens are not counted)."""
     return self.v[0].shape[2]  # layer 0 of v: [B, K, S, H] in both layouts
 
+  def levels(self) -> list[KVCache]:
+    """The prefix chain, nearest first (empty without a prefix)."""
+    chain, level = [], self.prefix
+    while level is not None:
+      chain.append(level)
+      level = level.prefix
+    return chain
+
+  def offsets(self) -> jax.Array:
+    """int32[B]: tokens each row's prefixes hold before its own slots (0 without a prefix)."""
+    b = self.lengths.shape[0]
+    total = jnp.zeros((b,), jnp.int32)
+    for level in self.levels():
+      total = total + jnp.repeat(level.lengths, b // level.lengths.shape[0], total_repeat_length=b)
+    return total
+
+  def filled(self) -> jax.Array:
+    """int32[B]: each row's whole history in tokens, its prefixes' included."""
+    return self.offsets() + self.lengths
+
+  def stored_slots(self) -> int:
+    """Slots allocated for keys (one per token position per row, per layer), this cache's and its prefixes'."""
+    return sum(c.lengths.shape[0] * c.capacity for c in (self, *self.levels()))
+
+  def flatten(self) -> KVCache:
+    """The same histories as a cache without prefix (each row's prefixes copied in front of its own slots), with
+    capacity = the most slots any row's history spans (prefix capacities + own). For inspection and tests."""
+    if self.prefix is None:
+      return self
+    b = self.lengths.shape[0]
+    parts = [*reversed(self.levels()), self]  # root first
+    capacity = sum(c.capacity for c in parts)
+    stacked = not isinstance(self.k, tuple)
+    if stacked:
+      raise ValueError("flatten: a cache with a prefix is laid out per layer (scan_layers=False).")
+    k = [jnp.zeros((b, *self.k[0].shape[1:3], capacity), self.k[0].dtype) for _ in self.k]
+    v = [jnp.zeros((b, self.v[0].shape[1], capacity, self.v[0].shape[3]), self.v[0].dtype) for _ in self.v]
+    start = jnp.zeros((b,), jnp.int32)
+    for part in parts:
+      rows = jnp.arange(b) // (b // part.lengths.shape[0])
+      slots = jnp.arange(part.capacity)
+      target = jnp.where(slots[None, :] < part.lengths[rows][:, None], start[:, None] + slots[None, :], capacity)
+      r = jnp.arange(b)[:, None, None]
+      heads = jnp.arange(self.v[0].shape[1])[None, :, None]
+      for i in range(len(k)):
+        k[i] = k[i].at[r, heads, :, target[:, None, :]].set(jnp.swapaxes(part.k[i][rows], 2, 3), mode="drop")
+        v[i] = v[i].at[r, heads, target[:, None, :]].set(part.v[i][rows], mode="drop")
+      start = start + part.lengths[rows]
+    return KVCache(k=tuple(k), v=tuple(v), lengths=start)
+
   def repeat(self, group_size: int) -> KVCache:
-    """Each row repeated ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
+    """Each row repeated ``group_size`` times, copied: row b becomes rows b*G .. b*G+G-1 (see
+    ``Sampler.fork`` for the shared-storage alternative). Raises ValueError for a cache with a prefix."""
+    if self.prefix is not None:
+      raise ValueError("repeat copies rows; a cache with a prefix shares them instead (continue it with a new level).")
     stacked = not isinstance(self.k, tuple)
     kv = lambda x: jnp.repeat(x, group_size, axis=1 if stacked else 0)
     return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=jnp.repeat(self.lengths, group_size))
 
   def take(self, rows: Any) -> KVCache:
     """Row i of the result is row ``rows[i]`` of this cache (int[B'] indices; a row may be taken several times),
-    or an empty row (zeros, length 0) where ``rows[i]`` is B or more."""
+    or an empty row (zeros, length 0) where ``rows[i]`` is B or more. Raises ValueError for a cache with a prefix."""
+    if self.prefix is not None:
+      raise ValueError("take copies rows of a cache without prefix.")
     stacked = not isinstance(self.k, tuple)
     index = jnp.asarray(rows, jnp.int32)
     take = lambda x, axis: jnp.take(x, index, axis=axis, mode="fill", fill_value=0)  # noqa: E731
     kv = lambda x: take(x, 1 if stacked else 0)  # noqa: E731
     return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=take(self.lengths, 0))
+
+  def trimmed(self, capacity: int) -> KVCache:
+    """This cache's first ``capacity`` slots (every row's filled ones: the caller checks), prefix kept."""
+    stacked = not isinstance(self.k, tuple)
+    k = jax.tree.map(lambda x: x[..., :capacity], self.k)
+    v = jax.tree.map(lambda x: x[:, :, :, :capacity] if stacked else x[:, :, :capacity], self.v)
+    return self.replace(k=k, v=v)
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
@@ -211,13 +285,47 @@ def _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, block: 
   return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q_bkgth.dtype)
 
 
+def _softmax_part(scores, visible, v, spec: str):
+  """One key set's share of a softmax over several: (running max [..], sum of exp [..], float32 weighted values
+  [.., H]) for float32 ``scores`` [.., S] masked by ``visible``, values contracted by the einsum ``spec``."""
+  scores = jnp.where(visible, scores, _MASKED)
+  best = scores.max(axis=-1)
+  probs = jnp.where(visible, jnp.exp(scores - best[..., None]), 0.0)
+  return best, probs.sum(axis=-1), jnp.einsum(spec, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
+  """The queries' share of attention over a shared prefix: rows b*m .. b*m+m-1 (m = B / P) all read prefix row b,
+  as one [m*G*T, H] x [H, S] matmul per (prefix, KV head), so the prefix's keys and values are read once for its m
+  rows. Returns `_softmax_part`'s triple, with leading axes [B, K, G, T]."""
+  b, k, g, t, h = q_bkgth.shape
+  p = k_pkhs.shape[0]
+  # The group's queries as one [P, K, m*G*T, H] operand, so both matmuls read the prefix in its stored layout (as
+  # `_attend` does); an einsum over the 6-d query let XLA transpose (copy) the prefix's keys and values instead.
+  q_pkqh = q_bkgth.reshape(p, b // p, k, g * t, h).transpose(0, 2, 1, 3, 4).reshape(p, k, -1, h)
+  scores = jnp.einsum("pkqh,pkhs->pkqs", q_pkqh, k_pkhs, preferred_element_type=jnp.float32) * head_dim**-0.5
+  part = _softmax_part(scores, visible_ps[:, None, None, :], v_pksh, "pkqs,pksh->pkqh")
+  unflat = lambda x: x.reshape(p, k, b // p, g, t, *x.shape[3:]).swapaxes(1, 2).reshape(b, k, g, t, *x.shape[3:])  # noqa: E731
+  return tuple(unflat(x) for x in part)
+
+
+def _merge_parts(parts, dtype):
+  """Softmax attention over the union of the parts' key sets (log-sum-exp merge of `_softmax_part` triples)."""
+  best = parts[0][0]
+  for part in parts[1:]:
+    best = jnp.maximum(best, part[0])
+  total = sum(part[1] * jnp.exp(part[0] - best) for part in parts)
+  acc = sum(part[2] * jnp.exp(part[0] - best)[..., None] for part in parts)
+  return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+
+
 class Attention(nn.Module):
   """Grouped-query self-attention with optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions, layer, cache, write_slots, mask):
+  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=()):
     cfg = self.config
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = x_btd.dtype
@@ -268,7 +376,12 @@ class Attention(nn.Module):
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
-    if cache is None and t > block and t % block == 0:
+    if prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
+      scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32) * h**-0.5
+      parts = [_softmax_part(scores, mask[:, None, None], v_bksh, "bkgts,bksh->bkgth")]
+      parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
+      out_bkgth = _merge_parts(parts, dtype)
+    elif cache is None and t > block and t % block == 0:
       # Long self-contained sequences (training rows): causal, so query block i sees only keys < (i + 1) * block.
       # Attending block by block skips the masked upper triangle: half the score FLOPs and softmax traffic.
       outs = []
@@ -308,10 +421,10 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_slots, mask):
+  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=()):
     x_btd, cache = carry
     attn_out, cache = Attention(self.config, name="attn")(
-      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask
+      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes
     )
     x_btd = x_btd + attn_out
     x_btd = x_btd + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x_btd))
@@ -347,10 +460,13 @@ class Transformer(nn.Module):
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       slots = jnp.arange(cache.capacity if attend_len is None else min(attend_len, cache.capacity))
       mask = (slots[None, None, :] <= write_slots[:, :, None]) & (slots[None, None, :] < new_lengths[:, None, None])
-      default_positions = cache.lengths[:, None] + rank
+      levels = cache.levels()
+      if levels and cfg.scan_layers:
+        raise ValueError("a KVCache with a prefix needs the per-layer layout (scan_layers=False).")
+      default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.k, cache.v)
     else:
-      write_slots = None
+      write_slots, levels = None, []
       idx = jnp.arange(t)
       mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]
       default_positions = rank
@@ -376,9 +492,11 @@ class Transformer(nn.Module):
       (x_btd, layer_cache), _ = layers((x_btd, layer_cache), jnp.arange(cfg.num_layers), positions, write_slots, mask)
     else:
       per_layer = []
+      seen = [jnp.arange(c.capacity)[None, :] < c.lengths[:, None] for c in levels]  # [P, S] per prefix level
       for i in range(cfg.num_layers):
         carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
-        (x_btd, written), _ = DecoderLayer(cfg, name=f"layers_{i}")(carry, None, positions, write_slots, mask)
+        prefixes = tuple((c.k[i], c.v[i], visible) for c, visible in zip(levels, seen, strict=True))
+        (x_btd, written), _ = DecoderLayer(cfg, name=f"layers_{i}")(carry, None, positions, write_slots, mask, prefixes)
         per_layer.append(written)
       if cache is not None:
         layer_cache = tuple(c[0] for c in per_layer), tuple(c[1] for c in per_layer)
@@ -391,7 +509,7 @@ class Transformer(nn.Module):
       head_dv = _param(self, "lm_head", _dense_init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
       logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
     if cache is not None:
-      cache = KVCache(k=layer_cache[0], v=layer_cache[1], lengths=new_lengths)
+      cache = KVCache(k=layer_cache[0], v=layer_cache[1], lengths=new_lengths, prefix=cache.prefix)
     return logits_btv.astype(jnp.float32), cache
 
 

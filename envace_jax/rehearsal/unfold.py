@@ -51,7 +51,7 @@ from envace_jax.rehearsal import views
 from envace_jax.rehearsal.episode import ROLE_NAMES, Episode, UnfoldConfig, UnfoldConfigError
 from envace_jax.rehearsal.trajectory import Termination, Trajectory
 from envace_jax.rehearsal.users import ExternalUser, UserSimulator, UserSimulatorError
-from envace_jax.sampling.sampler import SamplingParams
+from envace_jax.sampling.sampler import SamplingParams, slot_bucket
 
 __all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
 
@@ -80,8 +80,9 @@ class UnfoldOutput:
       sampled: ACT, REHEARSE in rehearse mode, USER when the policy plays the user).
     stats: numbers for metrics: ``steps``, ``policy_calls``, ``reference_calls``, ``external_requests``,
       ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
-      shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens copied from another task's row
-      instead), ``prefill_tokens`` (continuations),
+      shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
+      ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
+      `KVCache.stored_slots`) and ``kv_slots_dense`` (what one row per view at its largest capacity would),
       ``generated_tokens_{act,rehearse,user}``, ``time_{setup,policy,reference,external,host,total}_s``,
       ``terminated_<reason>``.
     views: per trajectory, its token views by role (`views.View`: the messages each role saw, and its tokens
@@ -142,6 +143,10 @@ class _Unfolder:
       self.caches["policy"] = self._prefill_openings(self.policy, openings, self.policy_roles)
     if self.user_on == "reference":
       self.caches["reference"] = self._prefill_openings(self.reference, openings, (Role.USER,))
+    for name, cache in self.caches.items():
+      roles = self.policy_roles if name == "policy" else (Role.USER,)
+      self.stats["kv_slots"] += cache.stored_slots()
+      self.stats["kv_slots_dense"] += int(cache.lengths.shape[0]) * max(self.cfg.capacity(r) for r in roles)
     episodes = [o.copy(b * g + s, s) for b, o in enumerate(openings) for s in range(g)]
     for b, o in enumerate(openings):
       for role, view in o.views.items():
@@ -161,12 +166,15 @@ class _Unfolder:
     return episodes
 
   def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role]):
-    """Prefills every task's view openings (all but their last token), then ``fork``s the cache G ways.
+    """Prefills every task's view openings (all but their last token) once and forks the cache G ways.
 
-    A role's openings that all start with the same ``SHARED_OPENING_MIN`` or more tokens (the domain-wide part: ACT's
-    policy and tool schemas, REHEARSE's instructions and schemas) have that part prefilled once, in the first task's
-    row of a cache of those parts alone, and copied to every task's row (``copy_rows``) before each task's own rest
-    is prefilled. With one sampler per role (per_role parameters) each sampler prefills its own roles' rows.
+    Three levels, each the ``prefix`` of the next (`Sampler.fork`: stored once, attended once per step by the rows
+    that continue it): a role's part common to all tasks' openings (when ``SHARED_OPENING_MIN`` tokens or more:
+    ACT's policy and tool schemas, REHEARSE's instructions and schemas), prefilled once for all tasks; each task's
+    rest, once for its G trajectories; each trajectory's own slots, as many as its role's capacity leaves after the
+    opening (the most over the views). When the roles' rows do not split over a mesh's batch shards, the common part
+    is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role parameters) each
+    sampler prefills its own roles' rows.
     """
     b = len(openings)
     prompts, prompt_roles = [], []
@@ -178,7 +186,9 @@ class _Unfolder:
         prompt_roles.append(list(view.roles[:-1]) if fits else [])
     samplers = [_sampler_for(sampler, roles[row // b]) for row in range(len(prompts))]
     first = samplers[0]
-    pad = -len(prompts) % first.batch_multiple  # on a mesh the rows must split over its batch shards: empty rows
+    nest = len(roles) % first.batch_multiple == 0  # one row per role in the common parts' cache
+    views_rows = len(prompts)
+    pad = -views_rows % first.batch_multiple  # on a mesh the rows must split over its batch shards: empty rows
     prompts, prompt_roles = prompts + [[]] * pad, prompt_roles + [[]] * pad
     shared = np.zeros(len(prompts), np.int64)  # tokens of each row's opening prefilled once for all its tasks
     lead: dict[int, int] = {}  # role -> the row (its first task's) whose opening prefix is prefilled for all
@@ -187,30 +197,36 @@ class _Unfolder:
       root = _common_prefix([prompts[row] for row in rows], [prompt_roles[row] for row in rows])
       if len(rows) > 1 and root >= SHARED_OPENING_MIN:
         shared[rows], lead[r] = root, rows[0]
-    capacity = max(self.cfg.capacity(r) for r in roles)
-    if lead:  # the common parts in a cache of their own, one row each, copied to every row (others: empty)
-      heads = list(lead.values())
-      m = len(heads) + (-len(heads) % first.batch_multiple)
-      small = first.init_cache(batch=m, capacity=capacity)
-      small, _ = self._prefill_rows(
-        small,
-        [samplers[row] for row in heads],
-        [prompts[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
-        [prompt_roles[row][: shared[row]] for row in heads] + [[]] * (m - len(heads)),
-      )
-      slot = {r: i for i, r in enumerate(lead)}  # role -> its row in the small cache
-      index = [slot[row // b] if shared[row] else m for row in range(len(prompts))]
-      cache = first.copy_rows(small, index)
-      self.stats["prefill_tokens_reused"] += int(shared.sum() - shared[heads].sum())
-    else:
-      cache = first.init_cache(batch=len(prompts), capacity=capacity)
     rest = [p[n:] for p, n in zip(prompts, shared, strict=True)]
     rest_roles = [p[n:] for p, n in zip(prompt_roles, shared, strict=True)]
+    full = max(self.cfg.capacity(r) for r in roles)
+    slots = lambda n: min(slot_bucket(n), full)  # noqa: E731  (few compiled shapes; a prompt fits its capacity)
+    longest = slots(max(map(len, prompts)))
+    if lead:  # the common parts in a cache of their own
+      heads = [lead.get(r) for r in range(len(roles))] if nest else list(lead.values())
+      m = len(heads) + (-len(heads) % first.batch_multiple)
+      small = first.init_cache(batch=m, capacity=slots(int(shared.max())) if nest else longest)
+      parts = [[xs[h][: shared[h]] if h is not None else [] for h in heads] for xs in (prompts, prompt_roles)]
+      parts = [p + [[]] * (m - len(heads)) for p in parts]
+      owners = [samplers[r * b] for r in range(len(roles))] if nest else [samplers[h] for h in heads]
+      small, _ = self._prefill_rows(small, owners, *parts)
+      if nest:
+        cache = first.fork(small, b, capacity=slots(max(map(len, rest))))
+      else:
+        slot = {r: i for i, r in enumerate(lead)}  # role -> its row in the small cache
+        cache = first.copy_rows(small, [slot[row // b] if shared[row] else m for row in range(len(prompts))])
+      self.stats["prefill_tokens_reused"] += int(shared.sum() - shared[list(lead.values())].sum())
+    else:
+      cache = first.init_cache(batch=len(prompts), capacity=longest)
     cache, fitted = self._prefill_rows(cache, samplers, rest, rest_roles)
     for row in range(len(samplers)):
       if prompts[row] and (fitted[row] or not rest[row]):
         openings[row % b].views[roles[row // b]].cached = len(prompts[row])
-    return first.fork(cache, self.cfg.group_size)
+    # Each rollout's own slots: what the roomiest view has left after its opening, rounded up to an eighth of the
+    # largest capacity so that the programs compile for at most 8 sizes.
+    own = max(self.cfg.capacity(roles[row // b]) - len(prompts[row]) for row in range(views_rows))
+    eighth = -(-full // 8)
+    return first.fork(cache, self.cfg.group_size, capacity=min(full, -(-max(own, 1) // eighth) * eighth))
 
   def _prefill_rows(self, cache, samplers: Sequence[Any], prompts, prompt_roles) -> tuple[Any, np.ndarray]:
     """``prefill`` of each row's prompt by that row's sampler (``samplers[row]``); rows past ``samplers`` (padding)
@@ -358,7 +374,7 @@ class _Unfolder:
     """Every view's bookkeeping must match its cache row's length (a rollout bug otherwise)."""
     for name, cache in self.caches.items():
       roles = self.policy_roles if name == "policy" else (Role.USER,)
-      lengths = np.asarray(jax.device_get(cache.lengths))
+      lengths = np.asarray(jax.device_get(cache.filled()))
       for ep in episodes:
         for slot, role in enumerate(roles):
           view = ep.views.get(role)

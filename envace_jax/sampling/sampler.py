@@ -138,6 +138,13 @@ def _next_pow2(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def slot_bucket(n: int, minimum: int = 1) -> int:
+  """n slots rounded up to a multiple of an eighth of its power-of-two bucket (at least ``minimum``): at most 12.5%
+  over n, and at most 8 sizes (so 8 compiled shapes) per doubling."""
+  eighth = max(1, _next_pow2(n, minimum) // 8)
+  return max(minimum, -(-int(n) // eighth) * eighth)
+
+
 class Sampler:
   """Prefill and decode for one model; holds its jitted functions and their compile counts.
 
@@ -206,7 +213,8 @@ class Sampler:
 
   def _jit(self, kind: str, cache: KVCache):
     """The jitted prefill or decode function; on a mesh, with explicit shardings for this cache's shape."""
-    key = (kind, (cache.lengths.shape[0], cache.capacity) if self.mesh is not None else None)
+    shapes = tuple((c.lengths.shape[0], c.capacity) for c in (cache, *cache.levels()))
+    key = (kind, shapes if self.mesh is not None else None)
     if key in self._jitted:
       return self._jitted[key]
     fn, static = (self._prefill_chunk, (8,)) if kind == "prefill" else (self._decode_loop, (7, 8, 9, 10))
@@ -240,10 +248,24 @@ class Sampler:
       return sharding.init_sharded_cache(self.config, self.mesh, batch, capacity, rules=self.rules)
     return transformer.init_cache(self.config, batch, capacity)
 
-  @staticmethod
-  def fork(cache: KVCache, group_size: int) -> KVCache:
-    """Repeats each row ``group_size`` times: row b becomes rows b*G .. b*G+G-1 (group prefix sharing)."""
-    return cache.repeat(group_size)
+  def fork(self, cache: KVCache, group_size: int, capacity: int | None = None) -> KVCache:
+    """A cache of B*G rows where rows b*G .. b*G+G-1 continue row b's history (group prefix sharing).
+
+    The new rows share row b's storage: ``cache`` (cut to a `slot_bucket` of its longest row) becomes the new
+    cache's ``prefix``, and each new row owns ``capacity`` empty slots (default: ``cache``'s capacity). Row b's
+    tokens are stored once and attended once per step for its G rows. A row's context is then its history plus
+    ``capacity``; the caller keeps it within the model's (unfold's views stop at their role's capacity).
+
+    Raises:
+      ValueError: on a mesh, B*G is not a multiple of the batch shards.
+    """
+    capacity = cache.capacity if capacity is None else int(capacity)
+    longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
+    parent = cache.trimmed(min(cache.capacity, slot_bucket(longest, self.min_bucket)))
+    if self.mesh is not None:
+      parent = jax.device_put(parent, sharding.cache_shardings(self.config, self.mesh, parent, self.rules))
+    child = self.init_cache(batch=int(cache.lengths.shape[0]) * group_size, capacity=capacity)
+    return child.replace(prefix=parent)
 
   def copy_rows(self, cache: KVCache, source: Sequence[int]) -> KVCache:
     """A cache whose row i is a copy of row ``source[i]`` of ``cache``, or empty where ``source[i]`` is past its last
@@ -297,6 +319,7 @@ class Sampler:
     capacity = cache.capacity
     width = stopping.buffer_width(self._byte_table[0].shape[1], stop_strings) if stop_strings else 0
     rows = jnp.arange(b)
+    prefix = cache.prefix  # read, never written: kept out of the loop's carry
 
     def cond(s: _DecodeState):
       return jnp.any(~s.done) & (s.step < num_new)
@@ -324,12 +347,18 @@ class Sampler:
       # Every sampled token is written to the cache, so a later turn continues right after it; the logits it
       # yields matter only to rows still live.
       new_logits, cache = transformer.apply(
-        self.config, params, token[:, None], gen_roles[:, None], cache=s.cache, valid=can[:, None], attend_len=attend
+        self.config,
+        params,
+        token[:, None],
+        gen_roles[:, None],
+        cache=s.cache.replace(prefix=prefix),
+        valid=can[:, None],
+        attend_len=attend,
       )
       return _DecodeState(
         step=s.step + 1,
         logits=new_logits[:, 0],
-        cache=cache,
+        cache=cache.replace(prefix=None),
         tokens=tokens,
         logprobs=logprobs,
         lengths=lengths,
@@ -341,7 +370,7 @@ class Sampler:
     state = _DecodeState(
       step=jnp.zeros((), jnp.int32),
       logits=logits,
-      cache=cache,
+      cache=cache.replace(prefix=None),
       tokens=jnp.full((b, num_new), self.pad_id, jnp.int32),
       logprobs=jnp.zeros((b, num_new), jnp.float32),
       lengths=jnp.zeros((b,), jnp.int32),
@@ -350,7 +379,7 @@ class Sampler:
       stop_buffer=stopping.init_buffer(b, width),
     )
     state = jax.lax.while_loop(cond, body, state)
-    return state.tokens, state.logprobs, state.lengths, state.finish, state.cache
+    return state.tokens, state.logprobs, state.lengths, state.finish, state.cache.replace(prefix=prefix)
 
   # ------------------------------------------------------------------------------------------------ host side
 

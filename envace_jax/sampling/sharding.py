@@ -278,7 +278,8 @@ def cache_shardings(
   config: ModelConfig, mesh: Mesh, cache: transformer.KVCache, rules: Rules = LOGICAL_RULES
 ) -> transformer.KVCache:
   """A ``KVCache`` whose fields are ``NamedSharding``s: k by ``K_CACHE_AXES``, v by ``CACHE_AXES``, lengths on the
-  batch.
+  batch; its ``prefix`` levels likewise (a level whose rows do not split over the batch shards is replicated over
+  them: `logical_to_spec`).
 
   Args:
     config: the model's config (checks the cache's layer and head counts).
@@ -302,7 +303,8 @@ def cache_shardings(
   if per_layer:
     k = logical_to_sharding(K_CACHE_AXES[1:], k_shape, mesh, rules)
     v = logical_to_sharding(CACHE_AXES[1:], shape, mesh, rules)
-    return transformer.KVCache(k=(k,) * layers, v=(v,) * layers, lengths=lengths)
+    prefix = None if cache.prefix is None else cache_shardings(config, mesh, cache.prefix, rules)
+    return transformer.KVCache(k=(k,) * layers, v=(v,) * layers, lengths=lengths, prefix=prefix)
   k = logical_to_sharding(K_CACHE_AXES, k_shape, mesh, rules)
   v = logical_to_sharding(CACHE_AXES, shape, mesh, rules)
   return transformer.KVCache(k=k, v=v, lengths=lengths)

@@ -66,6 +66,12 @@ class FakeCache:
   def lengths(self):
     return np.asarray([len(t) for t in self.tokens], np.int32)
 
+  def filled(self):
+    return self.lengths
+
+  def stored_slots(self):
+    return len(self.tokens) * self.capacity
+
 
 class ScriptedSampler(_Recorder):
   """No model: caches are token lists; every generation comes from ``script(role, trajectory, k) -> text``."""
@@ -78,9 +84,9 @@ class ScriptedSampler(_Recorder):
     return FakeCache([[] for _ in range(batch)], [[] for _ in range(batch)], capacity)
 
   @staticmethod
-  def fork(cache, g):
-    rep = lambda rows: [list(r) for r in rows for _ in range(g)]
-    return FakeCache(rep(cache.tokens), rep(cache.roles), cache.capacity)
+  def fork(cache, g, capacity=None):  # copies; a row's room is its history's plus ``capacity`` slots, as `Sampler`'s
+    rep = lambda rows: [list(r) for r in rows for _ in range(g)]  # noqa: E731
+    return FakeCache(rep(cache.tokens), rep(cache.roles), cache.capacity + (capacity or cache.capacity))
 
   @staticmethod
   def copy_rows(cache, source):  # a source past the last row: an empty row
@@ -142,8 +148,8 @@ class ForcingSampler(_Recorder):
   def init_cache(self, batch, capacity):
     return self.sampler.init_cache(batch, capacity)
 
-  def fork(self, cache, g):
-    return self.sampler.fork(cache, g)
+  def fork(self, cache, g, capacity=None):
+    return self.sampler.fork(cache, g, capacity)
 
   def copy_rows(self, cache, source):
     return self.sampler.copy_rows(cache, source)

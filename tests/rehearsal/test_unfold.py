@@ -115,8 +115,8 @@ def _fresh_kv(tiny_model, tokens, roles):
 def test_training_rows_are_exactly_the_kv_cache_rows(real_run, tiny_model):
   out, _, _, _ = real_run
   n = len(out.trajectories)
-  caches = {"policy": (out.caches["policy"], out.policy_roles), "reference": (out.caches["reference"], (Role.USER,))}
-  policy_lengths = np.asarray(out.caches["policy"].lengths)
+  policy = out.caches["policy"].flatten()  # each row's opening levels copied in front of its own slots
+  policy_lengths = np.asarray(policy.lengths)
   checked = collections.Counter()
   for traj in out.trajectories:
     i = traj.group * REAL.group_size + traj.sample
@@ -124,7 +124,7 @@ def test_training_rows_are_exactly_the_kv_cache_rows(real_run, tiny_model):
       slot = out.policy_roles.index(Role(role))
       assert len(row.tokens) == policy_lengths[slot * n + i], (i, role)
       if traj.sample == 0:  # the real keys of this cache row equal those of a fresh prefill of the row's ids and roles
-        got = np.asarray(caches["policy"][0].k[0][slot * n + i])[..., : len(row.tokens)]
+        got = np.asarray(policy.k[0][slot * n + i])[..., : len(row.tokens)]
         np.testing.assert_allclose(got, _fresh_kv(tiny_model, row.tokens, row.roles), atol=2e-4)
         checked[role] += 1
   assert checked[int(Role.ACT)] == 2 and checked[int(Role.REHEARSE)] == 2
@@ -191,9 +191,16 @@ def test_continuation_prefills_only_new_tokens_and_openings_once_per_task(real_r
       reused += root * (b - 1)
     generated = sum(len(x[2]) for c in sampler.calls for x in c.values())
     continued = sum(x[1] for c in sampler.calls for x in c.values())
-    assert int(np.sum(out.caches[name].lengths)) == g * sum(openings) + continued + generated
+    cache = out.caches[name]
+    assert int(np.sum(cache.filled())) == g * sum(openings) + continued + generated  # every row's whole history
+    # Stored once: the common parts in one row per role, each task's rest in one row, each trajectory's own tokens.
+    levels = [cache, *cache.levels()]
+    assert [int(c.lengths.shape[0]) for c in levels] == [len(roles) * b * g, len(roles) * b, len(roles)]
+    assert [int(np.sum(c.lengths)) for c in levels] == [continued + generated, sum(rest), sum(common)]
   assert out.stats["prefill_tokens_shared"] == sum(sum(p[0]) + sum(p[1]) for p in (policy.prefills, reference.prefills))
   assert out.stats["prefill_tokens_reused"] == reused
+  stored = sum(out.caches[name].stored_slots() for name in ("policy", "reference"))
+  assert out.stats["kv_slots"] == stored < out.stats["kv_slots_dense"]
   assert out.stats["prefill_tokens"] == sum(x[1] for s in (policy, reference) for c in s.calls for x in c.values())
   for t in range(b):  # the G rows of a task start with the same opening
     n = policy.prefills[0][0] + policy.prefills[1][t]  # ACT: the common part, then task t's rest
@@ -228,7 +235,7 @@ def test_context_exhausted_ends_cleanly(tiny_model, tokenizer, mock_tasks):
   )
   out = unfold([task], policy, tokenizer, config, jax.random.key(3), return_caches=True)
   assert out.stats["policy_calls"] == len(policy.calls) > 0  # the stat counts the sampler's generate calls
-  lengths = np.asarray(out.caches["policy"].lengths)
+  lengths = np.asarray(out.caches["policy"].filled())
   for i, traj in enumerate(out.trajectories):
     assert traj.termination == Termination.CONTEXT_EXHAUSTED
     assert traj.events[-1] == {

@@ -168,10 +168,12 @@ def test_group_fork_equals_separate_prefills(tiny_with_roles):
   separate, _ = sampler.generate(sampler.init_cache(4, 96), [PROMPTS[2]] * 4, Role.USER, **kw)
   cache, _, _, count = sampler.prefill(sampler.init_cache(1, 96), [PROMPTS[2][:-1]], Role.USER)
   assert count == len(PROMPTS[2]) - 1  # prefilled once
-  forked = Sampler.fork(cache, 4)
-  shared, _ = sampler.generate(forked, [PROMPTS[2][-1:]] * 4, Role.USER, **kw)
+  forked = sampler.fork(cache, 4, capacity=32)
+  assert forked.prefix.lengths.shape == (1,) and forked.stored_slots() == 40 + 4 * 32  # the prefix stored once
+  shared, after = sampler.generate(forked, [PROMPTS[2][-1:]] * 4, Role.USER, **kw)
   np.testing.assert_array_equal(shared.tokens, separate.tokens)
   np.testing.assert_allclose(shared.logprobs, separate.logprobs, atol=1e-5)
+  np.testing.assert_array_equal(after.filled(), len(PROMPTS[2]) + shared.lengths)
   assert len({tuple(shared.row(b)) for b in range(4)}) > 1  # the G samples differ
 
 
@@ -190,6 +192,39 @@ def test_a_prefix_prefilled_once_and_copied_equals_each_rows_own_prefill(tiny_wi
   np.testing.assert_array_equal(copied.lengths, whole.lengths)
   for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(whole), strict=True):  # unwritten slots: zeros in both
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+
+
+def test_nested_shared_prefixes_equal_the_dense_path(tiny_with_roles):
+  """A prefix common to two rows (prefilled once), each row's own rest, then G = 3 forks, as unfold lays out its
+  openings: two turns of greedy decoding with ragged prompts give the dense path's tokens, logprobs (<= 1e-4),
+  finish reasons (context_exhausted when the forks' own slots run out) and histories, while every prefix token is
+  stored once."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  common, rests, g, own = PROMPTS[2], [[5, 6, 7], [9, 10, 11]], 3, 20
+  rows = [common + r for r in rests for _ in range(g)]
+  dense = sampler.init_cache(len(rows), len(rows[0]) - 1 + own)  # the same room after each opening
+  dense, _, _, _ = sampler.prefill(dense, [r[:-1] for r in rows], Role.USER)
+  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [common], Role.USER)
+  tasks = sampler.fork(small, len(rests), capacity=8)
+  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in rests], Role.USER)
+  shared = sampler.fork(tasks, g, capacity=own)
+  assert [int(c.lengths.sum()) for c in (shared, *shared.levels())] == [0, 4, len(common)]
+  turns = [([r[-1:] for r in rows], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
+  for i, (prompts, max_new) in enumerate(turns):
+    kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
+    want, dense = sampler.generate(dense, prompts, Role.OBSERVATION, **kw)
+    got, shared = sampler.generate(shared, prompts, Role.OBSERVATION, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert got.finish_reasons == want.finish_reasons
+  assert FinishReason.CONTEXT_EXHAUSTED in got.finish_reasons
+  np.testing.assert_array_equal(shared.filled(), dense.lengths)
+  flat, n = shared.flatten(), dense.capacity  # the same keys and values, slot for slot (unwritten: zeros in both)
+  for a, b in zip(flat.k, dense.k, strict=True):
+    np.testing.assert_allclose(np.asarray(a)[..., :n], np.asarray(b), atol=1e-4)
+  for a, b in zip(flat.v, dense.v, strict=True):
+    np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b), atol=1e-4)
 
 
 def test_prompt_buckets_bound_compilations(tiny_with_roles):
@@ -348,9 +383,15 @@ def test_sharded_sampler_equals_unsharded(tiny_with_roles):
   close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
   jax.tree.map(close, cache.k, ref_cache.k)
   # A continuation turn on the mesh reuses the sharded cache.
-  more, _ = sharded.generate(cache, [[5]] * 4, Role.OBSERVATION, **kw)
-  again, _ = plain.generate(ref_cache, [[5]] * 4, Role.OBSERVATION, **kw)
+  more, cache = sharded.generate(cache, [[5]] * 4, Role.OBSERVATION, **kw)
+  again, ref_cache = plain.generate(ref_cache, [[5]] * 4, Role.OBSERVATION, **kw)
   np.testing.assert_array_equal(more.tokens, again.tokens)
+  # Forked two ways: the 4 histories become a prefix level, its rows split over the batch shards like the forks'.
+  kw = dict(kw, role=Role.ACT, max_new_tokens=8)
+  forked, cache = sharded.generate(sharded.fork(cache, 2, capacity=16), [[6]] * 8, Role.OBSERVATION, **kw)
+  want, _ = plain.generate(plain.fork(ref_cache, 2, capacity=16), [[6]] * 8, Role.OBSERVATION, **kw)
+  np.testing.assert_array_equal(forked.tokens, want.tokens)
+  assert cache.prefix.k[0].sharding.spec[0] == ("data", "fsdp") and cache.prefix.lengths.shape == (4,)
 
 
 def test_out_of_range_input_is_refused_before_the_cache_is_touched(tiny_with_roles):
