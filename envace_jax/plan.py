@@ -10,9 +10,9 @@ XLA's own (``memory_analysis()``: per device, after partitioning):
   * the rollout's sampler, as `rehearsal.unfold` allocates it: one policy cache of ``views × B × G`` rows (ACT,
     REHEARSE in rehearse mode, USER when the policy plays it) and a reference cache of ``B × G`` rows when the frozen
     reference plays the user. With ``opening_tokens`` = O > 0 each view's opening (system prompt, tool schemas, the
-    task) is a prefix level of ``views × B`` rows of O slots (rounded up as `Sampler.fork` cuts it: `slot_bucket`)
-    that a task's G rollouts share, and each rollout's row owns the largest role capacity less O; with O = 0 each
-    row owns the largest role capacity. One prefill chunk (``sampler.prefill_chunk`` tokens) and the decode
+    task) is a prefix level of ``views × B`` rows of O slots (rounded up to a power of two, as `Sampler.fork` cuts
+    it) that a task's G rollouts share, and each rollout's row owns the largest role capacity less O; with O = 0
+    each row owns the largest role capacity. One prefill chunk (``sampler.prefill_chunk`` tokens) and the decode
     loop;
   * the update step (`rl.grpo.make_update_step`): the train state (parameters and AdamW's two moments) and one
     micro-batch of ``grpo.micro_batch_size`` rows of the longest view.
@@ -43,7 +43,7 @@ from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
 from envace_jax.sampling import sharding
-from envace_jax.sampling.sampler import Sampler, _next_pow2, slot_bucket
+from envace_jax.sampling.sampler import Sampler, _next_pow2
 
 GIB = 1024**3
 
@@ -110,7 +110,7 @@ def _cache(config, mesh, rows: int, capacity: int, openings: int, opening_tokens
 
   if not opening_tokens:
     return make(rows, capacity)
-  prefix = make(openings, slot_bucket(opening_tokens, min_bucket))
+  prefix = make(openings, _next_pow2(opening_tokens, min_bucket))
   return make(rows, capacity - opening_tokens).replace(prefix=prefix)
 
 

@@ -55,8 +55,8 @@ def test_plan_on_the_mesh_matches_the_formulas(data_dir):
 
 
 def test_plan_with_shared_openings(data_dir):
-  """``opening_tokens`` = 100: each cache is a prefix level of one row per (view, task), 112 slots (100 rounded up
-  to a multiple of 16, an eighth of 128: `slot_bucket`), and the rollouts' rows own the capacity less 100. The
+  """``opening_tokens`` = 100: each cache is a prefix level of one row per (view, task), 128 slots (100 rounded up
+  to a power of two, as `Sampler.fork` cuts it), and the rollouts' rows own the capacity less 100. The
   policy's 8 opening rows split over the 8 batch shards; the reference user's 4 do not, so each device holds them
   whole."""
   config = tiny_config(data_dir, **{"train.tasks_per_step": 4, "grpo.micro_batch_size": 8, "mesh.data": 1,
@@ -65,8 +65,8 @@ def test_plan_with_shared_openings(data_dir):
   mc = model_config.get_model_config("tiny")
   slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
   own, user = config.rollout.act_capacity - 100, config.rollout.user_capacity - 100
-  assert parts["KV cache: policy"].bytes == (slot * own + 4) * 16 // 8 + (slot * 112 + 4) * 8 // 8
-  assert parts["KV cache: reference user"].bytes == (slot * user + 4) * 8 // 8 + (slot * 112 + 4) * 4
+  assert parts["KV cache: policy"].bytes == (slot * own + 4) * 16 // 8 + (slot * 128 + 4) * 8 // 8
+  assert parts["KV cache: reference user"].bytes == (slot * user + 4) * 8 // 8 + (slot * 128 + 4) * 4
   with pytest.raises(config_check.ConfigError, match="opening_tokens=100000"):
     plan.plan(config, opening_tokens=100000)
 

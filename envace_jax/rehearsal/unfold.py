@@ -19,7 +19,8 @@ strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_r
 other role's closing tag stops there, with output that is malformed for its own role anyway. Views are
 append-only and keep their cache rows between turns: a generation prefills only the tokens added since the view's
 previous one. Group prefix sharing: each view's opening (everything before the first sampled token, identical across
-a task's G trajectories) is prefilled once per task and the cache is forked G ways.
+a task's G trajectories) is prefilled and stored once per task, and its G rows continue it (`Sampler.fork`: a
+``KVCache.prefix`` level, attended once per step for the G rows).
 
 Row layout of the policy cache, N = B*G trajectories (task-major, n = b*G + g): row ``slot * N + n`` where ``slot``
 is the view's index in ``policy_roles`` (ACT first); the reference cache has the USER view of trajectory n in row n.
@@ -51,7 +52,7 @@ from envace_jax.rehearsal import views
 from envace_jax.rehearsal.episode import ROLE_NAMES, Episode, UnfoldConfig, UnfoldConfigError
 from envace_jax.rehearsal.trajectory import Termination, Trajectory
 from envace_jax.rehearsal.users import ExternalUser, UserSimulator, UserSimulatorError
-from envace_jax.sampling.sampler import SamplingParams, slot_bucket
+from envace_jax.sampling.sampler import SamplingParams, _next_pow2
 
 __all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
 
@@ -200,7 +201,7 @@ class _Unfolder:
     rest = [p[n:] for p, n in zip(prompts, shared, strict=True)]
     rest_roles = [p[n:] for p, n in zip(prompt_roles, shared, strict=True)]
     full = max(self.cfg.capacity(r) for r in roles)
-    slots = lambda n: min(slot_bucket(n), full)  # noqa: E731  (few compiled shapes; a prompt fits its capacity)
+    slots = lambda n: min(_next_pow2(n, 1), full)  # noqa: E731  (few compiled shapes; a prompt fits its capacity)
     longest = slots(max(map(len, prompts)))
     if lead:  # the common parts in a cache of their own
       heads = [lead.get(r) for r in range(len(roles))] if nest else list(lead.values())

@@ -7,8 +7,9 @@
     # next turn: append only the new tokens; turns 1..k-1 are never prefilled again
     out, cache = sampler.generate(cache, next_prompts, next_roles, role=Role.ACT, key=jax.random.key(1), ...)
 
-The cache is the state of each sequence (its history lives in slots 0..lengths-1), so a caller keeps one cache per
-role view and appends to it. ``fork`` copies each row G times: G samples of one prompt prefill it once.
+The cache is the state of each sequence (its own tokens live in slots 0..lengths-1, after its prefix levels'), so a
+caller keeps one cache per role view and appends to it. ``fork`` continues each row in G rows that share its storage:
+G samples of one prompt prefill and store it once.
 
 Shapes: B sequences, P prompt-chunk bucket, N new-token bucket, V vocab, S cache capacity.
 
@@ -138,13 +139,6 @@ def _next_pow2(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def slot_bucket(n: int, minimum: int = 1) -> int:
-  """n slots rounded up to a multiple of an eighth of its power-of-two bucket (at least ``minimum``): at most 12.5%
-  over n, and at most 8 sizes (so 8 compiled shapes) per doubling."""
-  eighth = max(1, _next_pow2(n, minimum) // 8)
-  return max(minimum, -(-int(n) // eighth) * eighth)
-
-
 class Sampler:
   """Prefill and decode for one model; holds its jitted functions and their compile counts.
 
@@ -251,17 +245,18 @@ class Sampler:
   def fork(self, cache: KVCache, group_size: int, capacity: int | None = None) -> KVCache:
     """A cache of B*G rows where rows b*G .. b*G+G-1 continue row b's history (group prefix sharing).
 
-    The new rows share row b's storage: ``cache`` (cut to a `slot_bucket` of its longest row) becomes the new
-    cache's ``prefix``, and each new row owns ``capacity`` empty slots (default: ``cache``'s capacity). Row b's
-    tokens are stored once and attended once per step for its G rows. A row's context is then its history plus
-    ``capacity``; the caller keeps it within the model's (unfold's views stop at their role's capacity).
+    The new rows share row b's storage: ``cache``, cut to a power-of-two bucket of its longest row (few shapes to
+    compile), becomes the new cache's ``prefix``, and each new row owns ``capacity`` empty slots (default:
+    ``cache``'s capacity). Row b's tokens are stored once and attended once per step for its G rows. A row's
+    context is then its history plus ``capacity``; the caller keeps it within the model's (unfold's views stop at
+    their role's capacity).
 
     Raises:
       ValueError: on a mesh, B*G is not a multiple of the batch shards.
     """
     capacity = cache.capacity if capacity is None else int(capacity)
     longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
-    parent = cache.trimmed(min(cache.capacity, slot_bucket(longest, self.min_bucket)))
+    parent = cache.trimmed(min(cache.capacity, _next_pow2(longest, self.min_bucket)))
     if self.mesh is not None:
       parent = jax.device_put(parent, sharding.cache_shardings(self.config, self.mesh, parent, self.rules))
     child = self.init_cache(batch=int(cache.lengths.shape[0]) * group_size, capacity=capacity)

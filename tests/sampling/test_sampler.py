@@ -169,7 +169,7 @@ def test_group_fork_equals_separate_prefills(tiny_with_roles):
   cache, _, _, count = sampler.prefill(sampler.init_cache(1, 96), [PROMPTS[2][:-1]], Role.USER)
   assert count == len(PROMPTS[2]) - 1  # prefilled once
   forked = sampler.fork(cache, 4, capacity=32)
-  assert forked.prefix.lengths.shape == (1,) and forked.stored_slots() == 40 + 4 * 32  # the prefix stored once
+  assert forked.prefix.lengths.shape == (1,) and forked.stored_slots() == 64 + 4 * 32  # the prefix stored once
   shared, after = sampler.generate(forked, [PROMPTS[2][-1:]] * 4, Role.USER, **kw)
   np.testing.assert_array_equal(shared.tokens, separate.tokens)
   np.testing.assert_allclose(shared.logprobs, separate.logprobs, atol=1e-5)
