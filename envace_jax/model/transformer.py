@@ -128,15 +128,6 @@ class KVCache:
       start = start + part.lengths[rows]
     return KVCache(k=tuple(k), v=tuple(v), lengths=start)
 
-  def repeat(self, group_size: int) -> KVCache:
-    """Each row repeated ``group_size`` times, copied: row b becomes rows b*G .. b*G+G-1 (see
-    ``Sampler.fork`` for the shared-storage alternative). Raises ValueError for a cache with a prefix."""
-    if self.prefix is not None:
-      raise ValueError("repeat copies rows; a cache with a prefix shares them instead (continue it with a new level).")
-    stacked = not isinstance(self.k, tuple)
-    kv = lambda x: jnp.repeat(x, group_size, axis=1 if stacked else 0)
-    return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=jnp.repeat(self.lengths, group_size))
-
   def take(self, rows: Any) -> KVCache:
     """Row i of the result is row ``rows[i]`` of this cache (int[B'] indices; a row may be taken several times),
     or an empty row (zeros, length 0) where ``rows[i]`` is B or more. Raises ValueError for a cache with a prefix."""
