@@ -163,6 +163,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
   # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
   c.rollout.scenario_opening = False
+  # A finished generation's row takes its trajectory's next one while the others decode (same outputs; lockstep: False)
+  c.rollout.continuous_batching = True
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()

@@ -374,7 +374,13 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   env_mode = ck.one_of("rollout.env_mode", ENV_MODES)
   ck.one_of("rollout.on_malformed", ON_MALFORMED)
   ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
-  for key in ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue", "scenario_opening"):
+  for key in (
+    "accept_error_text",
+    "parallel_calls",
+    "rehearse_sees_dialogue",
+    "scenario_opening",
+    "continuous_batching",
+  ):
     ck.boolean(f"rollout.{key}")
   grounding = ck.integer("rollout.grounding_max_tokens", 0)
   capacities = {}

@@ -4,8 +4,8 @@
 
 One step, as data flows (DESIGN.md, "One training step"; paper §3):
   1. B tasks from the prepared dataset (``TaskStream``: a per-epoch permutation; its position is checkpointed).
-  2. ``unfold``: B×G trajectories in lockstep; ACT and REHEARSE (and a policy-played USER) share one batched sampler
-     call per step; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
+  2. ``unfold``: B×G trajectories; ACT and REHEARSE (and a policy-played USER) share the policy's decode loop,
+     continuously batched; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
   3. Rewards: rehearsed trajectories have no real DB, so the rule checklist (or the LLM judge) scores them; real
      ones get the benchmark's own evaluator.
   4. Role-wise advantages, the packed batch, one jitted update (AdamW, global-norm clip, exact accumulation).
@@ -88,12 +88,16 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   out["rollout/prefill_tokens_reused"] = float(stats.get("prefill_tokens_reused", 0))  # shared, not prefilled
   out["rollout/kv_slots"] = float(stats.get("kv_slots", 0))
   out["rollout/kv_slots_dense"] = float(stats.get("kv_slots_dense", 0))
+  # generated tokens per (row computed x decode iteration): the share of the decode's row-steps that made a token
+  out["rollout/slot_utilisation"] = (
+    generated / stats["decode_row_steps"] if stats.get("decode_row_steps") else float("nan")
+  )
   out["rollout/tokens_per_s"] = (generated + out["rollout/prefill_tokens"]) / seconds if seconds else float("nan")
   out["time/rollout_s"] = float(seconds)
   return out
 
 
-# Folded into a step's key for its extra batches (unfold derives a key per lockstep step with fold_in(key, step)).
+# Folded into a step's key for its extra batches (unfold folds trajectory, role and generation indices into its key).
 _DYNAMIC_SAMPLING_STREAM = 0xD5A
 
 

@@ -32,7 +32,7 @@ Limits (a ratio is measured tokens/s over the limit's tokens/s). Parameters are 
 L = the decoder layers' (every token of a forward), H = the [D, V] head's (the training forward sends only trained
 positions to the head, a prefill one position per row); embedding lookups do none.
   decode   memory bandwidth: each decode step reads every weight (W bytes) once for up to B x G rows (each live
-           trajectory has exactly one pending generation per lockstep step): B x G x bandwidth / W tokens/s.
+           trajectory has exactly one pending generation at a time): B x G x bandwidth / W tokens/s.
            Weights only, KV-cache reads left out: an upper limit. Bandwidth: ``bench_sampler.read_bandwidth``
            (numpy) on a CPU backend; a jitted sum over a device array elsewhere (host memory says nothing of HBM).
   prefill  compute: 2 L FLOPs per token: peak / (2 L).

@@ -364,6 +364,7 @@ def _recorded_run(config, workdir, single_device: bool):
   the rules give on the sampler's mesh), and the shape [K, M, T] of each update's batch."""
   rollouts, generations, batches = [], [], []
   rollout, generate = shaped_rollout(train.Trainer.rollout), sampler_lib.Sampler.generate
+  advance = sampler_lib.Stream.advance
 
   def recording_rollout(self, tasks, key, group_size=None):
     trajectories, stats = rollout(self, tasks, key, group_size)
@@ -377,9 +378,18 @@ def _recorded_run(config, workdir, single_device: bool):
     generations.append((self, params, before, _placement(new), expected))
     return out, new
 
+  def recording_advance(self, until=None):  # the policy's continuously batched decode loop
+    sampler = self.sampler
+    params, before = _placement(sampler.params), _placement(self.cache)
+    expected = sharding.cache_shardings(sampler.config, sampler.mesh, self.cache) if sampler.mesh is not None else None
+    out = advance(self, until)
+    generations.append((sampler, params, before, _placement(self.cache), expected))
+    return out
+
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(train.Trainer, "rollout", recording_rollout)
     patch.setattr(sampler_lib.Sampler, "generate", recording_generate)
+    patch.setattr(sampler_lib.Stream, "advance", recording_advance)
     if single_device:
       patch.setattr(runtime, "make_mesh", _one_device_mesh)
     trainer = train.Trainer(config, str(workdir))

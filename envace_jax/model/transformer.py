@@ -139,6 +139,37 @@ class KVCache:
     kv = lambda x: take(x, 1 if stacked else 0)  # noqa: E731
     return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=take(self.lengths, 0))
 
+  def gather(self, rows: jax.Array, capacity: int) -> KVCache:
+    """A cache of B' = len(rows) rows holding the histories of rows ``rows`` (int32[B']; B or more: an empty row):
+    their first ``capacity`` own slots, and a copy of each prefix level's row for each, so that row i continues level
+    row i. For work on a few rows of a large batch (`Sampler.prefill`); `put` writes the own slots back. Per-layer
+    layout only (ValueError otherwise)."""
+    if not isinstance(self.k, tuple):
+      raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
+    b = self.lengths.shape[0]
+
+    def take(cache: KVCache, index: jax.Array, slots: int | None) -> KVCache:
+      pick = lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
+      k = tuple(pick(x)[..., :slots] for x in cache.k)
+      v = tuple(pick(x)[:, :, :slots] for x in cache.v)
+      return KVCache(k=k, v=v, lengths=pick(cache.lengths))
+
+    rows = jnp.asarray(rows, jnp.int32)
+    levels = [take(level, rows // (b // level.lengths.shape[0]), None) for level in self.levels()]
+    prefix = None
+    for level in reversed(levels):  # root first: each level becomes the prefix of the one below it
+      prefix = level.replace(prefix=prefix)
+    return take(self, rows, capacity).replace(prefix=prefix)
+
+  def put(self, rows: jax.Array, part: KVCache) -> KVCache:
+    """This cache with the own slots and lengths of ``part`` (from ``gather(rows, capacity)``, then written) in rows
+    ``rows`` (B or more: dropped); prefix levels untouched (read-only)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    n = part.capacity
+    k = tuple(x.at[rows, :, :, :n].set(y, mode="drop") for x, y in zip(self.k, part.k, strict=True))
+    v = tuple(x.at[rows, :, :n].set(y, mode="drop") for x, y in zip(self.v, part.v, strict=True))
+    return self.replace(k=k, v=v, lengths=self.lengths.at[rows].set(part.lengths, mode="drop"))
+
   def trimmed(self, capacity: int) -> KVCache:
     """This cache's first ``capacity`` slots (every row's filled ones: the caller checks), prefix kept."""
     stacked = not isinstance(self.k, tuple)

@@ -1,1 +1,1 @@
-"""World rehearsal: self-unfolded rollouts (ACT / REHEARSE / USER in lockstep) and test-time private rehearsal."""
+"""World rehearsal: self-unfolded rollouts (ACT / REHEARSE / USER, one policy) and test-time private rehearsal."""

@@ -3,8 +3,8 @@
 `Episode` holds a trajectory in flight: its views (`views.View`, one per role that generates), the conversation
 (`Trajectory.messages`) and whose generation is next. It renders the task's opening, turns each generation into
 conversation (parse ACT output, check rehearsed JSON, read user stop markers, execute real tool calls in real mode),
-and records faults and terminations on the trajectory; it never raises on model output. The batched, lockstep device
-side lives in `unfold.py`.
+and records faults and terminations on the trajectory; it never raises on model output. The batched device side
+(continuous batching or lockstep rounds) lives in `unfold.py`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class UnfoldConfig:
     rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
     user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
     external_user: the endpoint for ``user_mode="external"`` (unless `unfold` is given a `UserSimulator`).
+    continuous_batching: a policy row whose generation ends starts its trajectory's next generation while the other
+      rows keep decoding (`sampler.Stream`), instead of waiting for the longest generation of the step (lockstep).
+      Outputs do not depend on it (each generation is keyed by its trajectory, role and index); it applies when
+      every policy role has one sampler and equal sampling parameters, lockstep otherwise.
   """
 
   group_size: int = 4
@@ -100,6 +104,7 @@ class UnfoldConfig:
   rehearse_prompt: str = views.REHEARSE_PROMPT
   user_prompt: str = views.USER_PROMPT
   external_user: ExternalUserConfig | None = None
+  continuous_batching: bool = True
 
   def __post_init__(self):
     positive = ("group_size", "max_turns", "act_max_new_tokens", "rehearse_max_new_tokens", "user_max_new_tokens")
@@ -107,6 +112,10 @@ class UnfoldConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise UnfoldConfigError(f"UnfoldConfig.{name} must be a positive int, got {value!r}")
+    flags = ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue", "scenario_opening", "continuous_batching")
+    for name in flags:
+      if not isinstance(getattr(self, name), bool):
+        raise UnfoldConfigError(f"UnfoldConfig.{name} must be True or False, got {getattr(self, name)!r}")
     if not isinstance(self.grounding_max_tokens, int) or self.grounding_max_tokens < 0:
       raise UnfoldConfigError(
         f"UnfoldConfig.grounding_max_tokens must be an int >= 0, got {self.grounding_max_tokens!r}"

@@ -1,7 +1,8 @@
-"""Self-unfolded rollout: B tasks x G trajectories stepped in lockstep, ACT / REHEARSE / USER (paper §3.1-3.2).
+"""Self-unfolded rollout: B tasks x G trajectories, ACT / REHEARSE / USER, one generation at a time each (paper
+§3.1-3.2).
 
-One policy wears two hats (three with a policy-played user). At every step each live trajectory needs exactly one
-generation:
+One policy wears two hats (three with a policy-played user). Each live trajectory needs exactly one generation at a
+time:
 
   * ACT: the agent's next message (a reply or a tool call), parsed host side (`views.parse_act`);
   * REHEARSE: the pending tool call's response, imagined by the policy (`views.parse_rehearsal` checks its JSON);
@@ -12,15 +13,21 @@ generation:
     policy, or an external endpoint (`users.ExternalUser`). Tasks with logged user turns (BFCL, checklist format)
     replay them instead and end with ``USER_TURNS_DONE`` when they run out.
 
-All pending policy generations of a step, whatever their role, go into one batched ``Sampler.generate`` call: the
-ACT, REHEARSE (and policy-USER) views of all trajectories are rows of one KV cache, with a role id and an ``active``
-flag per row (one call per distinct ``SamplingParams``: one with the default, equal parameters). A call's stop
-strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_response>``): a row that writes the
-other role's closing tag stops there, with output that is malformed for its own role anyway. Views are
-append-only and keep their cache rows between turns: a generation prefills only the tokens added since the view's
-previous one. Group prefix sharing: each view's opening (everything before the first sampled token, identical across
-a task's G trajectories) is prefilled and stored once per task, and its G rows continue it (`Sampler.fork`: a
-``KVCache.prefix`` level, attended once per step for the G rows).
+The ACT, REHEARSE (and policy-USER) views of all trajectories are rows of one KV cache, with a role id per row, and
+their generations share the policy's decode loop. With ``continuous_batching`` (the default) that loop is a
+`sampler.Stream`: when a generation ends, its trajectory's next one (any role) is prefilled into that view's row and
+joins while the other rows keep decoding, so no row idles until the longest generation of a round ends. Otherwise
+(or when the policy roles have separate samplers or sampling settings) the trajectories step in lockstep: one
+``Sampler.generate`` per round and per distinct ``SamplingParams``, run to its longest generation. Either way a
+generation's key is fold_in(key, trajectory, role, the view's generation index), so both give the same trajectories.
+A call's stop strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_response>``): a row that
+writes the other role's closing tag stops there, with output that is malformed for its own role anyway. The
+reference user's generations (other weights, their own cache) run together to their end: every round in lockstep,
+else whenever the policy has nothing in flight. Views are append-only and keep their cache
+rows between turns: a generation prefills only the tokens added since the view's previous one. Group prefix sharing:
+each view's opening (everything before the first sampled token, identical across a task's G trajectories) is
+prefilled and stored once per task, and its G rows continue it (`Sampler.fork`: a ``KVCache.prefix`` level, attended
+once per step for the G rows).
 
 Row layout of the policy cache, N = B*G trajectories (task-major, n = b*G + g): row ``slot * N + n`` where ``slot``
 is the view's index in ``policy_roles`` (ACT first); the reference cache has the USER view of trajectory n in row n.
@@ -37,6 +44,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,8 +92,9 @@ class UnfoldOutput:
       shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
       ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
       `KVCache.stored_slots`) and ``kv_slots_dense`` (what one row per view at its largest capacity would),
-      ``generated_tokens_{act,rehearse,user}``, ``time_{setup,policy,reference,external,host,total}_s``,
-      ``terminated_<reason>``.
+      ``decode_row_steps`` (rows computed x iterations, summed over the decode loops, `sampler.Stream.row_steps`:
+      generated tokens over it is the slot utilisation), ``generated_tokens_{act,rehearse,user}``,
+      ``time_{setup,policy,reference,external,host,total}_s``, ``terminated_<reason>``.
     views: per trajectory, its token views by role (`views.View`: the messages each role saw, and its tokens
       including the not-yet-cached tail), for inspection and tests.
     caches: with ``return_caches``: {"policy": KVCache, "reference": KVCache} (rows as in the module docstring).
@@ -111,7 +120,7 @@ class _Job:
 
 
 class _Unfolder:
-  """The lockstep loop's state: samplers, caches, trajectories in flight, statistics."""
+  """The rollout loop's state: samplers, caches, trajectories in flight, statistics."""
 
   def __init__(self, tasks, policy, tokenizer, config, reference, envs, user, histories=None):
     self.tasks, self.policy, self.tokenizer, self.cfg = list(tasks), policy, tokenizer, config
@@ -271,38 +280,27 @@ class _Unfolder:
     return policy, reference, external
 
   def _generate(self, name: str, sampler, roles: Sequence[Role], jobs: list[_Job], key) -> list[tuple]:
-    """Runs ``jobs`` as rows of the ``name`` cache: one ``generate`` per distinct (sampler, sampling params)."""
+    """Runs ``jobs`` as rows of the ``name`` cache to their end (lockstep): one ``generate`` per distinct (sampler,
+    sampling params)."""
     by_params: dict[tuple[int, SamplingParams], list[_Job]] = {}
     samplers = {}
     for job in jobs:
       s = _sampler_for(sampler, job.role)
       samplers[id(s)] = s
       by_params.setdefault((id(s), self.cfg.sampling(job.role)), []).append(job)
-    slot = {role: i for i, role in enumerate(roles)}
     rows = int(self.caches[name].lengths.shape[0])  # len(roles) * n, and the padding rows at the end on a mesh
     results = []
-    for k, ((sampler_id, sampling), group) in enumerate(by_params.items()):
+    for (sampler_id, sampling), group in by_params.items():
       sampler = samplers[sampler_id]
-      prompts, prompt_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
-      gen_roles, max_new, active = np.full(rows, int(roles[0]), np.int32), np.ones(rows, np.int32), np.zeros(rows, bool)
-      placed = []
-      for job in group:
-        row = slot[job.role] * self.n + job.episode.index
-        prompts[row], prompt_roles[row], gen_roles[row], max_new[row], active[row] = (
-          job.ids,
-          job.roles,
-          int(job.role),
-          job.max_new,
-          True,
-        )
-        placed.append((job, row))
+      placed = [(job, self._row(roles, job)) for job in group]
+      prompts, prompt_roles, gen_roles, max_new, active = self._rows(roles, rows, placed)
       start = time.perf_counter()
       out, self.caches[name] = sampler.generate(
         self.caches[name],
         prompts,
         prompt_roles,
         role=gen_roles,
-        key=jax.random.fold_in(key, k),
+        key=_job_keys(key, rows, placed),
         max_new_tokens=max_new,
         sampling=sampling,
         stop_strings=self.stops if name == "policy" else self.cfg.stop_strings(Role.USER),
@@ -311,10 +309,57 @@ class _Unfolder:
       self.stats[f"time_{name}_s"] += time.perf_counter() - start
       self.stats[f"{name}_calls"] += 1
       self.stats["prefill_tokens"] += out.prefill_tokens
+      self.stats["decode_row_steps"] += out.decode_row_steps
       for job, row in placed:
         n = int(out.lengths[row])
         results.append((job, out.tokens[row, :n].tolist(), out.logprobs[row, :n].tolist(), out.finish_reasons[row]))
     return results
+
+  def _row(self, roles: Sequence[Role], job: _Job) -> int:
+    return roles.index(job.role) * self.n + job.episode.index
+
+  def _rows(self, roles: Sequence[Role], rows: int, placed: list[tuple[_Job, int]]):
+    """Per cache row: (prompts, prompt roles, generated role id, new-token budget, active) of the ``placed`` jobs."""
+    prompts, prompt_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
+    gen_roles, max_new, active = np.full(rows, int(roles[0]), np.int32), np.ones(rows, np.int32), np.zeros(rows, bool)
+    for job, row in placed:
+      prompts[row], prompt_roles[row], gen_roles[row], max_new[row] = job.ids, job.roles, int(job.role), job.max_new
+      active[row] = True
+    return prompts, prompt_roles, gen_roles, max_new, active
+
+  def _open_stream(self):
+    """The policy's `Stream` when continuous batching applies (one sampler and one sampling setting for every policy
+    role), else None (lockstep)."""
+    if not (self.cfg.continuous_batching and self.policy_roles):
+      return None
+    samplers = {id(_sampler_for(self.policy, r)) for r in self.policy_roles}
+    settings = {self.cfg.sampling(r) for r in self.policy_roles}
+    if len(samplers) > 1 or len(settings) > 1:
+      return None
+    num_new = max(self.cfg.max_new_tokens(r) for r in self.policy_roles)
+    sampler = _sampler_for(self.policy, self.policy_roles[0])
+    return sampler.stream(self.caches.pop("policy"), num_new=num_new, sampling=settings.pop(), stop_strings=self.stops)
+
+  def _admit(self, stream, jobs: list[_Job], key, running: dict[int, _Job]) -> None:
+    """Starts ``jobs`` in the stream's rows (their views' rows are free: a trajectory has one generation at a time)."""
+    if not jobs:
+      return
+    rows = int(stream.cache.lengths.shape[0])
+    placed = [(job, self._row(self.policy_roles, job)) for job in jobs]
+    prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
+    start = time.perf_counter()
+    stream.admit(prompts, prompt_roles, role=gen_roles, keys=_job_keys(key, rows, placed), max_new_tokens=max_new)
+    self.stats["time_policy_s"] += time.perf_counter() - start
+    running.update((row, job) for job, row in placed)
+
+  def _advance(self, stream, running: dict[int, _Job]) -> list[tuple]:
+    """Decodes the stream until one of its generations ends; those finished (their rows free again)."""
+    start, before = time.perf_counter(), stream.row_steps
+    finished = stream.advance(until=1)
+    self.stats["time_policy_s"] += time.perf_counter() - start
+    self.stats["policy_calls"] += 1
+    self.stats["decode_row_steps"] += stream.row_steps - before
+    return [(running.pop(f.row), f.tokens, f.logprobs, f.finish) for f in finished]
 
   def run(self, key) -> list[Episode]:
     start = time.perf_counter()
@@ -322,35 +367,39 @@ class _Unfolder:
     self.stats["time_setup_s"] += time.perf_counter() - start
     workers = self.cfg.external_user.max_concurrency if self.cfg.external_user else 8
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="user") if self.user else None
+    stream = self._open_stream()
+    running: dict[int, _Job] = {}  # stream row -> its generation
+    queued: list[_Job] = []  # the reference user's generations not run yet
+    waiting: dict[int, tuple[Episode, concurrent.futures.Future]] = {}  # trajectory -> the external user's reply
     try:
-      step = 0
+      rounds = 0
       while True:
         host = time.perf_counter()
-        policy_jobs, reference_jobs, external = self._schedule(episodes)
-        if not (policy_jobs or reference_jobs or external):
-          break
+        busy = {job.episode.index for job in (*running.values(), *queued)} | set(waiting)
+        policy_jobs, reference_jobs, external = self._schedule([ep for ep in episodes if ep.index not in busy])
         # External users are asked first, so their requests overlap the device work.
-        futures = [(ep, pool.submit(self.user.reply, _chat(ep.user_chat))) for ep in external]
-        self.stats["external_requests"] += len(futures)
+        for ep in external:
+          waiting[ep.index] = (ep, pool.submit(self.user.reply, _chat(ep.user_chat)))
+        self.stats["external_requests"] += len(external)
         self.stats["time_host_s"] += time.perf_counter() - host
-        step_key = jax.random.fold_in(key, step)
+        queued += reference_jobs
+        if not (policy_jobs or queued or running or waiting):
+          break
         results = []
-        if policy_jobs:
-          results += self._generate(
-            "policy", self.policy, self.policy_roles, policy_jobs, jax.random.fold_in(step_key, 0)
-          )
-        if reference_jobs:
-          results += self._generate(
-            "reference", self.reference, (Role.USER,), reference_jobs, jax.random.fold_in(step_key, 1)
-          )
-        wait = time.perf_counter()
-        replies = []
-        for ep, future in futures:
-          try:
-            replies.append((ep, future.result(), None))
-          except UserSimulatorError as e:
-            replies.append((ep, None, e))
-        self.stats["time_external_s"] += time.perf_counter() - wait
+        if stream is not None:
+          self._admit(stream, policy_jobs, key, running)
+        elif policy_jobs:
+          results += self._generate("policy", self.policy, self.policy_roles, policy_jobs, key)
+        # The reference user's generations (other weights, another cache) run together, to their end: at once in
+        # lockstep, else when the policy has no generation left in flight. A decode step costs about the same for
+        # one row as for all, so the user's turns are batched rather than run as they come.
+        if queued and (stream is None or not running):
+          results += self._generate("reference", self.reference, (Role.USER,), queued, key)
+          queued = []
+        if running:
+          results += self._advance(stream, running)
+        # Lockstep waits for every reply; continuous batching takes the ones in, and waits only when idle.
+        replies = self._replies(waiting, wait_all=stream is None, wait_one=not (results or running))
         host = time.perf_counter()
         for job, ids, logprobs, finish in results:
           job.episode.record(job.role, ids, logprobs, finish, self.eos)
@@ -363,13 +412,37 @@ class _Unfolder:
             ep.traj.count("generations_user")
             ep.after_user(text)
         self.stats["time_host_s"] += time.perf_counter() - host
-        step += 1
+        rounds += 1
     finally:
+      if stream is not None:
+        self.caches["policy"] = stream.cache
+        self.stats["prefill_tokens"] += stream.prefill_tokens
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
-    self.stats["steps"] = step
+    self.stats["steps"] = rounds
     self._check_caches(episodes)
     return episodes
+
+  def _replies(self, waiting: dict, wait_all: bool, wait_one: bool) -> list[tuple]:
+    """(episode, reply text or None, UserSimulatorError or None) of the external users' replies collected: all of
+    them (``wait_all``), or those already in, waiting for the first when ``wait_one`` and none is."""
+    if not waiting:
+      return []
+    start = time.perf_counter()
+    futures = [f for _, f in waiting.values()]
+    if wait_all:
+      concurrent.futures.wait(futures)
+    elif wait_one:
+      concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+    replies = []
+    for index in [i for i, (_, f) in waiting.items() if f.done()]:
+      ep, future = waiting.pop(index)
+      try:
+        replies.append((ep, future.result(), None))
+      except UserSimulatorError as e:
+        replies.append((ep, None, e))
+    self.stats["time_external_s"] += time.perf_counter() - start
+    return replies
 
   def _check_caches(self, episodes: list[Episode]) -> None:
     """Every view's bookkeeping must match its cache row's length (a rollout bug otherwise)."""
@@ -385,6 +458,21 @@ class _Unfolder:
               f"rollout bookkeeping bug: trajectory {ep.index} {ROLE_NAMES[role]} view holds {held} tokens, its "
               f"cache row {int(lengths[slot * self.n + ep.index])}"
             )
+
+
+@jax.jit
+def _fold_keys(key, trajectory, role, generation):
+  fold = lambda k, *ids: functools.reduce(jax.random.fold_in, ids, k)  # noqa: E731
+  return jax.vmap(fold, (None, 0, 0, 0))(key, trajectory, role, generation)
+
+
+def _job_keys(key, rows: int, placed: Sequence[tuple[_Job, int]]) -> jax.Array:
+  """key[rows]: the key of each placed job's generation in its row, fold_in(key, trajectory, role, the view's
+  generation index): a generation's sample depends on what it is, not on the step or the batch it runs in."""
+  ids = np.zeros((3, rows), np.uint32)
+  for job, row in placed:
+    ids[:, row] = job.episode.index, int(job.role), job.episode.views[job.role].generations
+  return _fold_keys(key, *ids)
 
 
 def _sampler_for(sampler, role: Role):
@@ -413,7 +501,7 @@ def unfold(
   histories: Sequence[Sequence[ChatMessage]] | None = None,
   return_caches: bool = False,
 ) -> UnfoldOutput:
-  """Self-unfolds ``config.group_size`` trajectories of each task in lockstep (see the module docstring).
+  """Self-unfolds ``config.group_size`` trajectories of each task (see the module docstring).
 
   Args:
     tasks: the B tasks of the batch.
@@ -422,7 +510,7 @@ def unfold(
       one cache (same model shape), each generating its own roles' rows.
     tokenizer: the policy's tokenizer (chat template, eos ids); its vocabulary must be the model's.
     config: an `UnfoldConfig`.
-    key: a ``jax.random.key``; step s uses ``fold_in(key, s)``.
+    key: a ``jax.random.key``; a generation uses fold_in(key, trajectory index, role id, the view's generation index).
     reference_sampler: a `Sampler` with the frozen reference parameters; needed for ``user_mode="reference"`` when a
       task has no logged user turns.
     envs: B*G `ToolEnv`s (task-major), needed for ``env_mode="real"``; each is ``reset`` with its task. Ignored in

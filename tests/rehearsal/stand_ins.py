@@ -16,7 +16,7 @@ import numpy as np
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import IM_END, Tokenizer
-from envace_jax.sampling.sampler import SampleOutput, Sampler
+from envace_jax.sampling.sampler import Finished, SampleOutput, Sampler
 from envace_jax.sampling.stopping import FinishReason
 
 
@@ -43,6 +43,9 @@ class _Recorder:
 
   batch_multiple = 1  # no mesh
 
+  def stream(self, cache, *, num_new, sampling, stop_strings):
+    return _GenerateStream(self, cache, sampling, stop_strings)
+
   def __init__(self, tokenizer, script, n_rows_hint=None):
     self.tokenizer, self.script = tokenizer, script
     self.calls, self.prefills = [], []
@@ -54,6 +57,33 @@ class _Recorder:
     self.generation_index[(row, role)] += 1
     text = self.script(Role(role), row % n, k)
     return None if text is None else _encode(self.tokenizer, text)
+
+
+class _GenerateStream:
+  """`sampler.Stream`'s interface over a stand-in's ``generate``: the rows admitted since the last ``advance`` run
+  to their end there as one call, so a scripted sampler sees the calls lockstep would make."""
+
+  def __init__(self, owner, cache, sampling, stop_strings):
+    self.owner, self.cache, self.sampling, self.stop_strings = owner, cache, sampling, stop_strings
+    self.prefill_tokens = self.row_steps = 0
+    self.pending = None
+
+  def admit(self, prompts, prompt_roles, *, role, keys, max_new_tokens, active=None):
+    active = np.asarray([len(p) > 0 for p in prompts]) if active is None else np.asarray(active, bool)
+    self.pending = (prompts, prompt_roles, role, keys, max_new_tokens, active)
+
+  def advance(self, until=None):
+    if self.pending is None:
+      return []
+    prompts, prompt_roles, role, keys, max_new, active = self.pending
+    self.pending = None
+    out, self.cache = self.owner.generate(
+      self.cache, prompts, prompt_roles, role=role, key=keys, max_new_tokens=max_new, sampling=self.sampling,
+      stop_strings=self.stop_strings, active=active,
+    )  # fmt: skip
+    self.prefill_tokens += out.prefill_tokens
+    return [Finished(int(b), out.row(b), out.logprobs[b, : out.lengths[b]].tolist(), out.finish_reasons[b])
+            for b in np.flatnonzero(active)]  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -254,6 +254,45 @@ def test_context_exhausted_ends_cleanly(tiny_model, tokenizer, mock_tasks):
   assert len(policy.calls) == calls and "policy_calls" not in out.stats  # nothing was sampled
 
 
+@pytest.mark.parametrize("user_mode", ["policy", "reference"])
+def test_continuous_batching_gives_the_lockstep_trajectories(tiny_model, tokenizer, mock_tasks, user_mode):
+  """The real sampler, sampled at temperature 1, generations of ragged lengths (ids below 2000 end one too, as an
+  eos would), the user played by the policy (a view in its stream) or the reference (queued, run together):
+  continuous batching and lockstep give the same trajectories (each generation is keyed by trajectory, role and
+  index, not by step): messages, terminations, training rows (ids, roles, logprobs <= 1e-4) and cache rows;
+  continuous batching spends fewer decode row-steps (a row that ends its generation starts the next one at once)."""
+  tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
+  config, params = tiny_model
+  outs = {}
+  for continuous in (False, True):
+    policy, reference = (
+      Sampler(config, params, eos_ids=[*tokenizer.eos_ids, *range(2000)], token_bytes=tokenizer.token_bytes(),
+              pad_id=tokenizer.pad_id)
+      for _ in range(2)
+    )  # fmt: skip
+    rollout = dataclasses.replace(REAL, user_mode=user_mode, continuous_batching=continuous)
+    outs[continuous] = unfold(
+      tasks, policy, tokenizer, rollout, jax.random.key(5), reference_sampler=reference, return_caches=True
+    )
+  lockstep, continuous = outs[False], outs[True]
+  assert [t.termination for t in continuous.trajectories] == [t.termination for t in lockstep.trajectories]
+  for a, b in zip(continuous.trajectories, lockstep.trajectories, strict=True):
+    assert a.messages == b.messages and a.counts == b.counts
+    assert a.rows.keys() == b.rows.keys() and a.rows
+    for role, row in a.rows.items():
+      np.testing.assert_array_equal(row.tokens, b.rows[role].tokens)
+      np.testing.assert_array_equal(row.roles, b.rows[role].roles)
+      np.testing.assert_allclose(row.logprobs, b.rows[role].logprobs, atol=1e-4)
+  for name in lockstep.caches:
+    np.testing.assert_array_equal(continuous.caches[name].filled(), lockstep.caches[name].filled())
+  generated = sum(v for k, v in lockstep.stats.items() if k.startswith("generated_tokens_"))
+  assert generated == sum(v for k, v in continuous.stats.items() if k.startswith("generated_tokens_"))
+  # The reference user runs in rounds of its own either way: no fewer row-steps there, never more.
+  fewer = continuous.stats["decode_row_steps"] < lockstep.stats["decode_row_steps"]
+  assert generated <= continuous.stats["decode_row_steps"] <= lockstep.stats["decode_row_steps"]
+  assert fewer or user_mode == "reference"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Scripted behaviour (no model).
 
@@ -499,6 +538,8 @@ def test_config_validation_and_from_dict():
     UnfoldConfig(user_mode="oracle")
   with pytest.raises(UnfoldConfigError, match="on_invalid_rehearsal"):
     UnfoldConfig(on_invalid_rehearsal="ignore")
+  with pytest.raises(UnfoldConfigError, match="continuous_batching must be True or False, got 'no'"):
+    UnfoldConfig(continuous_batching="no")
   with pytest.raises(UnfoldConfigError, match="scenario"):
     UnfoldConfig(user_prompt="{user}")
   with pytest.raises(UnfoldConfigError, match="unknown UnfoldConfig keys"):

@@ -409,3 +409,96 @@ def test_out_of_range_input_is_refused_before_the_cache_is_touched(tiny_with_rol
     sampler.generate(cache, [[1, 2]], Role.USER, role=-1, **kw)
   out, _ = sampler.generate(cache, [[1, 2]], Role.USER, role=Role.ACT, **kw)  # the cache was never donated
   assert out.lengths[0] == 2
+
+
+def test_continuous_batching_equals_each_generation_alone(tiny_with_roles):
+  """A `Stream` over a forked prefix cache: a row freed by a finished generation is admitted with its next prompt
+  while the others keep decoding. Every generation equals that generation run alone (only its row active, same
+  key): tokens, logprobs (<= 1e-4), finish reasons (eos, length, context_exhausted); and since no row waits for
+  another, the loop ran exactly as many iterations as the busiest row needed (its generations back to back, plus
+  one for a context_exhausted check)."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params, eos_ids=range(config.vocab_size // 32))  # ~1 in 32 tokens ends one
+  sampling = SamplingParams(temperature=1.0)
+  own = 24
+
+  def forked():
+    base, _, _, _ = sampler.prefill(sampler.init_cache(2, 64), [PROMPTS[0], PROMPTS[2]], Role.USER)
+    return sampler.fork(base, 2, capacity=own)  # rows 0, 1 continue PROMPTS[0]; rows 2, 3 PROMPTS[2]
+
+  # Per row, its generations in order: (prompt, max_new); row 3's last one outgrows its own slots.
+  plans = {0: [([1, 2, 3], 6), ([4], 9), ([5, 6], 4)], 1: [([7], 3), ([8, 9], 12)], 2: [([10], 16)], 3: [([11], 4)]}
+  plans[3].append(([12, 13], own))
+  key = lambda row, k: jax.random.fold_in(jax.random.key(7), 10 * row + k)  # noqa: E731
+  rows = len(plans)
+
+  def admit(stream, starts):
+    prompts = [plans[r][k][0] if r in starts else [] for r, k in ((r, starts.get(r)) for r in range(rows))]
+    max_new = [plans[r][starts[r]][1] if r in starts else 1 for r in range(rows)]
+    keys = jnp.stack([key(r, starts.get(r, 0)) for r in range(rows)])
+    stream.admit(prompts, [[int(Role.OBSERVATION)] * len(p) for p in prompts], role=Role.ACT, keys=keys,
+                 max_new_tokens=max_new)  # fmt: skip
+
+  stream = sampler.stream(forked(), num_new=own, sampling=sampling)
+  got, nxt = {}, dict.fromkeys(plans, 0)
+  admit(stream, nxt)
+  while stream.live.any():
+    starts = {}
+    for f in stream.advance(until=1):
+      got[(f.row, nxt[f.row])] = f
+      nxt[f.row] += 1
+      if nxt[f.row] < len(plans[f.row]):
+        starts[f.row] = nxt[f.row]
+    if starts:
+      admit(stream, starts)
+  assert len(got) == sum(map(len, plans.values()))
+
+  alone = forked()
+  busiest = 0
+  for row, plan in plans.items():
+    steps = 0
+    for k, (prompt, max_new) in enumerate(plan):
+      prompts = [prompt if r == row else [] for r in range(rows)]
+      keys = jnp.stack([key(row, k)] * rows)
+      want, alone = sampler.generate(alone, prompts, Role.OBSERVATION, role=Role.ACT, key=keys,
+                                     max_new_tokens=max_new, sampling=sampling)  # fmt: skip
+      f = got[(row, k)]
+      assert f.tokens == want.row(row) and f.finish == want.finish_reasons[row], (row, k)
+      np.testing.assert_allclose(f.logprobs, want.logprobs[row, : want.lengths[row]], atol=1e-4)
+      steps += len(f.tokens) + (f.finish == FinishReason.CONTEXT_EXHAUSTED)
+    busiest = max(busiest, steps)
+  reasons = {f.finish for f in got.values()}
+  assert {FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT_EXHAUSTED} <= reasons, reasons
+  assert stream.decode_steps == busiest
+  np.testing.assert_array_equal(stream.cache.filled(), alone.filled())
+
+
+def test_a_chunk_that_writes_few_rows_runs_on_those_rows_alone(tiny_with_roles):
+  """Prefill of 2 of 8 forked rows (a shared prefix level) computes on a bucket of 2 gathered rows, then puts their
+  slots back, and so does the decode of those 2 rows: logits after each prompt, the histories (keys and values slot
+  for slot) and a greedy continuation equal the full-batch path's. Gathering: a one-device mesh (the main job's on
+  one device); the full path: rows split over a data axis of 2 devices, which never gathers."""
+  from envace_jax.sampling import sharding
+
+  if len(jax.devices()) < 2:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
+  config, params = tiny_with_roles
+  gathered = Sampler(config, params, mesh=sharding.make_mesh(data=1, devices=jax.devices()[:1]))
+  full = Sampler(config, params, mesh=sharding.make_mesh(data=2, devices=jax.devices()[:2]))
+  prompts = [[], [4, 5, 6], [], [], [], [], [7] * 20, []]
+  got, want = [], []
+  for sampler, out in ((gathered, got), (full, want)):
+    base, _, _, _ = sampler.prefill(sampler.init_cache(2, 64), [PROMPTS[0], PROMPTS[2]], Role.USER)
+    cache, logits, fitted, count = sampler.prefill(sampler.fork(base, 4, capacity=32), prompts, Role.OBSERVATION)
+    gen, cache = sampler.generate(cache, [p[-1:] for p in prompts], Role.OBSERVATION, role=Role.ACT,
+                                  key=jax.random.key(0), max_new_tokens=6)  # fmt: skip
+    out += [np.asarray(logits)[[1, 6]], np.asarray(fitted), count, gen.tokens, cache.flatten()]
+  kinds = lambda s: {k[0] for k in s._jitted}  # noqa: E731
+  assert {"prefill_rows", "decode_rows"} <= kinds(gathered) and not {"prefill_rows", "decode_rows"} & kinds(full)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+  np.testing.assert_array_equal(got[1], want[1])
+  assert got[2] == want[2] == 23
+  np.testing.assert_array_equal(got[3], want[3])
+  np.testing.assert_array_equal(got[4].lengths, want[4].lengths)
+  for a, b in zip((*got[4].k, *got[4].v), (*want[4].k, *want[4].v), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
