@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,17 @@ class Termination(str, enum.Enum):
   CONTEXT_EXHAUSTED = "context_exhausted"  # a view's KV cache is full
   MALFORMED = "malformed"  # malformed output ended the trajectory (when configured to)
   USER_ERROR = "user_error"  # an external user simulator failed (transport); not a model outcome: exclude it
+
+
+def common_prefix_length(tokens: Sequence[Sequence[int]], roles: Sequence[Sequence[int]]) -> int:
+  """The number of leading positions where every sequence has the same token id and role id (0 for none given):
+  the part of several views' token sequences that can be stored, prefilled or trained on once."""
+  if not tokens:
+    return 0
+  n = min(len(t) for t in tokens)
+  ids = np.stack([np.asarray([t[:n] for t in tokens], np.int64), np.asarray([r[:n] for r in roles], np.int64)])
+  differ = np.flatnonzero((ids != ids[:, :1]).any(axis=(0, 1)))
+  return int(differ[0]) if differ.size else n
 
 
 @dataclasses.dataclass

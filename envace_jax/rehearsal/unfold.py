@@ -58,7 +58,7 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
 from envace_jax.rehearsal.episode import ROLE_NAMES, Episode, UnfoldConfig, UnfoldConfigError
-from envace_jax.rehearsal.trajectory import Termination, Trajectory
+from envace_jax.rehearsal.trajectory import Termination, Trajectory, common_prefix_length
 from envace_jax.rehearsal.users import ExternalUser, UserSimulator, UserSimulatorError
 from envace_jax.sampling.sampler import SamplingParams, _next_pow2
 
@@ -67,17 +67,6 @@ __all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
 
 SHARED_OPENING_MIN = 64
 """The shortest common start of a role's openings across tasks (tokens) that `_Unfolder` prefills once per step."""
-
-
-def _common_prefix(prompts: Sequence[Sequence[int]], prompt_roles: Sequence[Sequence[int]]) -> int:
-  """The number of leading positions where every prompt has the same token and role id (0 for no prompts)."""
-  if not prompts:
-    return 0
-  n = min(len(p) for p in prompts)
-  ids = np.asarray([p[:n] for p in prompts]), np.asarray([r[:n] for r in prompt_roles])
-  same = np.all([(x == x[:1]).all(axis=0) for x in ids], axis=0)
-  differ = np.flatnonzero(~same)
-  return int(differ[0]) if differ.size else n
 
 
 @dataclasses.dataclass
@@ -204,7 +193,7 @@ class _Unfolder:
     lead: dict[int, int] = {}  # role -> the row (its first task's) whose opening prefix is prefilled for all
     for r in range(len(roles)):
       rows = [row for row in range(r * b, (r + 1) * b) if prompts[row]]
-      root = _common_prefix([prompts[row] for row in rows], [prompt_roles[row] for row in rows])
+      root = common_prefix_length([prompts[row] for row in rows], [prompt_roles[row] for row in rows])
       if len(rows) > 1 and root >= SHARED_OPENING_MIN:
         shared[rows], lead[r] = root, rows[0]
     rest = [p[n:] for p, n in zip(prompts, shared, strict=True)]

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from envace_jax.rehearsal.trajectory import TrainingRow
+from envace_jax.rehearsal.trajectory import TrainingRow, common_prefix_length
 
 
 @struct.dataclass
@@ -126,13 +126,7 @@ def _plain(row: TrainingRow, loss_mask: np.ndarray, advantage: float) -> _Packed
 def shared_prefix_length(rows: Sequence[TrainingRow], loss_masks: Sequence[np.ndarray]) -> int:
   """The packable prefix P of rows: their longest common prefix of token ids and role ids, cut before the first
   trained token of any row (``loss_masks``: bool[n_i] each), so every trained token lies in a suffix."""
-  first, p = rows[0], len(rows[0].tokens)
-  ids0 = np.stack([np.asarray(first.tokens, np.int64), np.asarray(first.roles, np.int64)])
-  for row in rows[1:]:
-    m = min(p, len(row.tokens))
-    ids = np.stack([np.asarray(row.tokens[:m], np.int64), np.asarray(row.roles[:m], np.int64)])
-    differ = np.flatnonzero((ids != ids0[:, :m]).any(axis=0))
-    p = int(differ[0]) if differ.size else m
+  p = common_prefix_length([r.tokens for r in rows], [r.roles for r in rows])
   for mask in loss_masks:
     trained = np.flatnonzero(mask[:p])
     if trained.size:
