@@ -163,8 +163,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
   # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
   c.rollout.scenario_opening = False
-  # A finished generation's row takes its trajectory's next one while the others decode (same outputs; lockstep: False)
-  c.rollout.continuous_batching = True
+  # True: a finished generation's row takes its trajectory's next one while the others decode (same trajectories).
+  # On a 2-core CPU it saved decode steps but cost wall time (README, "Tests and benchmarks"): lockstep by default.
+  c.rollout.continuous_batching = False
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()

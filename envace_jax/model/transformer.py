@@ -142,8 +142,8 @@ class KVCache:
   def gather(self, rows: jax.Array, capacity: int) -> KVCache:
     """A cache of B' = len(rows) rows holding the histories of rows ``rows`` (int32[B']; B or more: an empty row):
     their first ``capacity`` own slots, and a copy of each prefix level's row for each, so that row i continues level
-    row i. For work on a few rows of a large batch (`Sampler.prefill`); `put` writes the own slots back. Per-layer
-    layout only (ValueError otherwise)."""
+    row i. For work on a few rows of a large batch (`Sampler.prefill`, `Stream.advance`); `put` writes the own slots
+    back. Per-layer layout only (ValueError otherwise)."""
     if not isinstance(self.k, tuple):
       raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
     b = self.lengths.shape[0]

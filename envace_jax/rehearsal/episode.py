@@ -75,8 +75,8 @@ class UnfoldConfig:
     external_user: the endpoint for ``user_mode="external"`` (unless `unfold` is given a `UserSimulator`).
     continuous_batching: a policy row whose generation ends starts its trajectory's next generation while the other
       rows keep decoding (`sampler.Stream`), instead of waiting for the longest generation of the step (lockstep).
-      Outputs do not depend on it (each generation is keyed by its trajectory, role and index); it applies when
-      every policy role has one sampler and equal sampling parameters, lockstep otherwise.
+      Outputs do not depend on it beyond float rounding (each generation is keyed by its trajectory, role and
+      index); it applies when every policy role has one sampler and equal sampling parameters, lockstep otherwise.
   """
 
   group_size: int = 4
@@ -104,7 +104,7 @@ class UnfoldConfig:
   rehearse_prompt: str = views.REHEARSE_PROMPT
   user_prompt: str = views.USER_PROMPT
   external_user: ExternalUserConfig | None = None
-  continuous_batching: bool = True
+  continuous_batching: bool = False
 
   def __post_init__(self):
     positive = ("group_size", "max_turns", "act_max_new_tokens", "rehearse_max_new_tokens", "user_max_new_tokens")

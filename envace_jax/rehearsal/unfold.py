@@ -14,12 +14,13 @@ time:
     replay them instead and end with ``USER_TURNS_DONE`` when they run out.
 
 The ACT, REHEARSE (and policy-USER) views of all trajectories are rows of one KV cache, with a role id per row, and
-their generations share the policy's decode loop. With ``continuous_batching`` (the default) that loop is a
+their generations share the policy's decode loop. With ``continuous_batching`` that loop is a
 `sampler.Stream`: when a generation ends, its trajectory's next one (any role) is prefilled into that view's row and
 joins while the other rows keep decoding, so no row idles until the longest generation of a round ends. Otherwise
 (or when the policy roles have separate samplers or sampling settings) the trajectories step in lockstep: one
 ``Sampler.generate`` per round and per distinct ``SamplingParams``, run to its longest generation. Either way a
-generation's key is fold_in(key, trajectory, role, the view's generation index), so both give the same trajectories.
+generation's key is fold_in(key, trajectory, role, the view's generation index), so both give the same trajectories
+(up to float rounding: the batches differ).
 A call's stop strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_response>``): a row that
 writes the other role's closing tag stops there, with output that is malformed for its own role anyway. The
 reference user's generations (other weights, their own cache) run together to their end: every round in lockstep,
@@ -76,7 +77,8 @@ class UnfoldOutput:
   Attributes:
     trajectories: B*G trajectories, task-major (index b*G + g), each with its training rows (the views the policy
       sampled: ACT, REHEARSE in rehearse mode, USER when the policy plays the user).
-    stats: numbers for metrics: ``steps``, ``policy_calls``, ``reference_calls``, ``external_requests``,
+    stats: numbers for metrics: ``steps`` (rounds of the loop: a lockstep step, or one decode call of the stream),
+      ``policy_calls``, ``reference_calls``, ``external_requests``,
       ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
       shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
       ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
@@ -337,7 +339,8 @@ class _Unfolder:
     placed = [(job, self._row(self.policy_roles, job)) for job in jobs]
     prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
     start = time.perf_counter()
-    stream.admit(prompts, prompt_roles, role=gen_roles, keys=_job_keys(key, rows, placed), max_new_tokens=max_new)
+    keys = _job_keys(key, rows, placed)
+    stream.admit(prompts, prompt_roles, role=gen_roles, keys=keys, max_new_tokens=max_new, active=active)
     self.stats["time_policy_s"] += time.perf_counter() - start
     running.update((row, job) for job, row in placed)
 

@@ -489,7 +489,7 @@ def test_a_chunk_that_writes_few_rows_runs_on_those_rows_alone(tiny_with_roles):
   got, want = [], []
   for sampler, out in ((gathered, got), (full, want)):
     base, _, _, _ = sampler.prefill(sampler.init_cache(2, 64), [PROMPTS[0], PROMPTS[2]], Role.USER)
-    cache, logits, fitted, count = sampler.prefill(sampler.fork(base, 4, capacity=32), prompts, Role.OBSERVATION)
+    cache, logits, fitted, count = sampler.prefill(sampler.fork(base, 4, capacity=128), prompts, Role.OBSERVATION)
     gen, cache = sampler.generate(cache, [p[-1:] for p in prompts], Role.OBSERVATION, role=Role.ACT,
                                   key=jax.random.key(0), max_new_tokens=6)  # fmt: skip
     out += [np.asarray(logits)[[1, 6]], np.asarray(fitted), count, gen.tokens, cache.flatten()]
@@ -502,3 +502,15 @@ def test_a_chunk_that_writes_few_rows_runs_on_those_rows_alone(tiny_with_roles):
   np.testing.assert_array_equal(got[4].lengths, want[4].lengths)
   for a, b in zip((*got[4].k, *got[4].v), (*want[4].k, *want[4].v), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_a_raw_uint32_key_is_one_key_not_one_per_row(tiny_with_roles):
+  """``jax.random.PRNGKey(0)`` (uint32[2]) is the typed ``jax.random.key(0)``: each row still folds in its row id,
+  so two rows with the same prompt sample differently, and exactly as with the typed key."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  kw = dict(role=Role.ACT, max_new_tokens=8, sampling=SamplingParams(temperature=1.0))
+  raw, _ = sampler.generate(sampler.init_cache(2, 32), [[5, 6], [5, 6]], Role.USER, key=jax.random.PRNGKey(0), **kw)
+  typed, _ = sampler.generate(sampler.init_cache(2, 32), [[5, 6], [5, 6]], Role.USER, key=jax.random.key(0), **kw)
+  np.testing.assert_array_equal(raw.tokens, typed.tokens)
+  assert raw.row(0) != raw.row(1)
