@@ -147,19 +147,12 @@ class KVCache:
     if not isinstance(self.k, tuple):
       raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
     b = self.lengths.shape[0]
-
-    def take(cache: KVCache, index: jax.Array, slots: int | None) -> KVCache:
-      pick = lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
-      k = tuple(pick(x)[..., :slots] for x in cache.k)
-      v = tuple(pick(x)[:, :, :slots] for x in cache.v)
-      return KVCache(k=k, v=v, lengths=pick(cache.lengths))
-
     rows = jnp.asarray(rows, jnp.int32)
-    levels = [take(level, rows // (b // level.lengths.shape[0]), None) for level in self.levels()]
     prefix = None
-    for level in reversed(levels):  # root first: each level becomes the prefix of the one below it
-      prefix = level.replace(prefix=prefix)
-    return take(self, rows, capacity).replace(prefix=prefix)
+    for level in reversed(self.levels()):  # root first: each level becomes the prefix of the one below it
+      index = rows // (b // level.lengths.shape[0])
+      prefix = level.replace(prefix=None).take(index).replace(prefix=prefix)
+    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=prefix)
 
   def put(self, rows: jax.Array, part: KVCache) -> KVCache:
     """This cache with the own slots and lengths of ``part`` (from ``gather(rows, capacity)``, then written) in rows

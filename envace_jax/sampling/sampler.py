@@ -414,29 +414,15 @@ class Sampler:
     """`_decode_loop` on B' rows of ``state`` (rows: int32[B'], B or more for padding; max_new, row_keys, gen_roles
     given for those rows): their states and histories (the first ``attend`` own slots) are gathered, decoded, and put
     back, so the loop reads and computes the live rows only."""
-    pick = lambda x, fill=0: jnp.take(x, rows, axis=0, mode="fill", fill_value=fill)  # noqa: E731
-    part = _DecodeState(
-      logits=pick(state.logits),
-      cache=state.cache.gather(rows, attend),
-      tokens=pick(state.tokens, self.pad_id),
-      logprobs=pick(state.logprobs),
-      lengths=pick(state.lengths),
-      done=pick(state.done, True),
-      finish=pick(state.finish),
-      stop_buffer=pick(state.stop_buffer, -1),
+    pick = lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    bare = state.replace(cache=None)
+    part = jax.tree.map(pick, bare).replace(  # padding rows: done, so the loop leaves them alone
+      cache=state.cache.gather(rows, attend), done=jnp.take(state.done, rows, mode="fill", fill_value=True)
     )
     part, steps = self._decode_loop(params, part, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
-    return _DecodeState(
-      logits=put(state.logits, part.logits),
-      cache=state.cache.put(rows, part.cache),
-      tokens=put(state.tokens, part.tokens),
-      logprobs=put(state.logprobs, part.logprobs),
-      lengths=put(state.lengths, part.lengths),
-      done=put(state.done, part.done),
-      finish=put(state.finish, part.finish),
-      stop_buffer=put(state.stop_buffer, part.stop_buffer),
-    ), steps
+    merged = jax.tree.map(put, bare, part.replace(cache=None))
+    return merged.replace(cache=state.cache.put(rows, part.cache)), steps
 
   def _admit_rows(self, state, last_logits, admitted, fitted):
     """Resets the ``admitted`` rows of ``state`` (without its cache) for a new generation that starts from
