@@ -37,6 +37,7 @@ slots 0, 1, 2. Slot order, not position, is the causal order; positions only dri
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -261,19 +262,17 @@ def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
   return jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)
 
 
-def _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, block: int):
-  """`_attend` one key block of ``block`` slots at a time with a running max and sum (the online softmax of
-  FlashAttention, Dao et al. 2022), stopping after the last block any query sees: the temporaries are
-  [B, K, G, T, block] instead of [B, K, G, T, S], and a chunk early in a long cache reads only the filled blocks.
+def _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, scale: float, block: int):
+  """Softmax attention one key block of ``block`` slots at a time with a running max and sum (the online softmax of
+  FlashAttention, Dao et al. 2022), over the blocks up to the last one any query sees.
 
-  Shapes as `_attend`'s, S a multiple of ``block``. A query that sees no key gets zeros (padding; `_attend` gives
-  the mean of the values there: both are meaningless and never used).
+  Shapes as `_attend`'s, S a multiple of ``block``. Returns (float32 out [B, K, G, T, H], float32 log-sum-exp of the
+  scaled scores [B, K, G, T]); a query that sees no key gets out 0 and log-sum-exp ``_MASKED``.
   """
   b, k, g, t, h = q_bkgth.shape
   s = k_bkhs.shape[-1]
   seen = jnp.any(mask_bts, axis=(0, 1))  # [S]: slots some query attends to
   last = jnp.max(jnp.where(seen, jnp.arange(s), -1))
-  scale = head_dim**-0.5
 
   def body(j, carry):
     best, total, acc = carry  # [B, K, G, T], [B, K, G, T], float32[B, K, G, T, H]
@@ -296,8 +295,98 @@ def _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, block: 
     jnp.zeros((b, k, g, t), jnp.float32),
     jnp.zeros((b, k, g, t, h), jnp.float32),
   )
-  _, total, acc = jax.lax.fori_loop(0, (last + block) // block, body, init)
-  return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q_bkgth.dtype)
+  best, total, acc = jax.lax.fori_loop(0, (last + block) // block, body, init)
+  lse = jnp.where(total > 0, best + jnp.log(jnp.where(total > 0, total, 1.0)), _MASKED)
+  return acc / jnp.where(total > 0, total, 1.0)[..., None], lse
+
+
+def _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, block: int):
+  """`_attend` one key block at a time (`_online_softmax`): the temporaries are [B, K, G, T, block] instead of
+  [B, K, G, T, S], and a chunk early in a long cache reads only the filled blocks. A query that sees no key gets zeros
+  (padding; `_attend` gives the mean of the values there: both are meaningless and never used)."""
+  out, _ = _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim**-0.5, block)
+  return out.astype(q_bkgth.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tiled_attention(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int, q_block: int, k_block: int):
+  """Differentiable attention of a long self-contained sequence (training rows), tile by tile: the forward and the
+  backward hold one [B, K, G, q_block, k_block] tile of scores at a time, not a layer's [.., T, T] scores and
+  probabilities (the backward of FlashAttention, Dao et al. 2022: it keeps each query's log-sum-exp and recomputes
+  the tile's probabilities). Exact up to float rounding; tiles no query sees are skipped (the masked upper triangle
+  of causal rows).
+
+  Shapes as `_attend`'s with T a multiple of ``q_block`` and S of ``k_block``; a query that sees no key gets zeros.
+  """
+  return _tiled_forward(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim, q_block, k_block)[0]
+
+
+def _tiled_forward(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim, q_block, k_block):
+  b, k, g, t, h = q_bkgth.shape
+
+  def body(i, carry):
+    out, lse = carry
+    q_i = jax.lax.dynamic_slice_in_dim(q_bkgth, i * q_block, q_block, axis=3)
+    mask_i = jax.lax.dynamic_slice_in_dim(mask_bts, i * q_block, q_block, axis=1)
+    out_i, lse_i = _online_softmax(q_i, k_bkhs, v_bksh, mask_i, head_dim**-0.5, k_block)
+    out = jax.lax.dynamic_update_slice_in_dim(out, out_i.astype(out.dtype), i * q_block, axis=3)
+    return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * q_block, axis=3)
+
+  init = (jnp.zeros_like(q_bkgth), jnp.zeros((b, k, g, t), jnp.float32))
+  out, lse = jax.lax.fori_loop(0, t // q_block, body, init)
+  return out, (q_bkgth, k_bkhs, v_bksh, mask_bts, out, lse)
+
+
+def _tiled_backward(head_dim, q_block, k_block, residuals, d_out):
+  q_bkgth, k_bkhs, v_bksh, mask_bts, out, lse = residuals
+  t, s = q_bkgth.shape[3], k_bkhs.shape[3]
+  scale = head_dim**-0.5
+  # FlashAttention's D_i = sum_h dO_ih O_ih, so that dS = P * (dP - D) without the full softmax Jacobian.
+  delta = jnp.einsum("bkgth,bkgth->bkgt", d_out, out, preferred_element_type=jnp.float32)
+  b = mask_bts.shape[0]
+  tiles = jnp.reshape(mask_bts, (b, t // q_block, q_block, s // k_block, k_block)).any(axis=(0, 2, 4))  # [nq, nk]
+  rows = jnp.arange(t // q_block)
+
+  def key_body(j, carry):  # one key block: its dK, dV over the query blocks that see it; dQ accumulated
+    dq, dk, dv = carry
+    k_j = jax.lax.dynamic_slice_in_dim(k_bkhs, j * k_block, k_block, axis=3)
+    v_j = jax.lax.dynamic_slice_in_dim(v_bksh, j * k_block, k_block, axis=2)
+    seen = jax.lax.dynamic_index_in_dim(tiles, j, axis=1, keepdims=False)
+    first = jnp.min(jnp.where(seen, rows, t // q_block))
+    last = jnp.max(jnp.where(seen, rows, -1))
+
+    def query_body(i, inner):
+      dq, dk_j, dv_j = inner
+      at = i * q_block
+      q_i = jax.lax.dynamic_slice_in_dim(q_bkgth, at, q_block, axis=3)
+      do_i = jax.lax.dynamic_slice_in_dim(d_out, at, q_block, axis=3)
+      lse_i = jax.lax.dynamic_slice_in_dim(lse, at, q_block, axis=3)
+      delta_i = jax.lax.dynamic_slice_in_dim(delta, at, q_block, axis=3)
+      mask = jax.lax.dynamic_slice(mask_bts, (0, at, j * k_block), (b, q_block, k_block))[:, None, None]
+      scores = jnp.einsum("bkgth,bkhs->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+      probs = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
+      dv_j += jnp.einsum("bkgts,bkgth->bksh", probs.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32)
+      d_probs = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=jnp.float32)
+      d_scores = (probs * (d_probs - delta_i[..., None]) * scale).astype(q_i.dtype)
+      dq_i = jnp.einsum("bkgts,bkhs->bkgth", d_scores, k_j, preferred_element_type=jnp.float32)
+      dq = jax.lax.dynamic_update_slice_in_dim(
+        dq, jax.lax.dynamic_slice_in_dim(dq, at, q_block, axis=3) + dq_i, at, axis=3
+      )
+      dk_j += jnp.einsum("bkgts,bkgth->bkhs", d_scores, q_i, preferred_element_type=jnp.float32)
+      return dq, dk_j, dv_j
+
+    zeros_k = jnp.zeros(k_j.shape, jnp.float32)
+    zeros_v = jnp.zeros(v_j.shape, jnp.float32)
+    dq, dk_j, dv_j = jax.lax.fori_loop(first, last + 1, query_body, (dq, zeros_k, zeros_v))
+    dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dk.dtype), j * k_block, axis=3)
+    return dq, dk, jax.lax.dynamic_update_slice_in_dim(dv, dv_j.astype(dv.dtype), j * k_block, axis=2)
+
+  init = (jnp.zeros(q_bkgth.shape, jnp.float32), jnp.zeros_like(k_bkhs), jnp.zeros_like(v_bksh))
+  dq, dk, dv = jax.lax.fori_loop(0, s // k_block, key_body, init)
+  return dq.astype(q_bkgth.dtype), dk, dv, None
+
+
+_tiled_attention.defvjp(_tiled_forward, _tiled_backward)
 
 
 def _softmax_part(scores, visible, v, spec: str):
@@ -397,13 +486,9 @@ class Attention(nn.Module):
       parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
       out_bkgth = _merge_parts(parts, dtype)
     elif cache is None and t > block and t % block == 0:
-      # Long self-contained sequences (training rows): causal, so query block i sees only keys < (i + 1) * block.
-      # Attending block by block skips the masked upper triangle: half the score FLOPs and softmax traffic.
-      outs = []
-      for i in range(t // block):
-        rows, end = slice(i * block, (i + 1) * block), (i + 1) * block
-        outs.append(_attend(q_bkgth[:, :, :, rows], k_bkhs[..., :end], v_bksh[:, :, :end], mask[:, rows, :end], h))
-      out_bkgth = jnp.concatenate(outs, axis=3)
+      # Long self-contained sequences (training rows): tile by tile, skipping the tiles of the masked upper triangle,
+      # one tile of scores alive at a time in the forward and the backward.
+      out_bkgth = _tiled_attention(q_bkgth, k_bkhs, v_bksh, mask, h, block, math.gcd(block, KEY_BLOCK))
     elif cache is not None and t > 1 and k_bkhs.shape[-1] > 2 * KEY_BLOCK and k_bkhs.shape[-1] % KEY_BLOCK == 0:
       out_bkgth = _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask, h, KEY_BLOCK)
     else:

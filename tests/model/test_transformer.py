@@ -209,6 +209,38 @@ def test_key_blocked_attention_equals_dense():
   np.testing.assert_array_equal(blocked[2], 0.0)
 
 
+def test_tiled_attention_equals_dense_with_gradients():
+  """Training rows' tiled attention (one tile of scores at a time, forward and backward) gives `_attend`'s outputs
+  and the gradients of q, k and v autodiff takes through `_attend`: packed segments that see their parent, a padding
+  tail, a row that is all padding (out and gradients 0), and a key block no query of a query block sees skipped."""
+  b, k, g, t, h = 3, 2, 2, 16, 8
+  keys = jax.random.split(jax.random.key(11), 4)
+  q = jax.random.normal(keys[0], (b, k, g, t, h))
+  kk = jax.random.normal(keys[1], (b, k, h, t))
+  v = jax.random.normal(keys[2], (b, k, t, h))
+  d_out = jax.random.normal(keys[3], (b, k, g, t, h))
+  idx = np.arange(t)
+  segments = np.array([[0] * 3 + [1] * 5 + [2] * 5 + [0] * 3, [0] * 16, [0] * 16])  # row 0: a prompt, 2 children
+  parents = np.zeros_like(segments)
+  valid = np.array([idx < 13, idx < 16, idx < 0])
+  seen = (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])
+  seen |= segments[:, None, :] == parents[:, :, None]
+  seen[0, 8:, 3:8] = False  # segment 2 does not see its sibling, segment 1
+  mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :] & seen
+  loss = lambda fn: lambda q, kk, v: jnp.vdot(jnp.where(valid[:, None, None, :, None], fn(q, kk, v), 0.0), d_out)  # noqa: E731
+  dense_fn = lambda q, kk, v: transformer._attend(q, kk, v, mask, h)  # noqa: E731
+  tiled_fn = lambda q, kk, v: transformer._tiled_attention(q, kk, v, mask, h, 8, 4)  # noqa: E731
+  dense, tiled = dense_fn(q, kk, v), tiled_fn(q, kk, v)
+  where_valid = valid[:, None, None, :, None]
+  np.testing.assert_allclose(np.where(where_valid, tiled, 0.0), np.where(where_valid, dense, 0.0), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(tiled)[2], 0.0)
+  dense_grads = jax.grad(loss(dense_fn), argnums=(0, 1, 2))(q, kk, v)
+  tiled_grads = jax.jit(jax.grad(loss(tiled_fn), argnums=(0, 1, 2)))(q, kk, v)
+  for name, want, got in zip("qkv", dense_grads, tiled_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
+  assert np.abs(np.asarray(dense_grads[1])[0]).sum() > 1.0  # the comparison is not between zeros
+
+
 def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
   """A cached multi-token chunk over a long cache attends key block by key block: the logits and the cache equal
   the dense computation's, for ragged rows continuing a history."""
