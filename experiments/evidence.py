@@ -20,7 +20,7 @@ task" task, so their tool was never seen called: the warm-up alone took held-out
 Why mock and not airline, retail or BFCL: measured on this 2-core machine (``--domain=airline --train-split=train
 --eval-split=test --train-ids= --heldout=1``, the base policy), one held-out airline task costs 195 s of committed
 execution and 165 s for REHEARSE on its 4 gold calls, and its reward-gap rollout ran for over 8 minutes; the default
-grid (15 cells, 3 seeds) would need well over 8 CPU-hours for its evaluations alone. Worse, airline's tool responses
+grid (18 cells, 3 seeds) would need well over 8 CPU-hours for its evaluations alone. Worse, airline's tool responses
 are 650-1300 characters of JSON (≈ 250-500 SmolLM2 tokens), so at the 96 new tokens a CPU step affords every
 rehearsed response is truncated and fidelity cannot move. BFCL's multi-turn views are as long as airline's (median
 5.3k SmolLM2 tokens vs 4.9k) and have no official split. Mock's system prompt is ≈0.5k tokens and its responses are
@@ -28,7 +28,7 @@ short records, so the grid fits the budget with 3 seeds per method. ``--domain=a
 --eval-split=test --train-ids= --heldout=4`` runs the airline protocol (its own test split held out) where compute
 allows.
 
-Methods (one config each; everything else, seeds included, is shared):
+Methods (one config each; everything else, seeds included, is shared, except where said):
   base             the initial weights, no training;
   warmup           the supervised warm-up alone (``train.sft_warmup_steps``: the reference conversations of the train
                    split's tasks, gold calls for ACT and the real tools' responses for REHEARSE), one pass over the four
@@ -36,8 +36,10 @@ Methods (one config each; everything else, seeds included, is shared):
   warmup_grounded  the same warm-up with REHEARSE's grounding (the task's reference interactions in its view,
                    ``rollout.grounding_max_tokens``, as the paper trains it; configs/base.py's 1024 tokens);
   envace           the warm-up, then world-rehearsal GRPO (``grpo.mode=envace``: REHEARSE answers every tool call);
-  grpo_real_env    the warm-up, then plain GRPO against the real tools, ACT trained only;
-  per_role         the warm-up, then EnvACE with separate ACT and REHEARSE parameters.
+  grpo_real_env    plain GRPO against the real tools, ACT trained only, in the warm-up too (``grpo.trained_roles``
+                   holds for every step): REHEARSE's weights, shared with ACT, are never trained for it;
+  per_role         the warm-up, then EnvACE, with separate ACT and REHEARSE parameters from the start (so its
+                   warm-up ends elsewhere than ``warmup``'s).
 Every method but ``warmup_grounded`` trains REHEARSE without grounding (``--grounding=0``), the view it has when it
 rehearses a held-out task, which has no reference interactions. A τ² task's reference interactions are its gold calls
 executed for real, so a grounded REHEARSE is trained to copy the response from its context; measured on one seed
@@ -481,9 +483,11 @@ def readme_section(result: Mapping[str, Any]) -> str:
     f"never trained on ({_ids(p['heldout_task_ids'])}; {p['trials']} trial{'s' if p['trials'] != 1 else ''} each), "
     f"mean ± std over seeds (n). Budget per trained cell: {p['sft_steps']} warm-up steps, "
     f"then {p['steps']} GRPO steps of B={p['tasks']} × G={p['group']} with dynamic sampling; REHEARSE trains "
-    f"{grounding}, as it rehearses a held-out task, except in the grounded warm-up. Fidelity is REHEARSE's "
-    "prediction of the real response to the held-out tasks' gold calls; pass^1 in %; groups without signal: the "
-    "fraction of a GRPO step's groups whose rollouts all got one reward (dynamic sampling replaces them).",
+    f"{grounding}, as it rehearses a held-out task, except in the grounded warm-up; GRPO (real env) trains ACT "
+    "alone, in its warm-up too, so its REHEARSE (the shared weights) is never trained. Fidelity is REHEARSE's "
+    "prediction of the real response to the held-out tasks' gold calls; pass^1 in %; tool-call validity: the "
+    "fraction of ACT's generations that are well-formed (a parseable call or a plain reply); groups without signal: "
+    "the fraction of a GRPO step's groups whose rollouts all got one reward (dynamic sampling replaces them).",
     "",
     evidence_table(result),
   ]
@@ -533,9 +537,11 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   ax.set(xlabel="step", ylabel="training reward (rule checklist)", title="training reward per role, mean over seeds")
   _legend(ax)
   # Held-out numbers along a GRPO cell's path: the base weights, the warm-up it starts from, after its GRPO steps.
+  # Only EnvACE starts from the ``warmup`` cell's weights (grpo_real_env warms up ACT alone, per_role two trees).
   for bx, (key, what) in zip(stage_axes, STAGE_KEYS.items(), strict=True):
     for method in ("envace", "grpo_real_env", "per_role"):
-      pts = [(stage, r) for stage, m in enumerate(("base", "warmup", method)) for r in rows if r["method"] == m]
+      path = ("base", "warmup", method) if method == "envace" else ("base", None, method)
+      pts = [(stage, r) for stage, m in enumerate(path) for r in rows if r["method"] == m]
       if any(r["method"] == method for _, r in pts):
         mean_std = np.array([r[key] for _, r in pts], np.float64)  # [stages, (mean, std)]
         bx.errorbar([stage for stage, _ in pts], mean_std[:, 0], yerr=np.nan_to_num(mean_std[:, 1]), marker="o",
