@@ -2,12 +2,13 @@
 
     python experiments/bench_update.py [--lengths 2048,8192] [--no-remat-memory]
 
-One row of T tokens (a causal sequence, as a trajectory's view trains; half of it trained) through
-``rl.logprobs.target_logprobs`` with per-layer rematerialisation, the update's setting, and the gradient of the summed
+One ACT row of T tokens, half of them trained, laid out by the update's own ``rl.batch.collate``, through
+``rl.logprobs.target_logprobs`` with per-layer rematerialisation (the update's setting), and the gradient of the summed
 logprobs: SmolLM2-135M's shapes in float32 with random weights (the cost does not depend on their values). Printed per
 T: seconds of one call after compiling (best of ``--repeats``), tokens/s, and the compiled temporaries
-(``memory_analysis``) with remat and, unless ``--no-remat-memory``, without it (compiled only, not run). What grows with
-T is attention: ``transformer._tiled_attention`` tiles it in the forward and the backward.
+(``memory_analysis``) with remat and, unless ``--no-remat-memory``, without it (compiled only, not run). Attention is
+tiled in the forward and the backward (``transformer._tiled_attention``), so what grows with T is mostly every
+layer's saved input.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import pathlib
 import sys
 import time
-import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -26,24 +26,26 @@ import numpy as np  # noqa: E402
 
 from envace_jax.model import config as model_config  # noqa: E402
 from envace_jax.model import transformer  # noqa: E402
+from envace_jax.model.roles import Role  # noqa: E402
+from envace_jax.rehearsal.trajectory import TrainingRow  # noqa: E402
+from envace_jax.rl import batch as batch_lib  # noqa: E402
 from envace_jax.rl import logprobs  # noqa: E402
 from experiments import common  # noqa: E402
 
 
-def row(t: int) -> types.SimpleNamespace:
-  """A [1, T] causal row whose second half is trained (the fields ``target_logprobs`` reads)."""
-  trained = np.arange(t // 2, t, dtype=np.int32)[None]
-  tokens = np.random.default_rng(0).integers(0, 1000, (1, t), dtype=np.int32)
-  return types.SimpleNamespace(
-    tokens=jnp.asarray(tokens),
-    roles=jnp.zeros((1, t), jnp.int32),
-    valid=jnp.ones((1, t), bool),
-    positions=jnp.arange(t, dtype=jnp.int32)[None],
-    segments=jnp.zeros((1, t), jnp.int32),
-    parents=jnp.zeros((1, t), jnp.int32),
-    target_index=jnp.asarray(trained),
-    source_index=jnp.asarray(trained - 1),
+def row(t: int) -> batch_lib.TrainBatch:
+  """One causal [1, T] ACT row whose second half is trained, laid out by the update's own ``collate``."""
+  trained = np.arange(t) >= t // 2
+  view = TrainingRow(
+    tokens=np.random.default_rng(0).integers(0, 1000, t, dtype=np.int32),
+    roles=np.full(t, Role.ACT, np.int32),
+    loss_mask=trained,
+    logprobs=np.zeros(t, np.float32),
+    role=Role.ACT,
+    trajectory=0,
+    num_generations=1,
   )
+  return batch_lib.collate([view], [1.0], trained_roles=[Role.ACT])
 
 
 def main() -> None:
@@ -59,20 +61,20 @@ def main() -> None:
   print("|---|---|---|---|---|---|")
   for t in args.lengths:
     batch = row(t)
-    temps = {}
-    for remat in (True, False) if not args.no_remat_memory else (True,):
-      grad = jax.jit(jax.grad(lambda p, b=batch, r=remat: jnp.sum(logprobs.target_logprobs(config, p, b, remat=r)[0])))
-      compiled = grad.lower(params).compile()
-      temps[remat] = compiled.memory_analysis().temp_size_in_bytes / 2**30
-      if remat:
-        run = compiled
+
+    def compiled(remat: bool, batch=batch):
+      grad = jax.grad(lambda p: jnp.sum(logprobs.target_logprobs(config, p, batch, remat=remat)[0]))
+      return jax.jit(grad).lower(params).compile()
+
+    run = compiled(True)
+    temps = run.memory_analysis().temp_size_in_bytes / 2**30
+    without = "–" if args.no_remat_memory else f"{compiled(False).memory_analysis().temp_size_in_bytes / 2**30:.2f}"
     best = float("inf")
     for _ in range(args.repeats):
       start = time.perf_counter()
       jax.block_until_ready(run(params))
       best = min(best, time.perf_counter() - start)
-    without = f"{temps[False]:.2f}" if False in temps else "–"
-    print(f"| {t} | {t // 2} | {best:.1f} | {t / best:.0f} | {temps[True]:.2f} | {without} |", flush=True)
+    print(f"| {t} | {t // 2} | {best:.1f} | {t / best:.0f} | {temps:.2f} | {without} |", flush=True)
 
 
 if __name__ == "__main__":
