@@ -159,8 +159,9 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
 
   In order: the reward ("reward/mean" ± "reward/std", or "reward"), invalid trajectories and scoring errors when
   nonzero ("reward/invalid", "reward/scoring_errors"), dynamic sampling's outcome when it drew extra batches
-  ("dynamic_sampling/extra_draws", "groups", "fallback"), the warm-up's "sft/nll", the update's loss, KL,
-  entropy and gradient norm ("update/*", or a plain "loss"), a skipped update ("update/skipped"), tool-call
+  ("dynamic_sampling/extra_draws", "groups", "fallback"), the warm-up's "sft/nll", the update's loss, ACT's mean
+  |advantage| ("adv/act/abs_mean": 0 means GRPO had no signal), KL, entropy and gradient norm ("update/*", or a plain
+  "loss"), a skipped update ("update/skipped"), tool-call
   validity, an in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"). Every scalar is in
   ``metrics.jsonl``.
 
@@ -187,6 +188,7 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
     ("sft/nll", "warm-up NLL", ".3f"),
     ("update/loss", "loss", ".3g"),
     ("loss", "loss", ".3g"),
+    ("adv/act/abs_mean", "ACT |advantage|", ".3g"),
     ("update/kl", "KL", ".3g"),
     ("update/entropy", "entropy", ".3g"),
     ("update/grad_norm", "grad norm", ".3g"),

@@ -160,3 +160,5 @@ def test_step_line_shows_what_a_newcomer_watches_and_skips_what_is_zero():
   flat = {**loud, "dynamic_sampling/groups": 0.0, "dynamic_sampling/fallback": 1.0}
   want = "step 3: reward 0.250, invalid 1, no group with signal after 2 extra batch(es): first batch trained"
   assert metrics.step_line(3, None, flat) == want
+  update = {"reward/mean": 0.25, "update/loss": 0.0186, "adv/act/abs_mean": 0.25, "adv/rehearse/abs_mean": 0.222}
+  assert metrics.step_line(6, 7, update) == "step 6/7: reward 0.250, loss 0.0186, ACT |advantage| 0.25"
