@@ -230,6 +230,7 @@ def evaluate_policy(
     num_trials=num_trials,
     reference_sampler=samplers.get("reference"),
   )
+  runtime.release_host_memory()  # between phases: the committed runs' programs are done (see its docstring)
   summary = score_committed(config, result.committed, envs, len(tasks), num_trials)
   summary.update(private.summary_costs(result.costs))
   if mode != "off":
@@ -256,6 +257,7 @@ def evaluate_policy(
     )
     summary.update(reward_gap(config, [t.task for t in out.trajectories], out.trajectories))
     summary["cost/gap/seconds"] = float(out.stats.get("time_total_s", 0.0))
+  runtime.release_host_memory()
   return summary, result
 
 

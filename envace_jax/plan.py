@@ -42,8 +42,8 @@ from envace_jax.model.roles import Role
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
-from envace_jax.sampling import sharding, stopping
-from envace_jax.sampling.sampler import Sampler, _DecodeState, _next_pow2
+from envace_jax.sampling import sharding
+from envace_jax.sampling.sampler import Sampler, _next_pow2
 
 GIB = 1024**3
 
@@ -93,11 +93,7 @@ def _sampler_programs(sampler: Sampler, params, cache, num_new: int, sampling, s
     rows(dtype=bool), capacity,
   ).compile()  # fmt: skip
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
-  width = stopping.buffer_width(sampler._byte_table[0].shape[1], stops) if stops else 0
-  state = _DecodeState(
-    logits=rows(vocab, dtype=jnp.float32), cache=cache, tokens=rows(num_new), logprobs=rows(num_new, dtype=jnp.float32),
-    lengths=rows(), done=rows(dtype=bool), finish=rows(), stop_buffer=rows(width, dtype=jnp.int16),
-  )  # fmt: skip
+  state = jax.eval_shape(lambda c: sampler._initial_state(c, num_new, stops), cache).replace(cache=cache)
   until = jax.ShapeDtypeStruct((), jnp.int32)
   decode = (
     sampler._jit("decode", cache).lower(params, state, rows(), keys, rows(), until, sampling, stops, capacity).compile()

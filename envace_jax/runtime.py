@@ -6,7 +6,12 @@ same thing everywhere (see ``config_check.weights_source``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
+import resource
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +80,93 @@ def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:
   if tokenizer is not None and config.get("chat_template") == "chatml":
     return tokenizer.with_chat_template(None)
   return tokenizer
+
+
+@functools.cache
+def _malloc_trim():
+  """glibc's ``malloc_trim``, or None (another C library, another OS)."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+  except (OSError, AttributeError):
+    return None
+
+
+def release_host_memory() -> None:
+  """Hands the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
+
+  XLA's CPU runtime frees a program's temporaries into glibc's arenas, which keep them as free chunks between live
+  ones: a process that ran one main-job update (2.1 GiB of temporaries) stayed at 6.2 GiB, 3.1 GiB after the trim,
+  and the main job peaked at 12.5 GiB without it, 10.3 GiB with it (README, after the table of options). Training and
+  evaluation call this between phases (after a rollout, an update, an evaluation's parts), where no program runs;
+  the pages come back zeroed when next used.
+  """
+  trim = _malloc_trim()
+  if trim is not None:
+    trim(0)
+
+
+def host_memory_gib() -> dict[str, float]:
+  """This process's resident set now and its peak so far, GiB (``/proc/self/statm`` and ``getrusage``; Linux
+  reports the peak in KiB, macOS in bytes). On hosts without ``/proc`` the current figure is the peak."""
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+  try:
+    with open("/proc/self/statm") as f:
+      now = int(f.read().split()[1]) * resource.getpagesize() / 2**30
+  except OSError:
+    now = peak
+  return {"memory/host_rss_gib": now, "memory/host_peak_gib": peak}
+
+
+_COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileClock:
+  """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
+  ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
+  and the programs XLA compiled (a persistent-cache hit is not one). Every compiled program stays resident: about
+  40 MB of machine code for a SmolLM2-135M sampler program on CPU.
+
+      with CompileClock() as clock:
+        mark = clock.mark()
+        ...
+        seconds, programs = clock.since(mark), clock.programs_since(mark)
+  """
+
+  def __init__(self):
+    self._spans: list[tuple[float, float, bool]] = []  # (start, end, a backend compile)
+    jax.monitoring.register_event_time_span_listener(self._on_span)
+
+  def _on_span(self, event: str, start: float, end: float, **_) -> None:
+    if event.startswith(_COMPILE_EVENTS):
+      self._spans.append((start, end, event == _BACKEND_COMPILE))
+
+  def mark(self) -> int:
+    return len(self._spans)
+
+  def since(self, mark: int) -> float:
+    """Compile seconds recorded after ``mark`` (overlapping spans merged)."""
+    total, end = 0.0, -float("inf")
+    for s, e, _ in sorted(self._spans[mark:]):
+      if e > end:
+        total += e - max(s, end)
+        end = e
+    return total
+
+  def programs_since(self, mark: int) -> int:
+    """Programs XLA compiled after ``mark``."""
+    return sum(backend for _, _, backend in self._spans[mark:])
+
+  def close(self) -> None:
+    jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+  def __enter__(self) -> CompileClock:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def make_mesh(config) -> jax.sharding.Mesh:

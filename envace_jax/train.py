@@ -245,6 +245,7 @@ class Trainer:
     )
     for i, traj in enumerate(out.trajectories):
       traj.reward = scoring.score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
+    runtime.release_host_memory()
     return out.trajectories, out.stats
 
   def dynamic_sampling(self, groups: Sequence[Sequence[Trajectory]], key: jax.Array):
@@ -339,7 +340,9 @@ class Trainer:
     state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=supervised)
     self.state, update_metrics = self.update(state, batch)
     self._sync_samplers()
-    return {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
+    out = {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
+    runtime.release_host_memory()
+    return out
 
   # -- the supervised warm-up (train.sft_warmup_steps) ------------------------------------------------------------
 
@@ -467,6 +470,7 @@ class Trainer:
     if self.start_step:
       say(f"resumed from step {self.start_step} in {self.ckpt.directory}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
+    clock = runtime.CompileClock()
     try:
       if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
         say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
@@ -474,7 +478,10 @@ class Trainer:
         evaluate.write_summary(self.workdir, 0, initial)
         say(metrics.format_eval_summary(initial, 0))
       for step in range(self.start_step + 1, total + 1):
+        mark = clock.mark()
         last = self.step(step)
+        last["compile/programs"], last["time/compile_s"] = clock.programs_since(mark), clock.since(mark)
+        last.update(runtime.host_memory_gib())
         if cfg.train.eval_tasks and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           last.update(self.evaluate(step))
         writer.write(step, last)
@@ -499,6 +506,7 @@ class Trainer:
         if initial and total:
           say(metrics.format_eval_change(initial[-1], summary, total))
     finally:
+      clock.close()
       writer.close()
       self.ckpt.close()
     return {"steps": total, "last": last, "eval": summary}

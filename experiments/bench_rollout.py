@@ -10,7 +10,7 @@ off (lockstep: every round of generations waits for its longest) and on (`sample
 ends starts its trajectory's next one at once), ``--rounds`` times each after one warm-up rollout per mode (which
 compiles). Every rollout of a round uses the same key, and the two modes must give the same trajectories (each
 generation is keyed by trajectory, role and index): the script checks messages and sampled ids and stops if they
-differ. Per mode it prints wall seconds (compilation taken out, ``throughput.CompileClock``) with the policy's and
+differ. Per mode it prints wall seconds (compilation taken out, ``runtime.CompileClock``) with the policy's and
 the reference user's shares, tokens generated and prefilled, decode row-steps (rows computed x loop iterations,
 ``unfold``'s ``decode_row_steps``), slot utilisation (generated tokens / row-steps), decode calls, and tokens per
 second; and how busy the machine was (`bench_sampler.CpuMeter`: other processes slow both modes alike only on
@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from envace_jax import runtime  # noqa: E402
 from experiments import throughput  # noqa: E402
 from experiments.bench_sampler import CpuMeter, busy_note  # noqa: E402
 
@@ -130,7 +131,7 @@ def main(argv: Sequence[str]) -> dict[str, list[dict[str, float]]]:
   from envace_jax import train
 
   config = throughput.load_config(args, rest)
-  clock = throughput.CompileClock()
+  clock = runtime.CompileClock()
   meter = CpuMeter()
   try:
     with tempfile.TemporaryDirectory() as workdir:

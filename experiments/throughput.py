@@ -79,11 +79,11 @@ if str(ROOT) not in sys.path:  # `python experiments/throughput.py` runs with ex
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from envace_jax import runtime  # noqa: E402
 from experiments.bench_sampler import CpuMeter, busy_note, read_bandwidth  # noqa: E402
 
 ROLES = ("act", "rehearse", "user")
 _USERS = {"reference": "the reference sampler", "policy": "the policy", "external": "an endpoint, not counted"}
-_COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 
 
 def log(message: str) -> None:
@@ -236,34 +236,6 @@ def probe_machine(dtype: str, matmul_size: int, bandwidth_gib: float) -> Machine
   )
 
 
-class CompileClock:
-  """Seconds JAX spent tracing, lowering and compiling: the time spans of ``jax.monitoring``'s compile events,
-  merged so that nested ones (a jit traced inside another's trace) count once."""
-
-  def __init__(self):
-    self._spans: list[tuple[float, float]] = []
-    jax.monitoring.register_event_time_span_listener(self._on_span)
-
-  def _on_span(self, event: str, start: float, end: float, **_) -> None:
-    if event.startswith(_COMPILE_EVENTS):
-      self._spans.append((start, end))
-
-  def mark(self) -> int:
-    return len(self._spans)
-
-  def since(self, mark: int) -> float:
-    """Compile seconds recorded after ``mark`` (overlapping spans merged)."""
-    total, end = 0.0, -float("inf")
-    for s, e in sorted(self._spans[mark:]):
-      if e > end:
-        total += e - max(s, end)
-        end = e
-    return total
-
-  def close(self) -> None:
-    jax.monitoring.unregister_event_time_span_listener(self._on_span)
-
-
 # ---------------------------------------------------------------------------------------------------- steps
 
 
@@ -321,7 +293,7 @@ def sampler_compiles(trainer) -> int:
   return sum(sum(s.compile_counts.values()) for s in trainer.samplers.values())
 
 
-def run_step(trainer, step: int, clock: CompileClock) -> StepRecord:
+def run_step(trainer, step: int, clock: runtime.CompileClock) -> StepRecord:
   """Trainer.step's phases, each timed: rollout, advantages + batch, (reference forward), update."""
   rec, meter, cfg = StepRecord(step=step), CpuMeter(), trainer.grpo_cfg
   tasks = trainer.stream.next_batch()
@@ -617,7 +589,7 @@ def main(argv: Sequence[str]) -> Report:
   config = load_config(args, overrides)
   log("probing the machine: matmul peak and read bandwidth")
   machine = probe_machine(config.dtype, args.matmul_size, args.bandwidth_gib)
-  clock = CompileClock()
+  clock = runtime.CompileClock()
   try:
     with tempfile.TemporaryDirectory() as workdir:
       log(f"building the trainer ({config.model}, {config.env.benchmark} {config.env.domain})")

@@ -95,7 +95,10 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   for step, line in zip((1, 2), lines[:2], strict=True):
     r = records[step - 1]
     assert line.startswith(f"step {step}/2: reward {r['reward/mean']:.3f} ± {r['reward/std']:.3f}, loss "), line
-    assert line.endswith(f", tool-call validity {r['rollout/tool_call_validity']:.2f}, {r['time/step_s']:.1f} s")
+    compiling = f" ({r['time/compile_s']:.1f} s compiling)" if r["time/compile_s"] else ""
+    want = f", tool-call validity {r['rollout/tool_call_validity']:.2f}, {r['time/step_s']:.1f} s{compiling}"
+    assert line.endswith(want), line
+    assert r["compile/programs"] >= 0 and r["memory/host_peak_gib"] > 0 and r["memory/host_rss_gib"] > 0
   assert re.fullmatch(r"train: 100%\|█+\| 2/2 \[\d\d:\d\d<00:00, .*step, reward=.*\]", lines[2]), lines[2]
   assert lines[3] == f"evaluating on {task} against the real tools..."
   final = metrics.format_eval_summary(held_out, 2).splitlines()

@@ -43,8 +43,10 @@ from envace_jax.sampling import sharding
 from tests.test_train import _adam_counts, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Wall-clock values, the only metrics two runs may disagree on: time, time/*, */tokens_per_s, cost/*/seconds.
-WALL_CLOCK = re.compile(r"(^|/)time(/|$)|tokens_per_s$|seconds")
+# What the machine and the process decide, the only metrics two runs may disagree on: wall-clock values (time, time/*,
+# */tokens_per_s, cost/*/seconds), the resident set (memory/*) and the programs compiled (compile/*: a resumed
+# process compiles again what the interrupted one had compiled).
+WALL_CLOCK = re.compile(r"(^|/)time(/|$)|tokens_per_s$|seconds|^memory/|^compile/")
 
 
 # Task ids whose trajectories all get reward 0.25 under ``shaped_rollout``: groups without signal, for dynamic sampling.

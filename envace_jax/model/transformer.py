@@ -274,21 +274,12 @@ def _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, scale: float, block: int)
   seen = jnp.any(mask_bts, axis=(0, 1))  # [S]: slots some query attends to
   last = jnp.max(jnp.where(seen, jnp.arange(s), -1))
 
-  def body(j, carry):
-    best, total, acc = carry  # [B, K, G, T], [B, K, G, T], float32[B, K, G, T, H]
+  def body(j, carry):  # carry: `_softmax_part`'s triple over the blocks so far
     k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, j * block, block, axis=3)
     v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
     mask = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)[:, None, None]
     scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_blk, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask, scores, _MASKED)
-    new_best = jnp.maximum(best, scores.max(axis=-1))
-    probs = jnp.where(mask, jnp.exp(scores - new_best[..., None]), 0.0)
-    carry_scale = jnp.exp(best - new_best)
-    total = total * carry_scale + probs.sum(axis=-1)
-    acc = acc * carry_scale[..., None] + jnp.einsum(
-      "bkgts,bksh->bkgth", probs.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
-    )
-    return new_best, total, acc
+    return _combine(carry, _softmax_part(scores, mask, v_blk, "bkgts,bksh->bkgth"))
 
   init = (
     jnp.full((b, k, g, t), _MASKED, jnp.float32),
@@ -413,13 +404,16 @@ def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
   return tuple(unflat(x) for x in part)
 
 
+def _combine(a, b):
+  """Two `_softmax_part` triples as one over the union of their key sets (the log-sum-exp merge)."""
+  best = jnp.maximum(a[0], b[0])
+  scale_a, scale_b = jnp.exp(a[0] - best), jnp.exp(b[0] - best)
+  return best, a[1] * scale_a + b[1] * scale_b, a[2] * scale_a[..., None] + b[2] * scale_b[..., None]
+
+
 def _merge_parts(parts, dtype):
-  """Softmax attention over the union of the parts' key sets (log-sum-exp merge of `_softmax_part` triples)."""
-  best = parts[0][0]
-  for part in parts[1:]:
-    best = jnp.maximum(best, part[0])
-  total = sum(part[1] * jnp.exp(part[0] - best) for part in parts)
-  acc = sum(part[2] * jnp.exp(part[0] - best)[..., None] for part in parts)
+  """Softmax attention over the union of the parts' key sets, from their `_softmax_part` triples."""
+  _, total, acc = functools.reduce(_combine, parts)
   return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 

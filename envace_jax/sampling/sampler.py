@@ -30,7 +30,8 @@ Invariants:
     touches few rows of a large cache runs on a power-of-two bucket of them, gathered and put back, when the prefix
     copies that takes are no longer than the rows' own attended slots (a long shared opening stays shared).
   * Compilations are bounded: prompt chunks are bucketed to powers of two up to ``prefill_chunk``, new-token counts
-    and gathered rows to powers of two; ``compile_counts`` reports how many traces each jitted function took.
+    and gathered rows to powers of two; ``compile_counts`` reports how many traces each jitted function took
+    (prefill, decode, and a stream's admit).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class Sampler:
     if token_bytes is not None:
       table, lengths = stopping.token_byte_table(token_bytes)
       self._byte_table = (jnp.asarray(table), jnp.asarray(lengths))
-    self.compile_counts = {"prefill": 0, "decode": 0}
+    self.compile_counts = {"prefill": 0, "decode": 0, "admit": 0}
     self._jitted = {}
 
   @property
@@ -424,9 +425,27 @@ class Sampler:
     merged = jax.tree.map(put, bare, part.replace(cache=None))
     return merged.replace(cache=state.cache.put(rows, part.cache)), steps
 
+  def _initial_state(self, cache: KVCache, num_new: int, stops: tuple[bytes, ...]) -> _DecodeState:
+    """The decode state of a stream over ``cache`` before any admission: every row done, ``num_new`` token slots,
+    a stop buffer as wide as ``stops`` need (0 without). Abstract with ``jax.eval_shape`` (the memory plan)."""
+    b = cache.lengths.shape[0]
+    width = stopping.buffer_width(self._byte_table[0].shape[1], stops) if stops else 0
+    host = _DecodeState(  # built on the host and copied over: no fill program to compile per shape
+      logits=np.zeros((b, self.config.vocab_size), np.float32),
+      cache=None,
+      tokens=np.full((b, num_new), self.pad_id, np.int32),
+      logprobs=np.zeros((b, num_new), np.float32),
+      lengths=np.zeros(b, np.int32),
+      done=np.ones(b, bool),
+      finish=np.zeros(b, np.int32),
+      stop_buffer=np.full((b, width), -1, np.int16),
+    )
+    return jax.tree.map(jnp.asarray, host).replace(cache=cache)
+
   def _admit_rows(self, state, last_logits, admitted, fitted):
     """Resets the ``admitted`` rows of ``state`` (without its cache) for a new generation that starts from
     ``last_logits``; an admitted row whose prompt did not fit is done at once (``CONTEXT_EXHAUSTED``)."""
+    self.compile_counts["admit"] += 1  # runs once per trace
     a, ok = admitted[:, None], admitted & fitted
     return state.replace(
       logits=jnp.where(ok[:, None], last_logits, state.logits),
@@ -619,19 +638,11 @@ class Stream:
   def __init__(self, sampler: Sampler, cache: KVCache, num_new: int, sampling: SamplingParams, stops):
     self.sampler, self.num_new, self.sampling, self.stops = sampler, num_new, sampling, stops
     b = int(cache.lengths.shape[0])
-    width = stopping.buffer_width(sampler._byte_table[0].shape[1], stops) if stops else 0
-    rows = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
-    place = rows if sampler.mesh is not None else jnp.asarray
-    self._state = _DecodeState(
-      logits=place(np.zeros((b, sampler.config.vocab_size), np.float32)),
-      cache=cache,
-      tokens=place(np.full((b, num_new), sampler.pad_id, np.int32)),
-      logprobs=place(np.zeros((b, num_new), np.float32)),
-      lengths=place(np.zeros(b, np.int32)),
-      done=place(np.ones(b, bool)),
-      finish=place(np.zeros(b, np.int32)),
-      stop_buffer=place(np.full((b, width), -1, np.int16)),
-    )
+    state = sampler._initial_state(cache, num_new, stops)
+    if sampler.mesh is not None:  # every row-major field split like the cache's rows
+      rows = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
+      state = jax.tree.map(rows, state.replace(cache=None)).replace(cache=cache)
+    self._state = state
     self.live = np.zeros(b, bool)
     self._max_new = np.ones(b, np.int32)
     self._roles = np.zeros(b, np.int32)

@@ -236,7 +236,8 @@ def test_prompt_buckets_bound_compilations(tiny_with_roles):
     sampler.generate(cache, prompts, Role.USER, role=Role.ACT, key=jax.random.key(0), max_new_tokens=3)
   # Prefill: (chunk bucket, attended slots) pairs (8|16|32, 32) for the first chunk, then (8, 64), (32, 64) and
   # (8, 128) for later chunks of the long prompts. Decode: one new-token bucket (4) x attended slots 32, 64, 128.
-  assert sampler.compile_counts == {"prefill": 6, "decode": 3}
+  # Admit (each generate is a stream run to its end): one, the decode state's shapes never change here.
+  assert sampler.compile_counts == {"prefill": 6, "decode": 3, "admit": 1}
 
 
 def test_attention_over_a_bucket_of_the_cache_equals_the_whole_cache(tiny_with_roles):
@@ -452,6 +453,7 @@ def test_continuous_batching_equals_each_generation_alone(tiny_with_roles):
     if starts:
       admit(stream, starts)
   assert len(got) == sum(map(len, plans.values()))
+  assert sampler.compile_counts["admit"] == 1  # every admission the same shapes: one trace
 
   alone = forked()
   busiest = 0

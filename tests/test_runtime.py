@@ -1,0 +1,64 @@
+"""Host memory helpers of `envace_jax.runtime`: the resident-set figures and glibc's trim."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from envace_jax import runtime
+
+# Run in a fresh interpreter: the measurement must not see pytest's or other tests' heaps.
+_SCRIPT = textwrap.dedent(
+  """
+  import json, numpy as np
+  from envace_jax import runtime
+  before = runtime.host_memory_gib()["memory/host_rss_gib"]
+  chunks = [np.ones(64 * 1024 // 8) for _ in range(4096)]  # 256 MiB of 64 KiB blocks: heap, below mmap's threshold
+  top = np.ones(64 * 1024 // 8)  # a live block above them keeps the heap's top from shrinking on free
+  grown = runtime.host_memory_gib()
+  del chunks
+  freed = runtime.host_memory_gib()["memory/host_rss_gib"]
+  runtime.release_host_memory()
+  trimmed = runtime.host_memory_gib()["memory/host_rss_gib"]
+  print(json.dumps({"before": before, "grown": grown, "freed": freed, "trimmed": trimmed}))
+  """
+)
+
+
+@pytest.mark.skipif(runtime._malloc_trim() is None, reason="glibc's malloc_trim is not available here")
+def test_release_host_memory_returns_freed_heap_pages():
+  import json
+
+  out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True)
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  mib = 2**10
+  grown = r["grown"]["memory/host_rss_gib"]
+  assert (grown - r["before"]) * mib == pytest.approx(256, abs=24)  # the resident set counts the touched blocks
+  assert (r["grown"]["memory/host_peak_gib"] - grown) * mib > -4  # the kernel updates the high-water mark lazily
+  assert (r["freed"] - r["before"]) * mib > 200  # free() kept them: they sit below a live block
+  assert (r["freed"] - r["trimmed"]) * mib > 200  # the trim gave them back
+
+
+def test_compile_clock_counts_each_new_program_once_and_its_seconds():
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  unique = float(time.time_ns() % 1_000_003)  # a constant no other test or run compiled (the suite's compile cache)
+  f = jax.jit(lambda x: jnp.sin(x) * unique + 1)
+  with runtime.CompileClock() as clock:
+    mark = clock.mark()
+    f(np.ones(7, np.float32)).block_until_ready()
+    one = clock.mark()
+    assert clock.programs_since(mark) == 1 and clock.since(mark) > 0
+    f(np.ones(7, np.float32)).block_until_ready()  # cached in memory: nothing traced or compiled
+    assert clock.mark() == one
+    f(np.ones(9, np.float32)).block_until_ready()  # a new shape: traced, lowered and compiled again
+    assert clock.programs_since(mark) == 2 and clock.programs_since(one) == 1
+  f(np.ones(11, np.float32)).block_until_ready()  # closed: no longer listening
+  assert clock.programs_since(mark) == 2
