@@ -163,7 +163,7 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   |advantage| ("adv/act/abs_mean": 0 means GRPO had no signal), KL, entropy and gradient norm ("update/*", or a plain
   "loss"), a skipped update ("update/skipped"), tool-call
   validity, an in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"), with the part spent
-  compiling when there was one ("time/compile_s"). Every scalar is in
+  compiling when it is 0.05 s or more ("time/compile_s"). Every scalar is in
   ``metrics.jsonl``.
 
     step_line(1, 2, {"reward/mean": 0.5, "reward/std": 0.0, "update/loss": 0.0123, "time/step_s": 18.1})
@@ -201,7 +201,7 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   if get("update/skipped"):
     parts.append("update skipped")
   if "time/step_s" in values:
-    compiling = f" ({_num(get('time/compile_s'), '.1f')} s compiling)" if get("time/compile_s") else ""
+    compiling = f" ({_num(get('time/compile_s'), '.1f')} s compiling)" if get("time/compile_s", 0) >= 0.05 else ""
     parts.append(f"{_num(get('time/step_s'), '.1f')} s{compiling}")
   head = f"step {step}" + (f"/{total}" if total else "")
   return f"{head}: {', '.join(parts)}" if parts else head

@@ -10,7 +10,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
-import resource
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -88,9 +88,11 @@ def _malloc_trim():
   if not sys.platform.startswith("linux"):
     return None
   try:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-  except (OSError, AttributeError):
+    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+  except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
     return None
+  trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+  return trim
 
 
 def release_host_memory() -> None:
@@ -99,8 +101,8 @@ def release_host_memory() -> None:
   XLA's CPU runtime frees a program's temporaries into glibc's arenas, which keep them as free chunks between live
   ones: a process that ran one main-job update (2.1 GiB of temporaries) stayed at 6.2 GiB, 3.1 GiB after the trim,
   and the main job peaked at 12.5 GiB without it, 10.3 GiB with it (README, after the table of options). Training and
-  evaluation call this between phases (after a rollout, an update, an evaluation's parts), where no program runs;
-  the pages come back zeroed when next used.
+  evaluation call this between phases (after a rollout, an update, an evaluation's parts), when no large program
+  runs; the pages come back zeroed when next used.
   """
   trim = _malloc_trim()
   if trim is not None:
@@ -109,13 +111,18 @@ def release_host_memory() -> None:
 
 def host_memory_gib() -> dict[str, float]:
   """This process's resident set now and its peak so far, GiB (``/proc/self/statm`` and ``getrusage``; Linux
-  reports the peak in KiB, macOS in bytes). On hosts without ``/proc`` the current figure is the peak."""
+  reports the peak in KiB, macOS in bytes). Where there is no ``/proc`` the current figure is NaN; where there is no
+  ``resource`` module (Windows) both are."""
+  try:
+    import resource  # POSIX only
+  except ImportError:
+    return {"memory/host_rss_gib": math.nan, "memory/host_peak_gib": math.nan}
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
   try:
     with open("/proc/self/statm") as f:
       now = int(f.read().split()[1]) * resource.getpagesize() / 2**30
   except OSError:
-    now = peak
+    now = math.nan
   return {"memory/host_rss_gib": now, "memory/host_peak_gib": peak}
 
 
@@ -126,8 +133,8 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 class CompileClock:
   """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
   ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
-  and the programs XLA compiled (a persistent-cache hit is not one). Every compiled program stays resident: about
-  40 MB of machine code for a SmolLM2-135M sampler program on CPU.
+  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident:
+  about 40 MB of machine code for a SmolLM2-135M sampler program on CPU).
 
       with CompileClock() as clock:
         mark = clock.mark()
@@ -137,6 +144,7 @@ class CompileClock:
 
   def __init__(self):
     self._spans: list[tuple[float, float, bool]] = []  # (start, end, a backend compile)
+    self._listening = True
     jax.monitoring.register_event_time_span_listener(self._on_span)
 
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
@@ -156,11 +164,14 @@ class CompileClock:
     return total
 
   def programs_since(self, mark: int) -> int:
-    """Programs XLA compiled after ``mark``."""
+    """Programs XLA compiled (or loaded from the persistent cache) after ``mark``."""
     return sum(backend for _, _, backend in self._spans[mark:])
 
   def close(self) -> None:
-    jax.monitoring.unregister_event_time_span_listener(self._on_span)
+    """Stops listening (the figures so far stay readable); a second call does nothing."""
+    if self._listening:
+      jax.monitoring.unregister_event_time_span_listener(self._on_span)
+      self._listening = False
 
   def __enter__(self) -> CompileClock:
     return self

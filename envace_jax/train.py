@@ -519,9 +519,10 @@ class Trainer:
     )
 
   def evaluate(self, step: int) -> dict[str, float]:
-    """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``)."""
+    """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``), with
+    the host memory figures after it (``runtime.host_memory_gib``)."""
     self._sync_samplers()
-    return evaluate.committed_execution(
+    summary = evaluate.committed_execution(
       self.config,
       self.eval_tasks(),
       self.samplers,
@@ -529,6 +530,7 @@ class Trainer:
       jax.random.fold_in(jax.random.fold_in(self.key, step), 0x5EED),
       num_trials=self.config.eval.num_trials,
     )
+    return {**summary, **runtime.host_memory_gib()}  # after the evaluation: an in-run one's replace the step's
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:

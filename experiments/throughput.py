@@ -252,7 +252,7 @@ class StepRecord:
   prefilled: int = 0  # unfold's stats: prefill_tokens + prefill_tokens_shared
   prefilled_shared: int = 0
   rollout_times: dict[str, float] = dataclasses.field(default_factory=dict)  # unfold's time_*_s
-  sampler_compiles: int = 0  # new traces of the samplers' jitted prefill / decode during this step
+  sampler_compiles: int = 0  # new traces of the samplers' jitted prefill / decode / admit during this step
   trajectories: int = 0
   batch_s: float = 0.0  # advantages + build_batch (host)
   reference_s: float = 0.0  # the reference forward for the KL term (use_kl only)

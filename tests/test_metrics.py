@@ -154,7 +154,7 @@ def test_step_line_shows_what_a_newcomer_watches_and_skips_what_is_zero():
   assert line == "step 1/2: reward 0.500 ± 0.000, loss 0.0123, 18.1 s"
   compiled = metrics.step_line(1, 2, {"time/step_s": 18.1, "time/compile_s": 6.25, "compile/programs": 3})
   assert compiled == "step 1/2: 18.1 s (6.2 s compiling)"
-  assert metrics.step_line(1, 2, {"time/step_s": 18.1, "time/compile_s": 0.0}) == "step 1/2: 18.1 s"
+  assert metrics.step_line(1, 2, {"time/step_s": 18.1, "time/compile_s": 0.04}) == "step 1/2: 18.1 s"
   quiet = {"reward/mean": 0.25, "reward/invalid": 0.0, "dynamic_sampling/extra_draws": 0.0}
   assert metrics.step_line(3, None, quiet) == "step 3: reward 0.250"
   loud = {**quiet, "reward/invalid": 1.0, "dynamic_sampling/extra_draws": 2.0, "dynamic_sampling/groups": 1.0}

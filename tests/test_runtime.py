@@ -49,7 +49,7 @@ def test_compile_clock_counts_each_new_program_once_and_its_seconds():
   import jax.numpy as jnp
   import numpy as np
 
-  unique = float(time.time_ns() % 1_000_003)  # a constant no other test or run compiled (the suite's compile cache)
+  unique = float(time.time_ns() % 1_000_003)  # a program no earlier test traced in this process
   f = jax.jit(lambda x: jnp.sin(x) * unique + 1)
   with runtime.CompileClock() as clock:
     mark = clock.mark()
@@ -62,3 +62,4 @@ def test_compile_clock_counts_each_new_program_once_and_its_seconds():
     assert clock.programs_since(mark) == 2 and clock.programs_since(one) == 1
   f(np.ones(11, np.float32)).block_until_ready()  # closed: no longer listening
   assert clock.programs_since(mark) == 2
+  clock.close()  # a second close does nothing

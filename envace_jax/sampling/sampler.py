@@ -425,12 +425,13 @@ class Sampler:
     merged = jax.tree.map(put, bare, part.replace(cache=None))
     return merged.replace(cache=state.cache.put(rows, part.cache)), steps
 
-  def _initial_state(self, cache: KVCache, num_new: int, stops: tuple[bytes, ...]) -> _DecodeState:
+  def _initial_state(self, cache: KVCache, num_new: int, stops: tuple[bytes, ...], place=jnp.asarray) -> _DecodeState:
     """The decode state of a stream over ``cache`` before any admission: every row done, ``num_new`` token slots,
-    a stop buffer as wide as ``stops`` need (0 without). Abstract with ``jax.eval_shape`` (the memory plan)."""
+    a stop buffer as wide as ``stops`` need (0 without); each field built on the host and put on the device(s) by
+    ``place``. Abstract with ``jax.eval_shape`` (the memory plan)."""
     b = cache.lengths.shape[0]
     width = stopping.buffer_width(self._byte_table[0].shape[1], stops) if stops else 0
-    host = _DecodeState(  # built on the host and copied over: no fill program to compile per shape
+    host = _DecodeState(  # numpy: no fill program to compile per shape
       logits=np.zeros((b, self.config.vocab_size), np.float32),
       cache=None,
       tokens=np.full((b, num_new), self.pad_id, np.int32),
@@ -440,7 +441,7 @@ class Sampler:
       finish=np.zeros(b, np.int32),
       stop_buffer=np.full((b, width), -1, np.int16),
     )
-    return jax.tree.map(jnp.asarray, host).replace(cache=cache)
+    return jax.tree.map(place, host).replace(cache=cache)
 
   def _admit_rows(self, state, last_logits, admitted, fitted):
     """Resets the ``admitted`` rows of ``state`` (without its cache) for a new generation that starts from
@@ -638,11 +639,10 @@ class Stream:
   def __init__(self, sampler: Sampler, cache: KVCache, num_new: int, sampling: SamplingParams, stops):
     self.sampler, self.num_new, self.sampling, self.stops = sampler, num_new, sampling, stops
     b = int(cache.lengths.shape[0])
-    state = sampler._initial_state(cache, num_new, stops)
-    if sampler.mesh is not None:  # every row-major field split like the cache's rows
-      rows = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
-      state = jax.tree.map(rows, state.replace(cache=None)).replace(cache=cache)
-    self._state = state
+    place = jnp.asarray
+    if sampler.mesh is not None:  # every field split over the rows like the cache's, from the host
+      place = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
+    self._state = sampler._initial_state(cache, num_new, stops, place)
     self.live = np.zeros(b, bool)
     self._max_new = np.ones(b, np.int32)
     self._roles = np.zeros(b, np.int32)
