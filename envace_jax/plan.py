@@ -14,8 +14,9 @@ XLA's own (``memory_analysis()``: per device, after partitioning):
     it) that a task's G rollouts share, and each rollout's row owns the largest role capacity less O; with O = 0
     each row owns the largest role capacity. One prefill chunk (``sampler.prefill_chunk`` tokens) and the decode
     loop;
-  * the update step (`rl.grpo.make_update_step`): the train state (parameters and AdamW's two moments) and one
-    micro-batch of ``grpo.micro_batch_size`` rows of the longest view.
+  * the update step: the train state (parameters and AdamW's two moments) and one micro-batch of
+    ``grpo.micro_batch_size`` rows of the longest view, compiled as one program (`rl.grpo.update_step`; the training
+    loop runs the same arithmetic as a micro-batch program and an optimizer program, `rl.grpo.make_update_step`).
 
 Parts, per device, as the training loop holds them (`train.Trainer`): the reference (the initial weights), the train
 state's parameters (which the policy's samplers read) and optimizer moments, a sampler's own copy where it is placed
@@ -223,8 +224,8 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
     ref_logprobs=field(t, dtype=jnp.float32), row_role=field(), target_index=field(t), source_index=field(t),
     target_mask=field(t, dtype=bool), target_advantages=field(t, dtype=jnp.float32),
   )  # fmt: skip
-  step = grpo.make_update_step(mc.replace(scan_layers=True), gcfg, mesh=update_mesh)
-  update = _memory(step.jitted.lower(_abstract(state, state_sh), batch).compile())
+  program = _update_program(mc.replace(scan_layers=True), gcfg, update_mesh)
+  update = _memory(program.lower(_abstract(state, state_sh), batch).compile())
   programs["update step"] = update
   parts.append(Part("update temporaries", update["temp"], "update",
                     f"activations and gradients of {m} rows × {t} tokens (remat per layer)"))  # fmt: skip
@@ -245,6 +246,16 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
     "device_bytes": limit,
     "fits": None if limit is None else peak <= limit,
   }
+
+
+def _update_program(mc, gcfg, mesh):
+  """`rl.grpo.update_step` jitted as one program, on ``mesh`` with the train state's and batch's shardings."""
+  fn = functools.partial(grpo.update_step, mc, gcfg)
+  if mesh is None:
+    return jax.jit(fn)
+  state_sh = grpo.train_state_shardings(mc, gcfg, mesh)
+  batch_sh, rep = grpo.train_batch_shardings(mesh), sharding.replicated(mesh)
+  return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep))
 
 
 def _device_limit() -> int | None:

@@ -8,7 +8,8 @@ One step, as data flows (DESIGN.md, "One training step"; paper §3):
      continuously batched; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
   3. Rewards: rehearsed trajectories have no real DB, so the rule checklist (or the LLM judge) scores them; real
      ones get the benchmark's own evaluator.
-  4. Role-wise advantages, the packed batch, one jitted update (AdamW, global-norm clip, exact accumulation).
+  4. Role-wise advantages, the packed batch, the update (one program per micro-batch shape, exact accumulation,
+     then global-norm clip and AdamW).
   5. Metrics (TensorBoard + JSONL + a progress bar) and an orbax checkpoint (params, optimizer state, RNG, data
      position, config). A workdir with a checkpoint resumes from it: the run continues bit for bit.
 The run ends with a held-out evaluation: committed execution against the real tools, scored by the benchmark.
@@ -151,6 +152,8 @@ class Trainer:
     state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
     if update_mesh is not None:
       state = grpo.shard_train_state(state, grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh))
+    else:  # committed to the device, as every update's output is: the samplers' programs compile once for both
+      state = jax.device_put(state, jax.devices()[0])
     self.state = state
     self.key = jax.random.key(config.seed)
     self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)

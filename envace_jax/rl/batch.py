@@ -356,6 +356,28 @@ def collate(
   )
 
 
+_TARGET_FIELDS = ("target_index", "source_index", "target_mask", "target_advantages")  # [.., I]; row_role is [..]
+
+
+def trimmed(batch: TrainBatch, length_bucket: int) -> TrainBatch:
+  """A host [M, ...] micro-batch cut to its own lengths: T to ``bucket_length`` of its longest row, I to that of its
+  most trained tokens in a row (at most T).
+
+  The columns cut are padding in every row (rows are left-aligned, ``target_index`` < the row's length), so the
+  micro-batch's logprobs, sums and gradient are those of the uncut one, at the cost of its own rows.
+  """
+  t = np.flatnonzero(np.asarray(batch.valid).any(axis=0))
+  t = bucket_length(int(t[-1]) + 1 if t.size else 1, length_bucket)
+  i = np.flatnonzero(np.asarray(batch.target_mask).any(axis=0))
+  i = min(bucket_length(int(i[-1]) + 1 if i.size else 1, length_bucket), t)
+  t, i = min(t, np.shape(batch.tokens)[-1]), min(i, np.shape(batch.target_index)[-1])
+  cut = {f.name: getattr(batch, f.name) for f in dataclasses.fields(TrainBatch)}
+  for name, x in cut.items():
+    if name != "row_role":
+      cut[name] = x[..., :i] if name in _TARGET_FIELDS else x[..., :t]
+  return TrainBatch(**cut)
+
+
 def split_micro_batches(
   batch: TrainBatch, micro_batch_size: int, *, by_role: bool = False, num_micro_batches: int | None = None
 ) -> TrainBatch:

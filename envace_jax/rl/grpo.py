@@ -41,14 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from envace_jax.model import transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rl.advantages import WEIGHTINGS, role_name
-from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches
+from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches, trimmed
 from envace_jax.rl.logprobs import target_logprobs
 from envace_jax.sampling import sharding
 
@@ -393,16 +393,57 @@ def _tree_names(cfg: GrpoConfig) -> tuple[str, ...]:
   return tuple(ROLE_TREES) if cfg.per_role else ("policy",)
 
 
+def micro_batch_grads(
+  config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
+) -> tuple[Any, dict[str, jax.Array]]:
+  """The gradient of one [M, ...] micro-batch's summed objective (``micro_batch_sums``) and its sums, unnormalised.
+
+  In per_role mode params is ``{"act": tree, "rehearse": tree}`` and the micro-batch runs through the tree of its
+  role ``row_role[0]`` (a per-leaf select, so the other tree's gradient is exactly 0).
+
+  Returns:
+    (grads float32 like params, sums): ``micro_batch_sums``' sums plus ``tree_tokens/<tree>`` and
+    ``tree_objective/<tree>`` (the micro-batch's tokens and objective under the tree it trained).
+  """
+  names = _tree_names(cfg)
+  if cfg.per_role:
+    is_act = batch.row_role[0] == int(Role.ACT)
+
+    def objective(p):
+      chosen = jax.tree.map(lambda a, r: jnp.where(is_act, a, r), p["act"], p["rehearse"])
+      return micro_batch_sums(config, cfg, chosen, batch)
+
+    tree_of = {"act": is_act, "rehearse": ~is_act}
+  else:
+    objective = lambda p: micro_batch_sums(config, cfg, p, batch)  # noqa: E731
+    tree_of = {"policy": jnp.bool_(True)}
+  (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  for name in names:  # per-tree denominators and objectives
+    sums[f"tree_tokens/{name}"] = jnp.where(tree_of[name], sums["tokens"], 0.0)
+    sums[f"tree_objective/{name}"] = jnp.where(tree_of[name], sums["objective"], 0.0)
+  return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
+
+
+def normalize(cfg: GrpoConfig, grads: Any, sums: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]:
+  """Summed micro-batch gradients and sums to the token-mean gradient and the step's metrics (see `loss_and_grads`):
+  each tree's gradient divided by its own token count (per_role) or by all trained tokens."""
+  names = _tree_names(cfg)
+  if cfg.per_role:
+    grads = {name: _scale(grads[name], sums[f"tree_tokens/{name}"]) for name in names}
+  else:
+    grads = _scale(grads, sums["tokens"])
+  return grads, _finalize(sums, names)
+
+
 def loss_and_grads(
   config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
 ) -> tuple[Any, dict[str, jax.Array]]:
   """Gradient of the token-mean loss over all K micro-batches, accumulated exactly.
 
-  A ``lax.scan`` over the micro-batches sums each one's gradient of ``micro_batch_sums``' objective and its token
-  count; the result is (sum of gradients) / (sum of counts), the gradient of sum(objective) / sum(tokens), however
-  the rows are split. In per_role mode params is ``{"act": tree, "rehearse": tree}``; micro-batch k runs through
-  the tree of its role ``row_role[k, 0]`` (a per-leaf select, so the other tree's gradient is exactly 0), and each
-  tree's gradient is divided by its own token count.
+  A ``lax.scan`` over the micro-batches sums each one's gradient of ``micro_batch_sums``' objective
+  (`micro_batch_grads`) and its token count; the result is (sum of gradients) / (sum of counts), the gradient of
+  sum(objective) / sum(tokens), however the rows are split. In per_role mode params is ``{"act": tree, "rehearse":
+  tree}``, micro-batch k runs through the tree of its role and each tree's gradient is divided by its own token count.
 
   Args:
     config: model config (``scan_layers=True`` is the training layout; either works).
@@ -414,40 +455,17 @@ def loss_and_grads(
     ``entropy``, ``approx_kl`` (mean logp_old - logp_new), ``clip_frac_low`` / ``_high`` / ``_dual`` (fractions of
     trained tokens), ``tokens`` and ``tokens/<role>``; per_role also ``loss/<tree>`` (each tree's own token mean).
   """
-  names = _tree_names(cfg)
-  act = int(Role.ACT)
 
   def body(carry, mb):
-    grads_acc, sums_acc = carry
-    if cfg.per_role:
-      is_act = mb.row_role[0] == act
-
-      def objective(p):
-        chosen = jax.tree.map(lambda a, r: jnp.where(is_act, a, r), p["act"], p["rehearse"])
-        return micro_batch_sums(config, cfg, chosen, mb)
-
-      tree_of = {"act": is_act, "rehearse": ~is_act}
-    else:
-      objective = lambda p: micro_batch_sums(config, cfg, p, mb)
-      tree_of = {"policy": jnp.bool_(True)}
-    (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
-    for name in names:  # per-tree denominators and objectives
-      sums[f"tree_tokens/{name}"] = jnp.where(tree_of[name], sums["tokens"], 0.0)
-      sums[f"tree_objective/{name}"] = jnp.where(tree_of[name], sums["objective"], 0.0)
-    grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-    return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
+    grads, sums = micro_batch_grads(config, cfg, params, mb)
+    return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
   first = jax.tree.map(lambda x: x[0], batch)
   template = jax.eval_shape(functools.partial(_sums_shape, config, cfg), params, first)
   sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
   (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), batch)
-
-  if cfg.per_role:
-    grads = {name: _scale(grads[name], sums[f"tree_tokens/{name}"]) for name in names}
-  else:
-    grads = _scale(grads, sums["tokens"])
-  return grads, _finalize(sums, names)
+  return normalize(cfg, grads, sums)
 
 
 def _sums_shape(config, cfg, params, mb):
@@ -495,7 +513,7 @@ class TrainState:
     step: int32[] updates applied so far.
     params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
       (``layers_0 ..``, `transformer.unstack_layers`), the layout samplers read, so a sampler uses these arrays
-      without a copy. The update stacks them for its scanned forward (inside the jitted step, a temporary).
+      without a copy. The update stacks them for its scanned forward (inside each micro-batch program, a temporary).
     opt_state: the optax state of ``make_optimizer(cfg)`` for params; per_role: ``{"act": ..., "rehearse": ...}``.
   """
 
@@ -583,28 +601,17 @@ def _apply_updates(opt, grads, opt_state, params, has_tokens):
   return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state), grad_norm
 
 
-def update_step(
-  config: ModelConfig, cfg: GrpoConfig, state: TrainState, batch: TrainBatch
+def apply_gradients(
+  cfg: GrpoConfig, state: TrainState, grads: Any, metrics: dict[str, jax.Array]
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One GRPO update (pure; ``make_update_step`` jits it): accumulated gradient, global-norm clip, AdamW.
+  """The optimizer step on normalised gradients (in the state's layout): global-norm clip and AdamW per tree.
 
-  A tree with no trained token in the batch is not stepped (AdamW's weight decay and momentum would otherwise
-  move it with no data).
-
-  Args:
-    config: model config of the params' layout (``scan_layers=True`` for training).
-    cfg: the GRPO config.
-    state: the TrainState.
-    batch: TrainBatch with [K, M, ...] fields.
-  Returns:
-    (the new state, metrics): those of ``loss_and_grads`` plus ``grad_norm`` (global norm before clipping; per_role
-    also ``grad_norm/<tree>``).
+  A tree with no trained token (``metrics["tokens"]``, per_role ``tokens/<tree>``) is not stepped: AdamW's weight
+  decay and momentum would otherwise move it with no data. Returns the new state and ``metrics`` plus
+  ``grad_norm`` (global norm before clipping; per_role also ``grad_norm/<tree>``).
   """
-  # The scanned forward wants the layers stacked: one copy, a temporary of this step; the gradient comes back
-  # per layer, as the state holds them.
-  grads, metrics = loss_and_grads(config, cfg, transformer.stack_tree(state.params), batch)
-  grads = transformer.unstack_tree(grads)
   opt = make_optimizer(cfg)
+  metrics = dict(metrics)
   if cfg.per_role:
     params, opt_state, norms = {}, {}, []
     for name in ROLE_TREES:
@@ -620,6 +627,28 @@ def update_step(
       opt, grads, state.opt_state, state.params, metrics["tokens"] > 0
     )
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def update_step(
+  config: ModelConfig, cfg: GrpoConfig, state: TrainState, batch: TrainBatch
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One GRPO update as one pure function: accumulated gradient (`loss_and_grads`), then `apply_gradients`.
+
+  ``make_update_step`` runs the same arithmetic as one program per micro-batch shape plus one optimizer program;
+  this single-program form is the reference its tests compare with, and what ``--mode=plan`` compiles.
+
+  Args:
+    config: model config of the params' layout (``scan_layers=True`` for training).
+    cfg: the GRPO config.
+    state: the TrainState.
+    batch: TrainBatch with [K, M, ...] fields.
+  Returns:
+    (the new state, metrics): those of ``loss_and_grads`` and ``apply_gradients``.
+  """
+  # The scanned forward wants the layers stacked: one copy, a temporary of this step; the gradient comes back
+  # per layer, as the state holds them.
+  grads, metrics = loss_and_grads(config, cfg, transformer.stack_tree(state.params), batch)
+  return apply_gradients(cfg, state, transformer.unstack_tree(grads), metrics)
 
 
 def train_state_shardings(
@@ -682,7 +711,15 @@ def make_update_step(
   rules: sharding.Rules = sharding.LOGICAL_RULES,
   donate: bool = True,
 ):
-  """``update_step`` under one ``jax.jit``; on a mesh with explicit in/out shardings.
+  """The update step as jitted programs: one per micro-batch shape (gradient and sums of one micro-batch), one that
+  adds them up, one optimizer step; on a mesh with explicit in/out shardings.
+
+  The arithmetic is ``update_step``'s (the same sums in the same order). What differs is the shapes: a host batch's
+  micro-batch k is cut to its own bucketed length (`batch.trimmed`: its T and I, not the longest row of the step's),
+  and a micro-batch without a trained token is skipped (its gradient and sums are exactly zero). So a step compiles
+  only the micro-batch shapes it has not met before, whatever its number of micro-batches or its longest row, and
+  short micro-batches cost what their own rows cost. A batch of device arrays (a multi-host caller's global arrays)
+  runs every micro-batch at the batch's own T and I.
 
   Args:
     config: model config of the params' layout.
@@ -692,29 +729,65 @@ def make_update_step(
     rules: logical-axis rules.
     donate: donate the state's buffers (the old state is unusable after the call).
   Returns:
-    ``step(state, batch) -> (state, metrics)``; ``step.jitted`` is the jitted function. One compile per batch shape.
+    ``step(state, batch) -> (state, metrics)`` with ``batch`` [K, M, ...]; ``step.compiled_shapes()`` lists the
+    micro-batch shapes (M, T, I) compiled so far.
   Raises (when step is called):
     ValueError: the batch is not [K, M, T], M is not a multiple of the batch shards, or per_role micro-batches
       mix roles.
   """
-  fn = functools.partial(update_step, config, cfg)
-  donate_argnums = (0,) if donate else ()
+
+  def micro(params, mb):
+    grads, sums = micro_batch_grads(config, cfg, transformer.stack_tree(params), mb)
+    return transformer.unstack_tree(grads), sums
+
+  def finish(state, grads, sums):
+    grads, metrics = normalize(cfg, grads, sums)
+    return apply_gradients(cfg, state, grads, metrics)
+
+  add = lambda acc, new: jax.tree.map(jnp.add, acc, new)  # noqa: E731
+  take = lambda batch, k: jax.tree.map(lambda x: x[k], batch)  # noqa: E731
+  donated = (0,) if donate else ()
   if mesh is None:
-    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    # Pinned to the default device: a program's cache key includes whether each argument is committed to a device,
+    # and the state mixes fresh (uncommitted) leaves with earlier outputs (committed) from step to step.
+    one = SingleDeviceSharding(jax.devices()[0])
+    micro_jit = jax.jit(micro, in_shardings=one, out_shardings=one)
+    add_jit = jax.jit(add, in_shardings=one, out_shardings=one, donate_argnums=0)
+    finish_jit = jax.jit(finish, in_shardings=one, out_shardings=one, donate_argnums=donated)
+    take_jit = jax.jit(take, in_shardings=one, out_shardings=one)
     shards = 1
   else:
-    state_shardings = train_state_shardings(config, cfg, mesh, rules)
-    jitted = jax.jit(
-      fn,
-      in_shardings=(state_shardings, train_batch_shardings(mesh, rules)),
-      out_shardings=(state_shardings, sharding.replicated(mesh)),
-      donate_argnums=donate_argnums,
+    state_sh = train_state_shardings(config, cfg, mesh, rules)
+    rep = sharding.replicated(mesh)
+    batch_sh = train_batch_shardings(mesh, rules)
+    mb_sh = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), batch_sh)
+    acc_sh = (state_sh.params, rep)
+    micro_jit = jax.jit(micro, in_shardings=(state_sh.params, mb_sh), out_shardings=acc_sh)
+    add_jit = jax.jit(add, in_shardings=(acc_sh, acc_sh), out_shardings=acc_sh, donate_argnums=0)
+    finish_jit = jax.jit(
+      finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnums=donated
     )
+    take_jit = jax.jit(take, in_shardings=(batch_sh, rep), out_shardings=mb_sh)
     shards = sharding.batch_size_multiple(mesh, rules)
+  shapes: set[tuple[int, int, int]] = set()
+
+  def micro_batches(batch: TrainBatch):
+    leaves = jax.tree.leaves(batch)
+    k = np.shape(batch.tokens)[0]
+    if not all(isinstance(x, np.ndarray | np.generic) for x in leaves):
+      return [take_jit(batch, np.int32(i)) for i in range(k)]
+    mbs = [trimmed(jax.tree.map(lambda x, i=i: x[i], batch), cfg.length_bucket) for i in range(k)]
+    kept = [mb for mb in mbs if mb.target_mask.any()]
+    return kept or mbs[:1]  # nothing to train: one micro-batch still gives the (zero) gradient's structure
 
   def step(state: TrainState, batch: TrainBatch):
     _check_step_batch(batch, cfg, shards)
-    return jitted(state, batch)
+    acc = None
+    for mb in micro_batches(batch):
+      shapes.add((int(np.shape(mb.tokens)[0]), int(np.shape(mb.tokens)[1]), int(np.shape(mb.target_index)[1])))
+      out = micro_jit(state.params, mb)
+      acc = out if acc is None else add_jit(acc, out)
+    return finish_jit(state, *acc)
 
-  step.jitted = jitted
+  step.compiled_shapes = lambda: sorted(shapes)
   return step

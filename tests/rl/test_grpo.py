@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from envace_jax import runtime
 from envace_jax.envs.base import RewardInfo, Task
 from envace_jax.model import transformer
 from envace_jax.model.config import PRESETS
@@ -56,7 +57,8 @@ def tree_max_abs(tree):
 
 
 def tree_max_diff(a, b):
-  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)  # on the host: the trees may live on other devices
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
 
 
 def _paths_and_leaves(tree):
@@ -384,6 +386,38 @@ def test_micro_batch_accumulation_is_exact(params):
   # And remat changes nothing but memory.
   g3, m3 = loss_and_grads(grpo.GrpoConfig(use_kl=True, kl_coef=0.1, remat=False), params, split_micro_batches(batch, 2))
   assert tree_max_diff(g2, g3) <= 1e-6 and abs(float(m2["loss"] - m3["loss"])) <= 1e-6
+
+
+def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program(params):
+  """make_update_step cuts micro-batch k to its own bucketed T and I and skips one without a trained token; its state
+  and metrics are the single-program update_step's on the uncut [K, M, T] batch, and a later step whose micro-batches
+  have lengths met before compiles nothing, however many micro-batches it has."""
+  rng = np.random.default_rng(14)
+  cfg = grpo.GrpoConfig(micro_batch_size=2, learning_rate=1e-3, use_kl=True, kl_coef=0.1)
+  rows = [make_row(rng, 12, 5, ACT, old_noise=1.0), make_row(rng, 9, 3, REHEARSE, old_noise=1.0)]  # T 16, I 16
+  rows += [make_row(rng, 70, 30, ACT, old_noise=1.0), make_row(rng, 40, 36, REHEARSE, old_noise=1.0)]  # T 128, I 64
+  batch = collate(rows, [1.0, -0.7, -1.5, 0.4], trained_roles=cfg.trained_roles, length_bucket=64)
+  batch = batch.replace(ref_logprobs=np.where(batch.loss_mask, batch.old_logprobs + 0.3, 0.0).astype(np.float32))
+  batch = split_micro_batches(batch, 2, num_micro_batches=3)  # the third: padding rows only
+  assert batch.tokens.shape == (3, 2, 128) and batch.target_index.shape == (3, 2, 64)
+  one = jax.jit(functools.partial(grpo.update_step, CONFIG, cfg))
+  want_state, want = one(grpo.init_train_state(cfg, params), batch)
+  step = grpo.make_update_step(CONFIG, cfg, donate=False)
+  state, got = step(grpo.init_train_state(cfg, params), batch)
+  assert step.compiled_shapes() == [(2, 16, 16), (2, 128, 64)]
+  assert got["tokens"] == want["tokens"] == 7 + 6 + 40 + 4
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert tree_max_diff(state.params, want_state.params) <= 1e-6
+  assert tree_max_diff(state.params, transformer.unstack_tree(params)) > 1e-4
+  # The same micro-batches in another order and number (K = 5), on a state committed to the device (the first
+  # step's was not: a trainer's state mixes both, e.g. after `fresh_optimizer_state`): no new program.
+  again = collate(rows[2:] + rows[:2], [0.2, 1.0, -0.3, 0.5], trained_roles=cfg.trained_roles, length_bucket=64)
+  again = jax.tree.map(lambda x: np.concatenate([x, x[:1], x[:1], x[1:]]), split_micro_batches(again, 2))  # K = 5
+  state = jax.device_put(state, jax.devices()[0])
+  with runtime.CompileClock() as clock:
+    step(state, again)
+  assert clock.programs_since(0) == 0 and step.compiled_shapes() == [(2, 16, 16), (2, 128, 64)]
 
 
 def test_frozen_roles_contribute_exactly_zero_gradient(params):
