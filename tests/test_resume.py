@@ -271,8 +271,9 @@ def _wait_for(condition, proc, log, what: str, timeout: float = 600) -> None:
 
 @pytest.mark.slow
 def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards):
-  """The main job (a subprocess) is SIGKILLed while orbax commits step 2's checkpoint, after step 3 was logged: the
-  workdir then holds step 1 and step 2's unfinished tmp folder, which is no checkpoint. A new run resumes from step 1,
+  """The main job (a subprocess) is SIGKILLed while orbax commits step 2's checkpoint, with step 2 logged and step 3
+  waiting for that save before its update (`Trainer.finish_save`): the workdir then holds step 1 and step 2's unfinished
+  tmp folder, which is no checkpoint. A new run resumes from step 1,
   removes the tmp folder, redoes steps 2 and 3, and ends with the uninterrupted run's parameters and optimizer state
   (in memory and in the step-3 checkpoint) and its metrics rows [1, 2, 3]."""
   overrides = {"train.steps": 3, "train.eval_tasks": 0, **_FAST}
@@ -296,7 +297,7 @@ def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir,
   try:
     _wait_for(marker.exists, proc, log, "step 2's save reached its commit")
     rows = lambda: [r["step"] for r in metrics.read_jsonl(killed)]  # noqa: E731
-    _wait_for(lambda: rows() == [1, 2, 3], proc, log, "step 3 was logged")  # the run went on; save(3) waits on 2
+    _wait_for(lambda: rows() == [1, 2], proc, log, "step 2 was logged")  # step 3's update waits for the save
     tmp = pathlib.Path(marker.read_text())
     assert tmp.is_dir() and (tmp / "state").is_dir()  # every item written, only the commit missing
     proc.send_signal(signal.SIGKILL)
@@ -321,7 +322,7 @@ def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir,
   assert_same_trees(on_disk[0].opt_state, on_disk[1].opt_state, "opt_state")
   rows = metrics.read_jsonl(killed)
   assert [r["step"] for r in rows] == [1, 2, 3]
-  assert rows[0]["time"] < killed_at < rows[1]["time"]  # the killed run's rows 2 and 3 were dropped and redone
+  assert rows[0]["time"] < killed_at < rows[1]["time"]  # the killed run's row 2 was dropped and redone
   assert moved_from(resumed.state.params, resumed.model.params) and all(r["update/grad_norm"] > 0 for r in rows)
 
 

@@ -170,7 +170,11 @@ def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mod
   adv, _ = trainer.advantages(trajectories)
   batch = trainer.training_batch(trajectories, adv)
   before = trainer.policy_logprobs(batch)
+  calls, wait, update = [], trainer.ckpt.wait, trainer.update
+  trainer.ckpt.wait = lambda: (calls.append("wait"), wait())[1]
+  trainer.update = lambda *args: (calls.append("update"), update(*args))[1]
   trainer.apply_update(batch, supervised=False)
+  assert calls == ["wait", "update"]  # a save in flight is written before the update's temporaries are allocated
   delta = trainer.policy_logprobs(batch) - before
   token_adv = np.zeros(delta.shape, np.float32)  # [K, M, T]: each trained token's advantage, from the I layout
   k, m, i = np.nonzero(np.asarray(batch.target_mask))
