@@ -22,8 +22,9 @@ On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
                save's wall time.
 
 Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns, so the caller may donate
-or update them right after); ``restore``, ``latest_step`` and ``close`` wait for saves in flight. Steps count
-updates (step s is saved after the s-th update): a resumed run continues at ``restored.step + 1``.
+or update them right after, and holds that copy until the save is written: the trainer ``wait``s before its next
+update, `train.Trainer.finish_save`); ``restore``, ``latest_step``, ``wait`` and ``close`` wait for saves in flight.
+Steps count updates (step s is saved after the s-th update): a resumed run continues at ``restored.step + 1``.
 
 Restoring checks the checkpoint's array shapes, dtypes and tree structure against the target before reading any
 array, so a workdir holding a checkpoint of another model (or another mode) fails with a ``CheckpointError`` that
