@@ -273,9 +273,9 @@ def _wait_for(condition, proc, log, what: str, timeout: float = 600) -> None:
 def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards):
   """The main job (a subprocess) is SIGKILLed while orbax commits step 2's checkpoint, with step 2 logged and step 3
   waiting for that save before its update (`Trainer.finish_save`): the workdir then holds step 1 and step 2's unfinished
-  tmp folder, which is no checkpoint. A new run resumes from step 1,
-  removes the tmp folder, redoes steps 2 and 3, and ends with the uninterrupted run's parameters and optimizer state
-  (in memory and in the step-3 checkpoint) and its metrics rows [1, 2, 3]."""
+  tmp folder, which is no checkpoint. A new run resumes from step 1, removes the tmp folder, redoes steps 2 and 3, and
+  ends with the uninterrupted run's parameters and optimizer state (in memory and in the step-3 checkpoint) and its
+  metrics rows [1, 2, 3]."""
   overrides = {"train.steps": 3, "train.eval_tasks": 0, **_FAST}
   config = tiny_config(data_dir, **overrides)
   whole = train.Trainer(config, str(tmp_path / "whole"))
