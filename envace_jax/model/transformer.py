@@ -24,6 +24,9 @@ own tokens; a query attends over its own slots and, one einsum per prefix level,
 together with the other rows of its group, and the parts merge by log-sum-exp (`_merge_parts`). Positions continue
 after the prefixes' tokens (``KVCache.offsets``).
 
+Paged caches (`paged.PagedKVCache`, per-layer layout only): a row's own slots live in pages of a per-layer pool that
+rows share after a fork; the same prefix levels may precede them. Writes and masking follow the same slot order.
+
 Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
 the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
 Passing ``roles=None`` skips the table altogether.
@@ -46,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from envace_jax.model import paged
 from envace_jax.model.config import ModelConfig
 
 Params = Any
@@ -423,7 +427,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=()):
+  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=(), pages=None):
     cfg = self.config
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = x_btd.dtype
@@ -447,7 +451,11 @@ class Attention(nn.Module):
 
     b, t = x_btd.shape[:2]
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
-    if cache is not None:
+    if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
+      table, kv_lens, q_slots = pages
+      cache = paged.write(cache, write_slots, k_btkh, v_btkh)
+      k_bkhs = v_bksh = None
+    elif cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
       # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are
       # split by a slice, so for k[.., B, K, H, S] the written block is still laid out [B, K, T, H] (NumPy rules).
@@ -474,7 +482,11 @@ class Attention(nn.Module):
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
-    if prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
+    if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots)]
+      parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
+      out_bkgth = _merge_parts(parts, dtype)
+    elif prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
       scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32) * h**-0.5
       parts = [_softmax_part(scores, mask[:, None, None], v_bksh, "bkgts,bksh->bkgth")]
       parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
@@ -515,10 +527,10 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=()):
+  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=(), pages=None):
     x_btd, cache = carry
     attn_out, cache = Attention(self.config, name="attn")(
-      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes
+      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes, pages
     )
     x_btd = x_btd + attn_out
     x_btd = x_btd + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x_btd))
@@ -549,7 +561,18 @@ class Transformer(nn.Module):
     valid = valid.astype(bool)
     # Slot (cache) or chunk index (no cache) of each valid token, in chunk order.
     rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-    if cache is not None:
+    pages = None
+    if isinstance(cache, paged.PagedKVCache):
+      if cfg.scan_layers:
+        raise ValueError("a PagedKVCache needs the per-layer layout (scan_layers=False).")
+      pool_pages, page_size = cache.pools[0].shape[:2]
+      q_slots = paged.row_slots(cache.lengths, valid)
+      write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
+      new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
+      pages, mask, levels = (cache.table, new_lengths, q_slots), None, cache.levels()
+      default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
+      layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
+    elif cache is not None:
       write_slots = jnp.where(valid, cache.lengths[:, None] + rank, cache.capacity)  # S: dropped on write
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       slots = jnp.arange(cache.capacity if attend_len is None else min(attend_len, cache.capacity))
@@ -588,11 +611,17 @@ class Transformer(nn.Module):
       per_layer = []
       seen = [jnp.arange(c.capacity)[None, :] < c.lengths[:, None] for c in levels]  # [P, S] per prefix level
       for i in range(cfg.num_layers):
-        carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
+        if pages is not None:
+          carry = (x_btd, layer_cache[0][i])
+        else:
+          carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
         prefixes = tuple((c.k[i], c.v[i], visible) for c, visible in zip(levels, seen, strict=True))
-        (x_btd, written), _ = DecoderLayer(cfg, name=f"layers_{i}")(carry, None, positions, write_slots, mask, prefixes)
+        layer = DecoderLayer(cfg, name=f"layers_{i}")
+        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages)
         per_layer.append(written)
-      if cache is not None:
+      if pages is not None:
+        layer_cache = tuple(per_layer), None
+      elif cache is not None:
         layer_cache = tuple(c[0] for c in per_layer), tuple(c[1] for c in per_layer)
     if logits_index is not None:  # only the positions asked for reach the [D, V] head (prefill needs one per row)
       x_btd = jnp.take_along_axis(x_btd, logits_index[:, :, None], axis=1)
@@ -602,7 +631,9 @@ class Transformer(nn.Module):
     else:
       head_dv = _param(self, "lm_head", _dense_init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
       logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
-    if cache is not None:
+    if pages is not None:
+      cache = cache.replace(pools=layer_cache[0], lengths=new_lengths)
+    elif cache is not None:
       cache = KVCache(k=layer_cache[0], v=layer_cache[1], lengths=new_lengths, prefix=cache.prefix)
     return logits_btv.astype(jnp.float32), cache
 
@@ -687,7 +718,8 @@ def apply(
     roles: int32[B, T] role ids (roles.Role), or None to add no role embedding.
     positions: int32[B, T] rotary positions; default: each valid token's index in its sequence (continuing from
       ``cache.lengths`` when a cache is given).
-    cache: a KVCache to append the valid tokens to and attend over, or None for a self-contained forward.
+    cache: a KVCache (or a `paged.PagedKVCache`) to append the valid tokens to and attend over, or None for a
+      self-contained forward.
     valid: bool[B, T], False for padding; default all True.
     logits_index: int32[B, I] chunk indices to compute logits at (the head costs T*D*V: prefill wants one per
       row); default all T.

@@ -1,0 +1,186 @@
+"""Paged KV storage (envace_jax/model/paged.py): page bookkeeping, and attention over pages against a dense NumPy
+reference and against the reference that ships with JAX's ragged paged attention kernel."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from envace_jax.model import paged
+
+K, G, H, Z, P = 2, 2, 8, 4, 32  # KV heads, query heads per KV head, head dim, slots per page, pages
+
+
+def _dense_attention(q_nh, keys_skh, values_skh):
+  """One query [N, H] over keys and values [S, K, H]: softmax attention, query head n reading KV head n // G."""
+  out = np.zeros_like(q_nh)
+  for n in range(q_nh.shape[0]):
+    scores = keys_skh[:, n // G] @ q_nh[n] / np.sqrt(H)
+    probs = np.exp(scores - scores.max())
+    out[n] = (probs / probs.sum()) @ values_skh[:, n // G]
+  return out
+
+
+class _Rows:
+  """Rows written through the pool and, alongside, as dense per-row NumPy arrays."""
+
+  def __init__(self):
+    self.pool = paged.PagePool(P, Z)
+    self.array = paged.init_pool(P, Z, K, H)
+    self.dense: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    self.rng = np.random.default_rng(0)
+
+  def fork(self, row, new_rows):
+    self.array = paged.copy_pages(self.array, self.pool.fork(row, new_rows))
+    for new in new_rows:
+      self.dense[new] = tuple(x.copy() for x in self.dense[row])
+
+  def call(self, rows, valid):
+    """Writes each row's valid new tokens, attends, checks every valid query against the dense reference."""
+    valid = np.asarray(valid, bool)
+    b, t = valid.shape
+    lengths = np.asarray([self.pool.lengths.get(r, 0) for r in rows], np.int32)
+    for r, n, v in zip(rows, lengths, valid, strict=True):
+      self.pool.grow(r, int(n + v.sum()))
+    width = max(len(self.pool.pages[r]) for r in rows) + 1  # one unused entry (page 0) too
+    table = self.pool.table(rows, width)
+    k_new, v_new = (self.rng.standard_normal((b, t, K, H)).astype(np.float32) for _ in range(2))
+    q = self.rng.standard_normal((b, t, K * G, H)).astype(np.float32)
+    slots = np.asarray(paged.row_slots(lengths, valid))
+    self.array = paged.write(self.array, paged.flat_slots(table, slots, valid, P, Z), k_new, v_new)
+    kv_lens = lengths + valid.sum(axis=1)
+    out = np.asarray(paged.reference_attention(q, self.array, table, kv_lens, slots))
+    for i, r in enumerate(rows):
+      keys, values = self.dense.get(r, (np.zeros((0, K, H), np.float32),) * 2)
+      self.dense[r] = (np.concatenate([keys, k_new[i][valid[i]]]), np.concatenate([values, v_new[i][valid[i]]]))
+      for j in np.flatnonzero(valid[i]):
+        upto = slots[i, j] + 1
+        expect = _dense_attention(q[i, j], self.dense[r][0][:upto], self.dense[r][1][:upto])
+        np.testing.assert_allclose(out[i, j], expect, atol=1e-5, rtol=1e-5)
+    return q, table, kv_lens, slots, valid, out
+
+
+def test_forked_rows_share_full_pages_and_attend_like_dense_rows():
+  rows = _Rows()
+  rows.call(["a"], [[True] * 7])  # a prefill chunk
+  rows.call(["a"], [[True, True, False]])  # a ragged chunk: 9 slots, pages 4 + 4 + 1
+  assert rows.pool.pages["a"] == [0, 1, 2] and rows.pool.allocated() == 3
+  rows.fork("a", ["b", "c"])  # the two full pages shared, the partial third copied into each fork
+  assert rows.pool.pages["b"] == [0, 1, 3] and rows.pool.pages["c"] == [0, 1, 4]
+  assert rows.pool.allocated() == 5  # not 9 (three rows of three pages)
+  # Each fork continues differently (ragged chunk, then decode); the source row too. Writes land in own pages only.
+  rows.call(["b", "c", "a"], [[True, True, True, False, False], [True] * 5, [False] * 5])
+  rows.call(["a", "b", "c"], [[True], [True], [True]])
+  assert [rows.pool.lengths[r] for r in "abc"] == [10, 13, 15]
+  # Distinct pages: the 2 shared, a's partial one, b's copy + 1 new (13 slots), c's copy + 1 new (15 slots).
+  assert rows.pool.allocated() == 2 + 1 + 2 + 2 and rows.pool.pages["c"][:2] == [0, 1]
+  rows.pool.release("b")
+  rows.pool.release("a")
+  assert rows.pool.allocated() == 2 + 2  # c still holds the two shared pages and its own two
+  rows.pool.release("c")
+  assert rows.pool.allocated() == 0
+  rows.pool.grow("d", 1)
+  assert rows.pool.pages["d"] == [0]  # the lowest free page again
+  assert rows.pool.table(["d", "e"], 2).tolist() == [[0, P], [P, P]]  # P: no page (e is unknown: none)
+
+
+def test_matches_the_kernel_packages_own_reference():
+  """`kernel_attention` packs our padded queries for the ragged kernel's interface; with the kernel replaced by the
+  pure-JAX ``ref_ragged_paged_attention`` from the same JAX package, it gives our reference's outputs."""
+  rpa = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
+  rows = _Rows()
+  rows.call(["a"], [[True] * 6])
+  rows.fork("a", ["b"])
+  q, table, kv_lens, slots, valid, ours = rows.call(["a", "b"], [[True, True, False, False], [True] * 4])
+  theirs = paged.kernel_attention(q, rows.array, table, kv_lens, slots, valid, kernel=rpa.ref_ragged_paged_attention)
+  np.testing.assert_allclose(np.asarray(theirs)[valid], ours[valid], atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="row 0's valid queries are not its first 1"):
+    paged.kernel_attention(q, rows.array, table, kv_lens, slots, [[False, True, False, False], [True] * 4])
+
+
+def test_the_backend_selects_the_kernel(monkeypatch):
+  assert not paged.kernel_applies("cpu") and not paged.kernel_applies("gpu")
+  assert paged.kernel_applies("tpu") and not paged.kernel_applies("tpu", prefix_levels=1)
+  calls = []
+  monkeypatch.setattr(paged, "kernel_attention", lambda *args: calls.append(len(args)) or "kernel")
+  assert paged.attention(None, None, None, None, None, None, backend="tpu") == "kernel" and calls == [6]
+
+
+def test_pool_errors_name_the_problem():
+  pool = paged.PagePool(2, 4)
+  with pytest.raises(paged.PagesExhausted, match="needs 3 more pages of 4 slots; 2 of 2 are free"):
+    pool.grow("x", 9)
+  assert pool.allocated() == 0 and "x" not in pool.pages
+  pool.grow("x", 8)
+  assert pool.fork("x", []) == [] and pool.allocated() == 2
+  assert pool.fork("x", ["y"]) == [] and pool.allocated() == 2  # full pages only: shared, nothing copied
+  with pytest.raises(ValueError, match="cannot shrink"):
+    pool.grow("x", 7)
+  pool.shrink("y", 3)  # y's second page was shared with x: x keeps it
+  assert pool.pages["y"] == [0] and pool.lengths["y"] == 3 and pool.allocated() == 2
+  pool.shrink("x", 0)
+  assert pool.pages["x"] == [] and pool.allocated() == 1
+  with pytest.raises(ValueError, match="shrink cannot grow it to 4"):
+    pool.shrink("y", 4)
+  with pytest.raises(ValueError, match="already holds pages"):
+    pool.fork("x", ["y"])
+  with pytest.raises(ValueError, match="holds 1 pages, more than the table's width 0"):
+    pool.table(["y"], 0)
+
+
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_the_model_on_pages_gives_the_dense_caches_logits(with_prefix):
+  """`transformer.apply` over a `PagedKVCache` (a ragged prefill, a fork, a ragged chunk, two decode steps) gives the
+  logits of the same calls over a dense `KVCache`, rows a, b and a's fork c; with a shared prefix level too."""
+  import jax
+
+  from envace_jax.model import config as config_lib
+  from envace_jax.model import transformer
+
+  config = config_lib.get_model_config("tiny").replace(scan_layers=False)
+  params = transformer.unstack_layers(transformer.init_params(config.replace(scan_layers=True), jax.random.key(1)))
+  rng = np.random.default_rng(2)
+  apply = jax.jit(transformer.apply, static_argnums=0)
+  prefix = None
+  if with_prefix:  # one shared row of 6 tokens that every row continues
+    prefix = transformer.init_cache(config, batch=1, capacity=8)
+    _, prefix = apply(config, params, rng.integers(0, config.vocab_size, (1, 6)).astype(np.int32), cache=prefix)
+  dense = transformer.init_cache(config, batch=2, capacity=32).replace(prefix=prefix)
+  pool = paged.PagePool(num_pages=24, page_size=4)
+  pages = paged.init_cache(config, pool, ["a", "b"], width=8).replace(prefix=prefix)
+
+  def call(cache, rows, valid):
+    valid = np.asarray(valid, bool)
+    tokens = rng.integers(0, config.vocab_size, valid.shape).astype(np.int32)
+    for r, n in zip(rows, valid.sum(axis=1), strict=True):
+      pool.grow(r, pool.lengths.get(r, 0) + int(n))
+    out = {}
+    for name, c in (("dense", cache[0]), ("paged", cache[1].replace(table=jnp.asarray(pool.table(rows, 8))))):
+      out[name], cache_out = apply(config, params, tokens, cache=c, valid=valid)
+      cache = (cache_out, cache[1]) if name == "dense" else (cache[0], cache_out)
+    np.testing.assert_allclose(np.asarray(out["paged"])[valid], np.asarray(out["dense"])[valid], atol=1e-5, rtol=0)
+    return cache
+
+  caches = call((dense, pages), ["a", "b"], [[True] * 9, [True] * 5 + [False] * 4])
+  # Row a forks into c: dense copies the row, paged shares a's two full pages and copies its partial third.
+  copies = pool.fork("a", ["c"])
+  assert len(copies) == 1 and pool.allocated() == 3 + 2 + 1
+  dense = caches[0].replace(prefix=None).take(np.array([0, 1, 0])).replace(prefix=prefix)
+  pools = tuple(paged.copy_pages(p, copies) for p in caches[1].pools)
+  lengths = jnp.asarray([pool.lengths[r] for r in "abc"], jnp.int32)
+  caches = (dense, caches[1].replace(pools=pools, lengths=lengths))
+  caches = call(caches, ["a", "b", "c"], [[True, True, False], [True] * 3, [True, False, False]])
+  for _ in range(2):
+    caches = call(caches, ["a", "b", "c"], [[True], [True], [True]])
+  assert [pool.lengths[r] for r in "abc"] == [13, 10, 12] and int(caches[1].lengths.sum()) == 35
+
+
+def test_a_write_past_a_rows_pages_is_dropped():
+  """A slot in no page the row holds (past its last page, or past the table) maps out of the pool, so `write` drops
+  it instead of writing into another row's page."""
+  table = jnp.asarray([[5, P]])
+  flat = paged.flat_slots(table, jnp.asarray([[3, 4, 8]]), jnp.ones((1, 3), bool), P, Z)
+  assert flat.tolist() == [[5 * Z + 3, P * Z, P * Z]]
+  pool = paged.write(paged.init_pool(P, Z, K, H), flat, jnp.ones((1, 3, K, H)), jnp.ones((1, 3, K, H)))
+  assert int(jnp.count_nonzero(pool)) == 2 * K * H  # slot 3's keys and values only
