@@ -15,13 +15,15 @@ per page) and copies its last, partial page, so a fork's writes never touch anot
 entries hold P, no page: a write there is dropped (a row never writes into pages it does not hold) and reads of it
 are masked (slots a row has not filled are never attended).
 
-`attention_part` is the reference attention over paged rows, on every backend; `attention` uses the TPU kernel where
-it applies (`kernel_applies`) and the reference elsewhere.
+`attention_part` is the reference attention over paged rows, on every backend, and the one `transformer.apply` uses.
+`attention` (eager) uses the TPU kernel where it applies (`kernel_applies`) and the reference elsewhere; calling the
+kernel from inside the model's jitted programs is not done yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,10 @@ from envace_jax.model import transformer  # attribute access at call time: trans
 
 @struct.dataclass
 class PagedKVCache:
-  """A KV cache whose own slots live in pages (`transformer.apply` takes it where it takes a `transformer.KVCache`).
+  """A KV cache whose own slots live in pages: `transformer.apply` and the `Sampler` (prefill, generate, `Stream`; off
+  a mesh) take it where they take a `transformer.KVCache`. A row may fill the slots of the pages it holds
+  (`row_capacity`; the caller grows it with `PagePool.grow` and sets ``table``); work on a few rows (`gather`, `put`)
+  slices the table instead of copying keys and values.
 
   Attributes:
     pools: a tuple of L dtype[P, Z, 2K, H], one pool per layer (`init_pool`); every layer uses the same pages.
@@ -48,11 +53,53 @@ class PagedKVCache:
   lengths: jax.Array
   prefix: transformer.KVCache | None = None
 
-  def levels(self):
+  def levels(self) -> list[transformer.KVCache]:
     return transformer.KVCache.levels(self)
 
-  def offsets(self):
+  def offsets(self) -> jax.Array:
     return transformer.KVCache.offsets(self)
+
+  def filled(self) -> jax.Array:
+    return transformer.KVCache.filled(self)
+
+  @property
+  def page_size(self) -> int:
+    return self.pools[0].shape[1]
+
+  @property
+  def capacity(self) -> int:
+    """W * Z, the most own slots a row's table can address (a row may hold fewer pages: `row_capacity`)."""
+    return self.table.shape[1] * self.page_size
+
+  def row_capacity(self) -> jax.Array:
+    """int32[B]: the own slots each row holds pages for (its table entries below P, times Z)."""
+    return jnp.sum(self.table < self.pools[0].shape[0], axis=1, dtype=jnp.int32) * self.page_size
+
+  def stored_slots(self) -> int:
+    """Slots of the distinct pages the rows' tables name, and the prefix levels' slots (host-side count)."""
+    table = np.asarray(jax.device_get(self.table))
+    pages = np.unique(table[table < self.pools[0].shape[0]]).size
+    return pages * self.page_size + sum(c.lengths.shape[0] * c.capacity for c in self.levels())
+
+  def trimmed(self, capacity: int) -> PagedKVCache:
+    """The first ceil(capacity / Z) table entries of every row (a call that reads no slot past ``capacity``)."""
+    return self.replace(table=self.table[:, : -(-capacity // self.page_size)])
+
+  def gather(self, rows: jax.Array, capacity: int) -> PagedKVCache:
+    """`transformer.KVCache.gather` for pages: rows ``rows`` (int32[B']; B or more: an empty row), their first
+    ceil(capacity / Z) pages and a copy of each prefix level's row for each. The pools are shared, not copied: `put`
+    takes the written pools back."""
+    rows = jnp.asarray(rows, jnp.int32)
+    none = self.pools[0].shape[0]
+    table = jnp.take(self.trimmed(capacity).table, rows, axis=0, mode="fill", fill_value=none)
+    lengths = jnp.take(self.lengths, rows, mode="fill", fill_value=0)
+    return self.replace(table=table, lengths=lengths, prefix=transformer.gather_levels(self, rows))
+
+  def put(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
+    """This cache with ``part``'s pools (from ``gather(rows, capacity)``, then written) and lengths in rows ``rows``
+    (B or more: dropped); the table and prefix levels unchanged."""
+    lengths = self.lengths.at[jnp.asarray(rows, jnp.int32)].set(part.lengths, mode="drop")
+    return self.replace(pools=part.pools, lengths=lengths)
 
 
 def init_cache(config, pool: PagePool, rows: Sequence[object], width: int, dtype=None) -> PagedKVCache:
@@ -101,29 +148,33 @@ class PagePool:
     return taken
 
   def grow(self, row: object, length: int) -> None:
-    """Gives ``row`` (new or not) the pages to hold ``length`` slots. Raises PagesExhausted (nothing allocated) when
-    the pool has too few free pages, ValueError when ``length`` is below the row's current length."""
-    held = self.pages.setdefault(row, [])
-    if length < self.lengths.get(row, 0):
-      raise ValueError(f"row {row!r} holds {self.lengths[row]} slots; it cannot shrink to {length}.")
+    """Gives ``row`` (new or not) the pages to hold ``length`` slots. Raises PagesExhausted when the pool has too few
+    free pages, ValueError when ``length`` is below the row's current length; either way the pool is unchanged."""
+    if length < self.lengths.get(row, 0) or length < 0:
+      raise ValueError(f"row {row!r} holds {self.lengths.get(row, 0)} slots; it cannot shrink to {length}.")
+    held = self.pages.get(row, [])
     need = -(-length // self.page_size) - len(held)
-    if need > 0:
-      try:
-        held += self._take(need, row)
-      except PagesExhausted:
-        if not held:
-          del self.pages[row]
-        raise
+    self.pages[row] = held + (self._take(need, row) if need > 0 else [])
     self.lengths[row] = length
 
-  def shrink(self, row: object, length: int) -> None:
+  def shrink(self, row: object, length: int) -> list[tuple[int, int]]:
     """Keeps ``row``'s first ``length`` slots and gives back the pages past them (a generation reserved more pages
-    than it filled). Raises ValueError when ``length`` is above the row's current length."""
-    if length > self.lengths[row]:
-      raise ValueError(f"row {row!r} holds {self.lengths[row]} slots; shrink cannot grow it to {length}.")
+    than it filled). When the row's new last page is partly filled and shared, the row gets a copy of it (its next
+    writes must not reach the other rows): returns that (source, destination) copy for `copy_pages`, or none.
+    Raises ValueError when ``length`` is above the row's current length or negative, PagesExhausted when the copy
+    has no free page (the pool unchanged)."""
+    if not 0 <= length <= self.lengths[row]:
+      raise ValueError(f"row {row!r} holds {self.lengths[row]} slots; shrink cannot make it {length}.")
     held, keep = self.pages[row], -(-length // self.page_size)
+    copies = []
+    if length % self.page_size and self._refs[held[keep - 1]] > 1:
+      (own,) = self._take(1, row)
+      copies = [(held[keep - 1], own)]
+      self._drop([held[keep - 1]])
+      held = held[: keep - 1] + [own] + held[keep:]
     self._drop(held[keep:])
     self.pages[row], self.lengths[row] = held[:keep], length
+    return copies
 
   def _drop(self, pages: Sequence[int]) -> None:
     for page in pages:
@@ -136,15 +187,23 @@ class PagePool:
     """New rows that continue ``row``: each shares its full pages and gets a copy of its partly filled last page.
 
     Returns the (source page, destination page) copies to make on the device (`copy_pages`) before a fork writes.
-    Raises ValueError for a new row that already exists, PagesExhausted when the copies do not fit.
+    The partial page is found from ``lengths[row]``, the slots the row holds room for: shrink a row to its filled
+    length before forking it. Raises ValueError for a new row that exists or is named twice, PagesExhausted when the
+    copies do not fit; either way the pool is unchanged.
     """
     held, length = self.pages[row], self.lengths[row]
     partial = length % self.page_size != 0
     full = held[: length // self.page_size]
+    clash = [new for new in new_rows if new in self.pages] or [new for new in new_rows if list(new_rows).count(new) > 1]
+    if clash:
+      raise ValueError(f"fork: row {clash[0]!r} already holds pages or is named twice; release it first.")
+    if partial and len(new_rows) > len(self._free):
+      raise PagesExhausted(
+        f"fork of row {row!r} into {len(new_rows)} rows needs {len(new_rows)} pages for their copies of its last page; "
+        f"{len(self._free)} of {self.num_pages} are free."
+      )
     copies = []
     for new in new_rows:
-      if new in self.pages:
-        raise ValueError(f"fork: row {new!r} already holds pages; release it first.")
       own = self._take(1, new) if partial else []
       self._refs[full] += 1
       self.pages[new], self.lengths[new] = list(full) + own, length
@@ -199,8 +258,13 @@ def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Arra
 
 
 def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
-  """The pool with `PagePool.fork`'s (source, destination) page copies made."""
+  """The pool with `PagePool.fork`'s or `shrink`'s (source, destination) page copies made, in the order given (a copy
+  whose source is an earlier copy's destination reads what that copy wrote)."""
   if not copies:
+    return pool
+  if {d for _, d in copies} & {s for s, _ in copies}:
+    for src, dst in copies:
+      pool = pool.at[dst].set(pool[src])
     return pool
   src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies, strict=True))
   return pool.at[dst].set(pool[src])
@@ -221,7 +285,8 @@ def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
   keys, values = kv[:, :, 0::2], kv[:, :, 1::2]  # [B, S, K, H]
   scores = jnp.einsum("bkgth,bskh->bkgts", q_bkgth, keys, preferred_element_type=jnp.float32) * h**-0.5
   slot = jnp.arange(w * z)
-  visible = (slot < kv_lens[:, None, None]) & (slot <= q_slots[:, :, None])  # [B, T, S]
+  held = jnp.repeat(table < pool.shape[0], z, axis=1, total_repeat_length=w * z)  # [B, S]: slots in the row's pages
+  visible = (slot < kv_lens[:, None, None]) & (slot <= q_slots[:, :, None]) & held[:, None, :]  # [B, T, S]
   return transformer._softmax_part(scores, visible[:, None, None], values, "bkgts,bskh->bkgth")
 
 
@@ -240,8 +305,9 @@ def reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid=None):
 def kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid, kernel: Callable | None = None):
   """`reference_attention` through the ragged paged attention kernel's interface: the valid queries packed
   [sum of q_len, N, H] row after row, ``cu_q_lens`` their offsets. The kernel takes each row's queries to be its
-  last q_len slots, so a row's valid queries must be its newest tokens (`row_slots` places them so). Eager
-  arguments only (the packing reads ``valid``).
+  last q_len slots: a row's valid queries must come first in its row of the chunk (right padding; ValueError
+  otherwise), as `row_slots` writes them. Eager only (the packing reads ``valid`` on the host, and the packed
+  length changes the kernel's shape), which is why `transformer.apply` does not call it.
 
   Args:
     kernel: the kernel (default: `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, TPU only); tests pass
@@ -266,21 +332,29 @@ def kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid, kernel: Calla
   return jnp.zeros((b * t, n, h), q_btnh.dtype).at[order].set(out.astype(q_btnh.dtype)).reshape(b, t, n, h)
 
 
-def kernel_applies(backend: str, *, prefix_levels: int = 0) -> bool:
+def kernel_applies(backend: str, *, prefix_levels: int = 0, heads: tuple[int, int, Any] | None = None) -> bool:
   """Whether `attention` uses the TPU kernel: on TPU, for rows without shared prefix levels (the kernel returns no
-  log-sum-exp to merge a prefix's part with; rows with prefixes take `attention_part`), when JAX ships the kernel."""
+  log-sum-exp to merge a prefix's part with; rows with prefixes take `attention_part`), when JAX ships the kernel
+  and, given ``heads`` = (query heads N, KV heads K, dtype), its tiling takes them (it refuses 2K = 6, SmolLM2's)."""
   if backend != "tpu" or prefix_levels:
     return False
   try:
-    from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # noqa: F401
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
   except ImportError:
     return False
+  if heads is not None:
+    n, k, dtype = heads
+    try:
+      kernel.get_min_heads_per_blk(n, 2 * k, dtype, dtype)
+    except (ValueError, AssertionError):
+      return False
   return True
 
 
 def attention(q_btnh, pool, table, kv_lens, q_slots, valid, *, backend: str | None = None):
   """Attention over paged rows, by backend: the TPU kernel where `kernel_applies`, else `reference_attention`.
   Shapes as `reference_attention`'s."""
-  if kernel_applies(backend or jax.default_backend()):
+  heads = (q_btnh.shape[2], pool.shape[2] // 2, pool.dtype)
+  if kernel_applies(backend or jax.default_backend(), heads=heads):
     return kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid)
   return reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid)

@@ -83,6 +83,10 @@ class KVCache:
     """S, the number of own slots per sequence (a prefix's tokens are not counted)."""
     return self.v[0].shape[2]  # layer 0 of v: [B, K, S, H] in both layouts
 
+  def row_capacity(self) -> jax.Array:
+    """int32[B]: the own slots each row may fill (S for every row here; a paged row's own, `paged.PagedKVCache`)."""
+    return jnp.full(self.lengths.shape, self.capacity, jnp.int32)
+
   def levels(self) -> list[KVCache]:
     """The prefix chain, nearest first (empty without a prefix)."""
     chain, level = [], self.prefix
@@ -151,13 +155,8 @@ class KVCache:
     back. Per-layer layout only (ValueError otherwise)."""
     if not isinstance(self.k, tuple):
       raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
-    b = self.lengths.shape[0]
     rows = jnp.asarray(rows, jnp.int32)
-    prefix = None
-    for level in reversed(self.levels()):  # root first: each level becomes the prefix of the one below it
-      index = rows // (b // level.lengths.shape[0])
-      prefix = level.replace(prefix=None).take(index).replace(prefix=prefix)
-    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=prefix)
+    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=gather_levels(self, rows))
 
   def put(self, rows: jax.Array, part: KVCache) -> KVCache:
     """This cache with the own slots and lengths of ``part`` (from ``gather(rows, capacity)``, then written) in rows
@@ -174,6 +173,17 @@ class KVCache:
     k = jax.tree.map(lambda x: x[..., :capacity], self.k)
     v = jax.tree.map(lambda x: x[:, :, :, :capacity] if stacked else x[:, :, :capacity], self.v)
     return self.replace(k=k, v=v)
+
+
+def gather_levels(cache, rows: jax.Array) -> KVCache | None:
+  """The prefix chain of a cache (a `KVCache` or `paged.PagedKVCache`) for B' = len(rows) rows that continue its rows
+  ``rows`` (int32[B']): each level's row for each, copied, nested as in the cache; None without a prefix."""
+  b = cache.lengths.shape[0]
+  prefix = None
+  for level in reversed(cache.levels()):  # root first: each level becomes the prefix of the one below it
+    index = rows // (b // level.lengths.shape[0])
+    prefix = level.replace(prefix=None).take(index).replace(prefix=prefix)
+  return prefix
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
@@ -569,7 +579,8 @@ class Transformer(nn.Module):
       q_slots = paged.row_slots(cache.lengths, valid)
       write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
-      pages, mask, levels = (cache.table, new_lengths, q_slots), None, cache.levels()
+      read = cache.table if attend_len is None else cache.trimmed(min(attend_len, cache.capacity)).table
+      pages, mask, levels = (read, new_lengths, q_slots), None, cache.levels()
       default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
     elif cache is not None:

@@ -222,6 +222,8 @@ class Sampler:
   def _jit(self, kind: str, cache: KVCache):
     """The jitted prefill, decode or admit function; on a mesh, with explicit shardings for this cache's shape."""
     shapes = tuple((c.lengths.shape[0], c.capacity) for c in (cache, *cache.levels()))
+    if self.mesh is not None and not isinstance(cache, KVCache):
+      raise ValueError("a paged cache (paged.PagedKVCache) runs off the mesh only, for now; use a KVCache.")
     key = (kind, shapes if self.mesh is not None else None)
     if key in self._jitted:
       return self._jitted[key]
@@ -355,7 +357,7 @@ class Sampler:
     """
     self.compile_counts["decode"] += 1  # runs once per trace
     b, num_new = state.tokens.shape
-    capacity = state.cache.capacity
+    capacity = state.cache.row_capacity()  # int32[B]
     rows = jnp.arange(b)
     prefix = state.cache.prefix  # read, never written: kept out of the loop's carry
     done_at_entry = state.done
@@ -510,7 +512,7 @@ class Sampler:
       if ids_roles.dtype.kind not in "iu" or ids_roles.min() < 0 or ids_roles.max() >= num_roles:
         raise ValueError(f"row {row}: role ids must be integers in [0, {num_roles}) (roles.Role).")
     filled = np.asarray(jax.device_get(cache.lengths))
-    fitted = active & (filled + lengths <= cache.capacity)
+    fitted = active & (filled + lengths <= np.asarray(jax.device_get(cache.row_capacity())))
     lengths = np.where(fitted, lengths, 0)
     total = int(lengths.max(initial=0))
     last_logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)

@@ -43,7 +43,7 @@ class _Rows:
     lengths = np.asarray([self.pool.lengths.get(r, 0) for r in rows], np.int32)
     for r, n, v in zip(rows, lengths, valid, strict=True):
       self.pool.grow(r, int(n + v.sum()))
-    width = max(len(self.pool.pages[r]) for r in rows) + 1  # one unused entry (page 0) too
+    width = max(len(self.pool.pages[r]) for r in rows) + 1  # one unused entry (P) too
     table = self.pool.table(rows, width)
     k_new, v_new = (self.rng.standard_normal((b, t, K, H)).astype(np.float32) for _ in range(2))
     q = self.rng.standard_normal((b, t, K * G, H)).astype(np.float32)
@@ -100,33 +100,74 @@ def test_matches_the_kernel_packages_own_reference():
 
 
 def test_the_backend_selects_the_kernel(monkeypatch):
+  pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
   assert not paged.kernel_applies("cpu") and not paged.kernel_applies("gpu")
   assert paged.kernel_applies("tpu") and not paged.kernel_applies("tpu", prefix_levels=1)
+  assert paged.kernel_applies("tpu", heads=(16, 8, jnp.bfloat16))  # Qwen3-8B's heads
+  assert not paged.kernel_applies("tpu", heads=(9, 3, jnp.float32))  # SmolLM2-135M's: 2K = 6 does not tile
   calls = []
   monkeypatch.setattr(paged, "kernel_attention", lambda *args: calls.append(len(args)) or "kernel")
-  assert paged.attention(None, None, None, None, None, None, backend="tpu") == "kernel" and calls == [6]
+  q, pool = jnp.zeros((1, 1, 16, 128)), paged.init_pool(4, 16, 8, 128)
+  assert paged.attention(q, pool, None, None, None, None, backend="tpu") == "kernel" and calls == [6]
 
 
-def test_pool_errors_name_the_problem():
-  pool = paged.PagePool(2, 4)
-  with pytest.raises(paged.PagesExhausted, match="needs 3 more pages of 4 slots; 2 of 2 are free"):
-    pool.grow("x", 9)
+def test_pool_errors_name_the_problem_and_leave_the_pool_unchanged():
+  pool = paged.PagePool(3, 4)
+  with pytest.raises(paged.PagesExhausted, match="needs 4 more pages of 4 slots; 3 of 3 are free"):
+    pool.grow("x", 13)
   assert pool.allocated() == 0 and "x" not in pool.pages
+  with pytest.raises(ValueError, match="cannot shrink to -1"):
+    pool.grow("n", -1)
+  assert "n" not in pool.pages and "n" not in pool.lengths
   pool.grow("x", 8)
   assert pool.fork("x", []) == [] and pool.allocated() == 2
   assert pool.fork("x", ["y"]) == [] and pool.allocated() == 2  # full pages only: shared, nothing copied
-  with pytest.raises(ValueError, match="cannot shrink"):
+  with pytest.raises(ValueError, match="cannot shrink to 7"):
     pool.grow("x", 7)
-  pool.shrink("y", 3)  # y's second page was shared with x: x keeps it
-  assert pool.pages["y"] == [0] and pool.lengths["y"] == 3 and pool.allocated() == 2
+  # y keeps 3 slots of page 0, which x shares: y gets its own copy (its next writes must not reach x's slots)
+  assert pool.shrink("y", 3) == [(0, 2)] and pool.pages["y"] == [2] and pool.pages["x"] == [0, 1]
+  assert pool.allocated() == 3
+  with pytest.raises(ValueError, match="shrink cannot make it 4"):
+    pool.shrink("y", 4)
+  with pytest.raises(ValueError, match="already holds pages or is named twice"):
+    pool.fork("x", ["z", "y"])
+  with pytest.raises(ValueError, match="named twice"):
+    pool.fork("x", ["z", "z"])
+  pool.shrink("x", 6)  # x's partial page 1 is its own: no copy
+  with pytest.raises(paged.PagesExhausted, match="needs 2 pages for their copies of its last page; 0 of 3 are free"):
+    pool.fork("x", ["z", "w"])
+  assert set(pool.pages) == {"x", "y"} and pool.allocated() == 3  # nothing half-made
   pool.shrink("x", 0)
   assert pool.pages["x"] == [] and pool.allocated() == 1
-  with pytest.raises(ValueError, match="shrink cannot grow it to 4"):
-    pool.shrink("y", 4)
-  with pytest.raises(ValueError, match="already holds pages"):
-    pool.fork("x", ["y"])
   with pytest.raises(ValueError, match="holds 1 pages, more than the table's width 0"):
     pool.table(["y"], 0)
+
+
+def test_a_shrunk_fork_writes_its_own_copy_of_a_shared_page():
+  """A fork cut back into a page it shares (a generation that reserved more than it wrote) gets its own copy of that
+  page: its next writes leave the source row's slots as they were (checked against the dense rows)."""
+  rows = _Rows()
+  rows.call(["a"], [[True] * 8])  # two full pages
+  rows.fork("a", ["b"])  # both shared
+  copies = rows.pool.shrink("b", 6)
+  assert copies == [(1, 2)] and rows.pool.pages["b"] == [0, 2]
+  rows.array = paged.copy_pages(rows.array, copies)
+  rows.dense["b"] = tuple(x[:6] for x in rows.dense["b"])
+  rows.call(["b", "a"], [[True, True, True], [True, False, False]])  # b rewrites its slots 6, 7; a reads its own
+
+
+def test_reads_stop_at_a_rows_pages_and_copies_run_in_order():
+  """A row whose length runs past its pages (a caller that did not grow it) attends to its own slots only, never to
+  the page a padded table entry would clip to; chained copies (a fork of a fork) read what the earlier one wrote."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((1, 1, K * G, H)), jnp.float32)
+  pool = jnp.asarray(rng.standard_normal((P, Z, 2 * K, H)), jnp.float32)
+  args = (jnp.asarray([[0, P, P]]), jnp.asarray([6]), jnp.asarray([[5]]))
+  before = paged.reference_attention(q, pool, *args)
+  after = paged.reference_attention(q, pool.at[P - 1].set(9.0), *args)
+  np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+  chained = paged.copy_pages(pool, [(1, 2), (2, 3)])
+  np.testing.assert_array_equal(np.asarray(chained[3]), np.asarray(pool[1]))
 
 
 @pytest.mark.parametrize("with_prefix", [False, True])

@@ -516,3 +516,76 @@ def test_a_raw_uint32_key_is_one_key_not_one_per_row(tiny_with_roles):
   typed, _ = sampler.generate(sampler.init_cache(2, 32), [[5, 6], [5, 6]], Role.USER, key=jax.random.key(0), **kw)
   np.testing.assert_array_equal(raw.tokens, typed.tokens)
   assert raw.row(0) != raw.row(1)
+
+
+def test_paged_own_slots_equal_the_dense_path(tiny_with_roles):
+  """Each fork's own slots in pages (`paged.PagedKVCache`, pages reserved before the turns) after the same shared
+  prefix levels as `test_nested_shared_prefixes_equal_the_dense_path`: three turns of greedy decoding with ragged
+  prompts give the dense path's tokens, logprobs (<= 1e-4) and finish reasons, context_exhausted when a row's pages
+  are full."""
+  from envace_jax.model import paged
+
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  common, rests, g, own, page = PROMPTS[2], [[5, 6, 7], [9, 10, 11]], 3, 20, 4
+  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [common], Role.USER)
+  tasks = sampler.fork(small, len(rests), capacity=8)
+  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in rests], Role.USER)
+  dense = sampler.fork(tasks, g, capacity=own)
+  pool = paged.PagePool(num_pages=40, page_size=page)
+  rows = list(range(len(rests) * g))
+  for r in rows:
+    pool.grow(r, own)  # each row's room, reserved up front
+  levels = jax.tree.map(jnp.copy, dense.prefix)  # generate donates a cache, its prefix levels too
+  pages = paged.init_cache(config.replace(scan_layers=False), pool, rows, width=own // page).replace(prefix=levels)
+  pages = pages.replace(lengths=jnp.zeros(len(rows), jnp.int32))
+  assert pool.allocated() == 6 * 5 and pages.capacity == own
+  turns = [([r[-1:] for r in rests for _ in range(g)], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
+  turns += [([[], [9], [], [], [], [3]], 6)]
+  for i, (prompts, max_new) in enumerate(turns):
+    kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
+    want, dense = sampler.generate(dense, prompts, Role.OBSERVATION, **kw)
+    got, pages = sampler.generate(pages, prompts, Role.OBSERVATION, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert got.finish_reasons == want.finish_reasons
+  assert FinishReason.CONTEXT_EXHAUSTED in got.finish_reasons
+  np.testing.assert_array_equal(pages.lengths, dense.lengths)
+
+
+def test_paged_rows_work_gathered_and_with_pages_of_their_own(tiny_with_roles):
+  """Rows with different numbers of pages: a row stops (context_exhausted) at its own pages, as a dense row of that
+  many slots does; a turn on 2 of 4 rows runs on those rows alone (their table rows gathered, no KV copied) and
+  equals the dense path."""
+  from envace_jax.model import paged
+
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  pool = paged.PagePool(num_pages=32, page_size=4)
+  room = [24, 24, 12, 24]  # row 2 holds 3 pages
+  for r, n in enumerate(room):
+    pool.grow(r, n)
+  pages = paged.init_cache(config.replace(scan_layers=False), pool, range(4), width=6)
+  pages = pages.replace(lengths=jnp.zeros(4, jnp.int32))
+  np.testing.assert_array_equal(pages.row_capacity(), room)
+  assert pages.stored_slots() == sum(room) == 84  # the pages held, not 4 rows x 24
+  dense = [sampler.init_cache(4, 24), sampler.init_cache(1, 12)]  # row 2 alone in a cache of its room
+  prompts = [PROMPTS[0], PROMPTS[1], [4, 5, 6, 7], [8]]
+  kw = dict(role=Role.ACT, key=jax.random.key(3), max_new_tokens=10)
+  got, pages = sampler.generate(pages, prompts, Role.USER, **kw)
+  want, dense[0] = sampler.generate(dense[0], prompts, Role.USER, **kw)
+  alone, dense[1] = sampler.generate(dense[1], [prompts[2]], Role.USER, **kw)
+  for row in (0, 1, 3):  # greedy
+    assert got.row(row) == want.row(row) and got.finish_reasons[row] == want.finish_reasons[row]
+  assert got.row(2) == alone.row(0)
+  assert got.finish_reasons[2] == alone.finish_reasons[0] == FinishReason.CONTEXT_EXHAUSTED
+  np.testing.assert_allclose(got.logprobs[2], alone.logprobs[0], atol=1e-4)
+  assert int(pages.lengths[2]) == int(dense[1].lengths[0]) == 12
+  kw = dict(role=Role.ACT, key=jax.random.key(4), max_new_tokens=4)
+  few = [[], [9, 10], [], [11]]
+  got, pages = sampler.generate(pages, few, Role.OBSERVATION, **kw)
+  want, dense[0] = sampler.generate(dense[0], few, Role.OBSERVATION, **kw)
+  assert {"prefill_rows", "decode_rows"} <= {k[0] for k in sampler._jitted}
+  np.testing.assert_array_equal(got.tokens[[1, 3]], want.tokens[[1, 3]])
+  np.testing.assert_allclose(got.logprobs[[1, 3]], want.logprobs[[1, 3]], atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(pages.lengths)[[0, 1, 3]], np.asarray(dense[0].lengths)[[0, 1, 3]])
