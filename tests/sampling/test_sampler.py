@@ -194,6 +194,19 @@ def test_a_prefix_prefilled_once_and_copied_equals_each_rows_own_prefill(tiny_wi
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
 
 
+def _same_turns(sampler, dense, other, turns):
+  """Greedy turns (prompts, max_new) on a dense cache and another layout: the same tokens, logprobs (<= 1e-4) and
+  finish reasons each turn. Returns (the last turn's output, both caches)."""
+  for i, (prompts, max_new) in enumerate(turns):
+    kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
+    want, dense = sampler.generate(dense, prompts, Role.OBSERVATION, **kw)
+    got, other = sampler.generate(other, prompts, Role.OBSERVATION, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert got.finish_reasons == want.finish_reasons
+  return got, dense, other
+
+
 def test_nested_shared_prefixes_equal_the_dense_path(tiny_with_roles):
   """A prefix common to two rows (prefilled once), each row's own rest, then G = 3 forks, as unfold lays out its
   openings: two turns of greedy decoding with ragged prompts give the dense path's tokens, logprobs (<= 1e-4),
@@ -211,13 +224,7 @@ def test_nested_shared_prefixes_equal_the_dense_path(tiny_with_roles):
   shared = sampler.fork(tasks, g, capacity=own)
   assert [int(c.lengths.sum()) for c in (shared, *shared.levels())] == [0, 4, len(common)]
   turns = [([r[-1:] for r in rows], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
-  for i, (prompts, max_new) in enumerate(turns):
-    kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
-    want, dense = sampler.generate(dense, prompts, Role.OBSERVATION, **kw)
-    got, shared = sampler.generate(shared, prompts, Role.OBSERVATION, **kw)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
-    assert got.finish_reasons == want.finish_reasons
+  got, dense, shared = _same_turns(sampler, dense, shared, turns)
   assert FinishReason.CONTEXT_EXHAUSTED in got.finish_reasons
   np.testing.assert_array_equal(shared.filled(), dense.lengths)
   flat, n = shared.flatten(), dense.capacity  # the same keys and values, slot for slot (unwritten: zeros in both)
@@ -542,13 +549,7 @@ def test_paged_own_slots_equal_the_dense_path(tiny_with_roles):
   assert pool.allocated() == 6 * 5 and pages.capacity == own
   turns = [([r[-1:] for r in rests for _ in range(g)], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
   turns += [([[], [9], [], [], [], [3]], 6)]
-  for i, (prompts, max_new) in enumerate(turns):
-    kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
-    want, dense = sampler.generate(dense, prompts, Role.OBSERVATION, **kw)
-    got, pages = sampler.generate(pages, prompts, Role.OBSERVATION, **kw)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
-    assert got.finish_reasons == want.finish_reasons
+  got, dense, pages = _same_turns(sampler, dense, pages, turns)
   assert FinishReason.CONTEXT_EXHAUSTED in got.finish_reasons
   np.testing.assert_array_equal(pages.lengths, dense.lengths)
 
