@@ -3,6 +3,7 @@ reference and against the reference that ships with JAX's ragged paged attention
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from envace_jax.model import paged
 
 K, G, H, Z, P = 2, 2, 8, 4, 32  # KV heads, query heads per KV head, head dim, slots per page, pages
+_attend, _write = jax.jit(paged.reference_attention), jax.jit(paged.write)  # one program per shape, not per op
 
 
 def _dense_attention(q_nh, keys_skh, values_skh):
@@ -48,9 +50,9 @@ class _Rows:
     k_new, v_new = (self.rng.standard_normal((b, t, K, H)).astype(np.float32) for _ in range(2))
     q = self.rng.standard_normal((b, t, K * G, H)).astype(np.float32)
     slots = np.asarray(paged.row_slots(lengths, valid))
-    self.array = paged.write(self.array, paged.flat_slots(table, slots, valid, P, Z), k_new, v_new)
+    self.array = _write(self.array, paged.flat_slots(table, slots, valid, P, Z), k_new, v_new)
     kv_lens = lengths + valid.sum(axis=1)
-    out = np.asarray(paged.reference_attention(q, self.array, table, kv_lens, slots))
+    out = np.asarray(_attend(q, self.array, table, kv_lens, slots))
     for i, r in enumerate(rows):
       keys, values = self.dense.get(r, (np.zeros((0, K, H), np.float32),) * 2)
       self.dense[r] = (np.concatenate([keys, k_new[i][valid[i]]]), np.concatenate([values, v_new[i][valid[i]]]))
