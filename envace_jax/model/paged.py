@@ -79,7 +79,7 @@ class PagedKVCache:
     """Slots of the distinct pages the rows' tables name, and the prefix levels' slots (host-side count)."""
     table = np.asarray(jax.device_get(self.table))
     pages = np.unique(table[table < self.pools[0].shape[0]]).size
-    return pages * self.page_size + sum(c.lengths.shape[0] * c.capacity for c in self.levels())
+    return pages * self.page_size + (self.prefix.stored_slots() if self.prefix is not None else 0)
 
   def trimmed(self, capacity: int) -> PagedKVCache:
     """The first ceil(capacity / Z) table entries of every row (a call that reads no slot past ``capacity``)."""

@@ -464,7 +464,6 @@ class Attention(nn.Module):
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
       table, kv_lens, q_slots = pages
       cache = paged.write(cache, write_slots, k_btkh, v_btkh)
-      k_bkhs = v_bksh = None
     elif cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
       # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are

@@ -547,6 +547,7 @@ def test_paged_own_slots_equal_the_dense_path(tiny_with_roles):
   pages = paged.init_cache(config.replace(scan_layers=False), pool, rows, width=own // page).replace(prefix=levels)
   pages = pages.replace(lengths=jnp.zeros(len(rows), jnp.int32))
   assert pool.allocated() == 6 * 5 and pages.capacity == own
+  assert pages.stored_slots() == dense.stored_slots() == 6 * own + 2 * 8 + 64  # own pages, then the two levels
   turns = [([r[-1:] for r in rests for _ in range(g)], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
   turns += [([[], [9], [], [], [], [3]], 6)]
   got, dense, pages = _same_turns(sampler, dense, pages, turns)
