@@ -383,6 +383,8 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   ):
     ck.boolean(f"rollout.{key}")
   grounding = ck.integer("rollout.grounding_max_tokens", 0)
+  ck.integer("rollout.kv_page_size", 0, why=" (0: dense rows)")
+  ck.integer("rollout.kv_pages", 0, why=" (0: a quarter of every view full)")
   capacities = {}
   for view in VIEWS:
     capacity = ck.integer(f"rollout.{view}_capacity", 2, context, why=" (the model's context)" if context else "")

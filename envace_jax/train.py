@@ -88,6 +88,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   out["rollout/prefill_tokens"] = float(stats.get("prefill_tokens", 0) + stats.get("prefill_tokens_shared", 0))
   out["rollout/prefill_tokens_reused"] = float(stats.get("prefill_tokens_reused", 0))  # shared, not prefilled
   out["rollout/kv_slots"] = float(stats.get("kv_slots", 0))
+  out["rollout/kv_slots_held"] = float(stats.get("kv_slots_held", 0))
   out["rollout/kv_slots_dense"] = float(stats.get("kv_slots_dense", 0))
   # generated tokens per (row computed x decode iteration): the share of the decode's row-steps that made a token
   out["rollout/slot_utilisation"] = (

@@ -1,7 +1,9 @@
-"""Rollout scheduling: continuous batching against lockstep on the same tasks, keys and weights; a table.
+"""Rollout scheduling and KV layout: continuous batching against lockstep, paged views against dense rows, on the
+same tasks, keys and weights; a table.
 
     python experiments/bench_rollout.py                                   # SmolLM2-135M, τ² mock, B=1 x G=4
     python experiments/bench_rollout.py --config=airline --tasks=2 --group=4
+    python experiments/bench_rollout.py --modes=dense,paged               # rollout.kv_page_size 0 against 64
     python experiments/bench_rollout.py --model=tiny --rounds=1           # smoke run, about a minute
 
 One `train.Trainer` (the main job's rollout: ACT and REHEARSE in the policy's cache, the frozen reference as the
@@ -10,11 +12,13 @@ off (lockstep: every round of generations waits for its longest) and on (`sample
 ends starts its trajectory's next one at once), ``--rounds`` times each after one warm-up rollout per mode (which
 compiles). Every rollout of a round uses the same key, and the two modes must give the same trajectories (each
 generation is keyed by trajectory, role and index): the script checks messages and sampled ids and stops if they
-differ. Per mode it prints wall seconds (compilation taken out, ``runtime.CompileClock``) with the policy's and
-the reference user's shares, tokens generated and prefilled, decode row-steps (rows computed x loop iterations,
-``unfold``'s ``decode_row_steps``), slot utilisation (generated tokens / row-steps), decode calls, and tokens per
-second; and how busy the machine was (`bench_sampler.CpuMeter`: other processes slow both modes alike only on
-average). ``--modes=config`` times the config as it is, so a copy of this script times a checkout from before
+differ. ``--modes=dense,paged`` compares the KV layouts likewise (``rollout.kv_page_size`` 0 and 64). Per mode it
+prints wall seconds (compilation taken out, ``runtime.CompileClock``) with the policy's and the reference user's
+shares, tokens generated and prefilled, decode row-steps (rows computed x loop iterations, ``unfold``'s
+``decode_row_steps``), slot utilisation (generated tokens / row-steps), decode calls, tokens per second and KV slots
+per layer (allocated, and the most held at once: ``kv_slots``, ``kv_slots_held``); and how busy the machine was
+(`bench_sampler.CpuMeter`: other processes slow both modes alike only on average). ``--modes=config`` times the
+config as it is, so a copy of this script times a checkout from before
 continuous batching (before/after in one sitting).
 """
 
@@ -37,7 +41,14 @@ from envace_jax import runtime  # noqa: E402
 from experiments import throughput  # noqa: E402
 from experiments.bench_sampler import CpuMeter, busy_note  # noqa: E402
 
-MODES = {"lockstep": False, "continuous": True, "config": None}  # None: the config's own setting, left alone
+# Each mode's rollout settings over the config's (config: none changed).
+MODES = {
+  "lockstep": {"continuous_batching": False},
+  "continuous": {"continuous_batching": True},
+  "dense": {"kv_page_size": 0},  # one KV row per view at the roomiest view's capacity
+  "paged": {"kv_page_size": 64},  # each view's own slots in pages, given back when its trajectory ends
+  "config": {},
+}
 
 
 def _signature(trajectories) -> list:
@@ -59,14 +70,13 @@ def run(trainer, rounds: int, clock, modes: Sequence[str] = ("lockstep", "contin
     key = jax.random.fold_in(trainer.key, r)
     seen = None
     for mode in modes:
-      if MODES[mode] is not None:
-        trainer.unfold_cfg = dataclasses.replace(base, continuous_batching=MODES[mode])
+      trainer.unfold_cfg = dataclasses.replace(base, **MODES[mode])
       mark, start = clock.mark(), time.perf_counter()
       trajectories, stats = trainer.rollout(tasks, key)
       seconds, compiling = time.perf_counter() - start, clock.since(mark)
       signature = _signature(trajectories)
       if seen is not None and signature != seen:
-        raise SystemExit(f"round {r}: continuous batching changed the trajectories (a scheduling bug)")
+        raise SystemExit(f"round {r}: mode {mode} changed the trajectories (a scheduling or KV-layout bug)")
       seen = signature
       generated = train.generated_tokens(stats)
       record = {
@@ -79,6 +89,8 @@ def run(trainer, rounds: int, clock, modes: Sequence[str] = ("lockstep", "contin
         "reference_calls": float(stats.get("reference_calls", 0)),
         "policy_s": float(stats.get("time_policy_s", 0)),
         "reference_s": float(stats.get("time_reference_s", 0)),
+        "kv_slots": float(stats.get("kv_slots", 0)),
+        "kv_slots_held": float(stats.get("kv_slots_held", stats.get("kv_slots", 0))),
       }
       utilisation = generated / max(record["row_steps"], 1)
       print(f"round {r} {mode}: {record['seconds']:.1f} s (+{compiling:.1f} s compiling), {generated:.0f} generated, "
@@ -94,17 +106,18 @@ def run(trainer, rounds: int, clock, modes: Sequence[str] = ("lockstep", "contin
 def table(records: dict[str, list[dict[str, float]]]) -> list[str]:
   lines = [
     "| mode | seconds | policy / reference user s | generated | prefilled | decode row-steps | slot utilisation | "
-    "policy / reference decode calls | tokens/s |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "policy / reference decode calls | tokens/s | KV slots per layer: allocated / most held |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for mode, rs in records.items():
     total = {k: float(np.sum([r[k] for r in rs])) for k in rs[0]}
+    slots = {k: float(np.max([r[k] for r in rs])) for k in ("kv_slots", "kv_slots_held")}
     tok_s = (total["generated"] + total["prefilled"]) / total["seconds"]
     lines.append(
       f"| {mode} | {total['seconds']:.1f} | {total['policy_s']:.1f} / {total['reference_s']:.1f} | "
       f"{total['generated']:.0f} | {total['prefilled']:.0f} | {total['row_steps']:.0f} | "
       f"{total['generated'] / total['row_steps']:.3f} | {total['policy_calls']:.0f} / {total['reference_calls']:.0f} | "
-      f"{tok_s:.1f} |"
+      f"{tok_s:.1f} | {slots['kv_slots']:.0f} / {slots['kv_slots_held']:.0f} |"
     )
   return lines
 
@@ -117,8 +130,8 @@ def main(argv: Sequence[str]) -> dict[str, list[dict[str, float]]]:
   parser.add_argument("--group", type=int, default=4, help="G rollouts per task")
   parser.add_argument("--rounds", type=int, default=2, help="timed rollouts per mode after the warm-up")
   parser.add_argument("--modes", default="lockstep,continuous",
-                      help="comma-separated, from lockstep, continuous, config (the config as it is: e.g. to time a "
-                           "checkout older than continuous batching with this script)")  # fmt: skip
+                      help="comma-separated, from lockstep, continuous, dense, paged, config (the config as it is: "
+                           "e.g. to time an older checkout with this script)")  # fmt: skip
   parser.add_argument("--data-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds"))
   args, rest = parser.parse_known_args(argv)
   bad = [a for a in rest if not a.startswith("--config.") or "=" not in a]

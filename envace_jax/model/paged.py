@@ -95,6 +95,38 @@ class PagedKVCache:
     lengths = jnp.take(self.lengths, rows, mode="fill", fill_value=0)
     return self.replace(table=table, lengths=lengths, prefix=transformer.gather_levels(self, rows))
 
+  def allocated_slots(self) -> int:
+    """Slots the pools allocate (P * Z, held or free) and the prefix levels' slots: the cache's memory per layer."""
+    return self.pools[0].shape[0] * self.page_size + (self.prefix.stored_slots() if self.prefix is not None else 0)
+
+  def extended(self, num_pages: int) -> PagedKVCache:
+    """This cache over pools of ``num_pages`` pages (P or more; the new pages zeroed), for a `PagePool` that
+    `PagePool.extend` grew to as many: the table's P (no page) becomes the new count. Copies the pools once."""
+    old = self.pools[0].shape[0]
+    if num_pages < old:
+      raise ValueError(f"extended: the pools hold {old} pages; they cannot shrink to {num_pages}.")
+    grow = lambda pool: jnp.concatenate([pool, jnp.zeros((num_pages - old, *pool.shape[1:]), pool.dtype)])  # noqa: E731
+    table = jnp.where(self.table >= old, num_pages, self.table)
+    return self.replace(pools=tuple(grow(p) for p in self.pools), table=table)
+
+  def dense(self) -> transformer.KVCache:
+    """The same rows as a `transformer.KVCache` with W * Z own slots (each row's pages in slot order, zeros where it
+    holds none) and the same prefix levels; for inspection and tests (``dense().flatten()`` puts the levels in
+    front)."""
+
+    def rows(pool):
+      kv = jnp.take(pool, self.table, axis=0, mode="fill", fill_value=0)  # [B, W, Z, 2K, H]
+      b, w, z, kk, h = kv.shape
+      kv = kv.reshape(b, w * z, kk, h)
+      return kv[:, :, 0::2].transpose(0, 2, 3, 1), kv[:, :, 1::2].transpose(0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
+
+    k, v = zip(*(rows(p) for p in self.pools), strict=True)
+    return transformer.KVCache(k=tuple(k), v=tuple(v), lengths=self.lengths, prefix=self.prefix)
+
+  def flatten(self) -> transformer.KVCache:
+    """`transformer.KVCache.flatten` of `dense`: each row's whole history in one dense row."""
+    return self.dense().flatten()
+
   def put(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
     """This cache with ``part``'s pools (from ``gather(rows, capacity)``, then written) and lengths in rows ``rows``
     (B or more: dropped); the table and prefix levels unchanged."""
@@ -136,6 +168,19 @@ class PagePool:
   def allocated(self) -> int:
     """Pages held by at least one row."""
     return int(np.count_nonzero(self._refs))
+
+  def free(self) -> int:
+    """Pages no row holds."""
+    return len(self._free)
+
+  def extend(self, num_pages: int) -> None:
+    """Grows the pool to ``num_pages`` pages, the new ones free (`PagedKVCache.extended` grows the device pools to
+    match). Raises ValueError below the current size."""
+    if num_pages < self.num_pages:
+      raise ValueError(f"the pool holds {self.num_pages} pages; it cannot shrink to {num_pages}.")
+    self._free = sorted(self._free + list(range(self.num_pages, num_pages)), reverse=True)
+    self._refs = np.concatenate([self._refs, np.zeros(num_pages - self.num_pages, np.int64)])
+    self.num_pages = num_pages
 
   def _take(self, n: int, row: object) -> list[int]:
     if n > len(self._free):

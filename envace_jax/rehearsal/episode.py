@@ -77,6 +77,11 @@ class UnfoldConfig:
       rows keep decoding (`sampler.Stream`), instead of waiting for the longest generation of the step (lockstep).
       Outputs do not depend on it beyond float rounding (each generation is keyed by its trajectory, role and
       index); it applies when every policy role has one sampler and equal sampling parameters, lockstep otherwise.
+    kv_page_size: slots per page of each view's own KV slots (`model/paged.py`: a view holds the pages its tokens
+      fill, reserved for a generation's prompt and budget, given back when its trajectory ends); 0 gives every view
+      a dense row at the roomiest view's capacity. Off a mesh only: a sampler on a mesh keeps dense rows.
+    kv_pages: pages a cache's pool starts with; 0: a quarter of what every view at its capacity would hold. A pool
+      that runs out doubles (at most to that), which compiles the sampler's programs for the new size once.
   """
 
   group_size: int = 4
@@ -105,6 +110,8 @@ class UnfoldConfig:
   user_prompt: str = views.USER_PROMPT
   external_user: ExternalUserConfig | None = None
   continuous_batching: bool = False
+  kv_page_size: int = 64
+  kv_pages: int = 0
 
   def __post_init__(self):
     positive = ("group_size", "max_turns", "act_max_new_tokens", "rehearse_max_new_tokens", "user_max_new_tokens")
@@ -116,6 +123,9 @@ class UnfoldConfig:
     for name in flags:
       if not isinstance(getattr(self, name), bool):
         raise UnfoldConfigError(f"UnfoldConfig.{name} must be True or False, got {getattr(self, name)!r}")
+    for name in ("kv_page_size", "kv_pages"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        raise UnfoldConfigError(f"UnfoldConfig.{name} must be an int >= 0, got {getattr(self, name)!r}")
     if not isinstance(self.grounding_max_tokens, int) or self.grounding_max_tokens < 0:
       raise UnfoldConfigError(
         f"UnfoldConfig.grounding_max_tokens must be an int >= 0, got {self.grounding_max_tokens!r}"

@@ -55,6 +55,7 @@ import numpy as np
 from absl import logging
 
 from envace_jax.envs.base import ChatMessage, Task, ToolEnv
+from envace_jax.model import paged
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
@@ -82,7 +83,10 @@ class UnfoldOutput:
       ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
       shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
       ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
-      `KVCache.stored_slots`) and ``kv_slots_dense`` (what one row per view at its largest capacity would),
+      `KVCache.stored_slots`, or a paged cache's pool and levels), ``kv_slots_held`` (the most that held tokens or
+      reserved room at once: a paged cache's peak pages and its levels; ``kv_slots`` for a dense one),
+      ``kv_slots_dense`` (what one row per view at its largest capacity would), ``kv_pool_growths`` (times a page
+      pool doubled),
       ``decode_row_steps`` (rows computed x iterations, summed over the decode loops, `sampler.Stream.row_steps`:
       generated tokens over it is the slot utilisation), ``generated_tokens_{act,rehearse,user}``,
       ``time_{setup,policy,reference,external,host,total}_s``, ``terminated_<reason>``.
@@ -113,7 +117,7 @@ class _Job:
 class _Unfolder:
   """The rollout loop's state: samplers, caches, trajectories in flight, statistics."""
 
-  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user, histories=None):
+  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user, histories=None, keep_pages=False):
     self.tasks, self.policy, self.tokenizer, self.cfg = list(tasks), policy, tokenizer, config
     self.histories = [tuple(h) for h in histories] if histories is not None else [()] * len(self.tasks)
     self.reference, self.envs, self.user = reference, envs, user
@@ -128,6 +132,10 @@ class _Unfolder:
     self.policy_roles = tuple(roles)
     self.stops = tuple(sorted({s for r in self.policy_roles for s in config.stop_strings(r)}))
     self.caches: dict[str, Any] = {}
+    # Paged own slots (config.kv_page_size): per cache name, its pool and the most pages it may grow to. Pool row i
+    # is cache row i. With keep_pages, ended trajectories keep theirs (for return_caches).
+    self.pages: dict[str, tuple[paged.PagePool, int]] = {}
+    self.keep_pages, self.released, self.peak = keep_pages, set(), collections.Counter()  # peak: pages held at once
     self.stats: collections.Counter = collections.Counter()
 
   # ------------------------------------------------------------------------------------------------ setup
@@ -141,12 +149,11 @@ class _Unfolder:
       for b, task in enumerate(self.tasks)
     ]
     if self.policy_roles:
-      self.caches["policy"] = self._prefill_openings(self.policy, openings, self.policy_roles)
+      self.caches["policy"] = self._prefill_openings(self.policy, openings, self.policy_roles, "policy")
     if self.user_on == "reference":
-      self.caches["reference"] = self._prefill_openings(self.reference, openings, (Role.USER,))
+      self.caches["reference"] = self._prefill_openings(self.reference, openings, (Role.USER,), "reference")
     for name, cache in self.caches.items():
       roles = self.policy_roles if name == "policy" else (Role.USER,)
-      self.stats["kv_slots"] += cache.stored_slots()
       self.stats["kv_slots_dense"] += int(cache.lengths.shape[0]) * max(self.cfg.capacity(r) for r in roles)
     episodes = [o.copy(b * g + s, s) for b, o in enumerate(openings) for s in range(g)]
     for b, o in enumerate(openings):
@@ -166,14 +173,15 @@ class _Unfolder:
         ep.env.reset(ep.traj.task)
     return episodes
 
-  def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role]):
+  def _prefill_openings(self, sampler, openings: list[Episode], roles: Sequence[Role], name: str):
     """Prefills every task's view openings (all but their last token) once and forks the cache G ways.
 
     Three levels, each the ``prefix`` of the next (`Sampler.fork`: stored once, attended once per step by the rows
     that continue it): a role's part common to all tasks' openings (when ``SHARED_OPENING_MIN`` tokens or more:
     ACT's policy and tool schemas, REHEARSE's instructions and schemas), prefilled once for all tasks; each task's
     rest, once for its G trajectories; each trajectory's own slots, as many as its role's capacity leaves after the
-    opening (the most over the views). When the roles' rows do not split over a mesh's batch shards, the common part
+    opening (the most over the views), or with ``kv_page_size`` room for as many in pages of a pool (``name``'s in
+    ``self.pages``), none held yet. When the roles' rows do not split over a mesh's batch shards, the common part
     is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role parameters) each
     sampler prefills its own roles' rows.
     """
@@ -227,7 +235,18 @@ class _Unfolder:
     # largest capacity so that the programs compile for at most 8 sizes.
     own = max(self.cfg.capacity(roles[row // b]) - len(prompts[row]) for row in range(views_rows))
     eighth = -(-full // 8)
-    return first.fork(cache, self.cfg.group_size, capacity=min(full, -(-max(own, 1) // eighth) * eighth))
+    own = min(full, -(-max(own, 1) // eighth) * eighth)
+    z = self.cfg.kv_page_size
+    if z and getattr(first, "mesh", None) is None:
+      # The pool's sizes follow the run's constants (rows, the largest capacity), not this batch's openings: one
+      # set of compiled programs. The most it needs: every row at the largest capacity.
+      most = len(prompts) * self.cfg.group_size * -(-full // z)
+      pool = paged.PagePool(self.cfg.kv_pages or -(-most // 4), z)
+      forked = first.fork(cache, self.cfg.group_size, capacity=own, pages=pool)
+      if isinstance(forked, paged.PagedKVCache):  # a sampler without paged caches (a test's stand-in) ignores pool
+        self.pages[name] = (pool, max(most, pool.num_pages))
+      return forked
+    return first.fork(cache, self.cfg.group_size, capacity=own)
 
   def _prefill_rows(self, cache, samplers: Sequence[Any], prompts, prompt_roles) -> tuple[Any, np.ndarray]:
     """``prefill`` of each row's prompt by that row's sampler (``samplers[row]``); rows past ``samplers`` (padding)
@@ -284,9 +303,10 @@ class _Unfolder:
     for (sampler_id, sampling), group in by_params.items():
       sampler = samplers[sampler_id]
       placed = [(job, self._row(roles, job)) for job in group]
+      self.caches[name] = self._reserve(name, placed, self.caches[name])
       prompts, prompt_roles, gen_roles, max_new, active = self._rows(roles, rows, placed)
       start = time.perf_counter()
-      out, self.caches[name] = sampler.generate(
+      out, cache = sampler.generate(
         self.caches[name],
         prompts,
         prompt_roles,
@@ -297,6 +317,7 @@ class _Unfolder:
         stop_strings=self.stops if name == "policy" else self.cfg.stop_strings(Role.USER),
         active=active,
       )
+      self.caches[name] = self._settle(name, [row for _, row in placed], cache)
       self.stats[f"time_{name}_s"] += time.perf_counter() - start
       self.stats[f"{name}_calls"] += 1
       self.stats["prefill_tokens"] += out.prefill_tokens
@@ -305,6 +326,61 @@ class _Unfolder:
         n = int(out.lengths[row])
         results.append((job, out.tokens[row, :n].tolist(), out.logprobs[row, :n].tolist(), out.finish_reasons[row]))
     return results
+
+  # ------------------------------------------------------------------------------------------------ pages
+
+  def _reserve(self, name: str, placed: list[tuple[_Job, int]], cache):
+    """The cache with each placed (job, row) given the pages for its prompt and new-token budget; when the pool has
+    too few free, it doubles first (`paged.PagedKVCache.extended`; at most to every row at the largest capacity,
+    which holds any jobs). A dense cache is returned as it is."""
+    if name not in self.pages or not placed:
+      return cache
+    pool, most = self.pages[name]
+    for job, row in placed:
+      need = pool.lengths.get(row, 0) + len(job.ids) + job.max_new
+      while pool.free() < -(-need // pool.page_size) - len(pool.pages.get(row, ())):
+        if pool.num_pages >= most:
+          raise RuntimeError(f"rollout bug: a pool of {pool.num_pages} pages, every row's most, has too few free.")
+        size = min(most, 2 * pool.num_pages)
+        logging.info("the %s cache's KV page pool grows from %d to %d pages", name, pool.num_pages, size)
+        pool.extend(size)
+        cache = cache.extended(size)
+        self.stats["kv_pool_growths"] += 1
+      pool.grow(row, need)
+    self.peak[name] = max(self.peak[name], pool.allocated())
+    return self._table(name, cache)
+
+  def _settle(self, name: str, rows: Sequence[int], cache):
+    """Gives back the pages past the filled slots of ``rows`` (their generations ended) in a paged cache."""
+    if name not in self.pages or not rows:
+      return cache
+    pool, _ = self.pages[name]
+    lengths = np.asarray(jax.device_get(cache.lengths))
+    copies = [c for row in rows for c in pool.shrink(row, int(lengths[row]))]  # none: rows never share pages here
+    if copies:
+      cache = cache.replace(pools=tuple(paged.copy_pages(p, copies) for p in cache.pools))
+    return self._table(name, cache)
+
+  def _table(self, name: str, cache):
+    pool, _ = self.pages[name]
+    table = pool.table(range(int(cache.lengths.shape[0])), int(cache.table.shape[1]))
+    return cache.replace(table=jax.device_put(table))
+
+  def _release(self, episodes: list[Episode], stream) -> None:
+    """Gives back every page of the trajectories that ended (their views' rows in every paged cache)."""
+    ended = [ep.index for ep in episodes if ep.traj.termination is not None and ep.index not in self.released]
+    if self.keep_pages or not ended or not self.pages:
+      return
+    self.released.update(ended)
+    for name, (pool, _) in self.pages.items():
+      slots = len(self.policy_roles) if name == "policy" else 1
+      for row in (slot * self.n + i for slot in range(slots) for i in ended):
+        if row in pool.pages:
+          pool.release(row)
+      if name == "policy" and stream is not None:
+        stream.set_cache(self._table(name, stream.cache))
+      else:
+        self.caches[name] = self._table(name, self.caches[name])
 
   def _row(self, roles: Sequence[Role], job: _Job) -> int:
     return roles.index(job.role) * self.n + job.episode.index
@@ -337,6 +413,8 @@ class _Unfolder:
       return
     rows = int(stream.cache.lengths.shape[0])
     placed = [(job, self._row(self.policy_roles, job)) for job in jobs]
+    if "policy" in self.pages:
+      stream.set_cache(self._reserve("policy", placed, stream.cache))
     prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
     start = time.perf_counter()
     keys = _job_keys(key, rows, placed)
@@ -348,6 +426,8 @@ class _Unfolder:
     """Decodes the stream until one of its generations ends; those finished (their rows free again)."""
     start, before = time.perf_counter(), stream.row_steps
     finished = stream.advance(until=1)
+    if "policy" in self.pages:
+      stream.set_cache(self._settle("policy", [f.row for f in finished], stream.cache))
     self.stats["time_policy_s"] += time.perf_counter() - start
     self.stats["policy_calls"] += 1
     self.stats["decode_row_steps"] += stream.row_steps - before
@@ -403,8 +483,10 @@ class _Unfolder:
           else:
             ep.traj.count("generations_user")
             ep.after_user(text)
+        self._release(episodes, stream)
         self.stats["time_host_s"] += time.perf_counter() - host
         rounds += 1
+      self._release(episodes, stream)  # those that ended when scheduled (max_turns, a prompt that does not fit)
     finally:
       if stream is not None:
         self.caches["policy"] = stream.cache
@@ -412,6 +494,14 @@ class _Unfolder:
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
     self.stats["steps"] = rounds
+    for name, cache in self.caches.items():  # per layer
+      if name in self.pages:
+        levels = cache.prefix.stored_slots() if cache.prefix is not None else 0
+        self.stats["kv_slots"] += cache.allocated_slots()
+        self.stats["kv_slots_held"] += levels + self.peak[name] * cache.page_size
+      else:
+        self.stats["kv_slots"] += cache.stored_slots()
+        self.stats["kv_slots_held"] += cache.stored_slots()
     self._check_caches(episodes)
     return episodes
 
@@ -549,7 +639,9 @@ def unfold(
     user_simulator = owned = ExternalUser(config.external_user)
   user = user_simulator if simulated and config.user_mode == "external" else None
   start = time.perf_counter()
-  runner = _Unfolder(tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user, histories)
+  runner = _Unfolder(
+    tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user, histories, keep_pages=return_caches
+  )
   try:
     episodes = runner.run(key)
   finally:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from envace_jax.model import transformer
+from envace_jax.model import paged, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.sampling import sharding, stopping
 from envace_jax.sampling.stopping import FinishReason
@@ -277,7 +277,7 @@ class Sampler:
       return sharding.init_sharded_cache(self.config, self.mesh, batch, capacity, rules=self.rules)
     return transformer.init_cache(self.config, batch, capacity)
 
-  def fork(self, cache: KVCache, group_size: int, capacity: int | None = None) -> KVCache:
+  def fork(self, cache: KVCache, group_size: int, capacity: int | None = None, pages=None) -> KVCache:
     """A cache of B*G rows where rows b*G .. b*G+G-1 continue row b's history (group prefix sharing).
 
     The new rows share row b's storage: ``cache``, cut to a power-of-two bucket of its longest row (few shapes to
@@ -286,16 +286,25 @@ class Sampler:
     context is then its history plus ``capacity``; the caller keeps it within the model's (unfold's views stop at
     their role's capacity).
 
+    With ``pages`` (a `paged.PagePool`; off a mesh), the new rows' own slots are pages of that pool instead: a
+    `paged.PagedKVCache` whose row i is pool row i, holding the pages the pool gives it (none for a new row) and
+    addressing up to ``capacity`` slots (rounded up to whole pages); the caller grows rows before they write.
+
     Raises:
-      ValueError: on a mesh, B*G is not a multiple of the batch shards.
+      ValueError: on a mesh, B*G is not a multiple of the batch shards, or ``pages`` is given.
     """
     capacity = cache.capacity if capacity is None else int(capacity)
     longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
     parent = cache.trimmed(min(cache.capacity, _next_pow2(longest, self.min_bucket)))
     if self.mesh is not None:
       parent = jax.device_put(parent, sharding.cache_shardings(self.config, self.mesh, parent, self.rules))
-    child = self.init_cache(batch=int(cache.lengths.shape[0]) * group_size, capacity=capacity)
-    return child.replace(prefix=parent)
+    rows = int(cache.lengths.shape[0]) * group_size
+    if pages is not None:
+      if self.mesh is not None:
+        raise ValueError("fork: paged own slots run off the mesh only, for now; fork without pages.")
+      width = -(-capacity // pages.page_size)
+      return paged.init_cache(self.config, pages, range(rows), width).replace(prefix=parent)
+    return self.init_cache(batch=rows, capacity=capacity).replace(prefix=parent)
 
   def copy_rows(self, cache: KVCache, source: Sequence[int]) -> KVCache:
     """A cache whose row i is a copy of row ``source[i]`` of ``cache``, or empty where ``source[i]`` is past its last
@@ -655,6 +664,12 @@ class Stream:
   def cache(self) -> KVCache:
     """The cache: every admitted row's prompt and the tokens it generated so far."""
     return self._state.cache
+
+  def set_cache(self, cache) -> None:
+    """Replaces the cache by one holding the same rows and histories in other storage: a paged cache whose table
+    (the caller's `paged.PagePool` grew rows before admitting them, or shrank finished ones) or pools
+    (`paged.PagedKVCache.extended`) changed. A live row must keep the pages it writes."""
+    self._state = self._state.replace(cache=cache)
 
   def admit(self, prompts, prompt_roles, *, role, keys, max_new_tokens, active=None) -> np.ndarray:
     """Prefills the new prompt of each ``active`` row (default: rows with a non-empty prompt) and makes it live.

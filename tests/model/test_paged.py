@@ -218,6 +218,23 @@ def test_the_model_on_pages_gives_the_dense_caches_logits(with_prefix):
     caches = call(caches, ["a", "b", "c"], [[True], [True], [True]])
   assert [pool.lengths[r] for r in "abc"] == [13, 10, 12] and int(caches[1].lengths.sum()) == 35
 
+  def same_rows(dense, pages):  # `PagedKVCache.dense`: each row's pages as dense own slots
+    own = pages.dense()
+    filled = np.arange(32)[None, :] < np.asarray(dense.lengths)[:, None]  # [B, S]
+    for a, b, slots in ((dense.k[0], own.k[0], -1), (dense.v[-1], own.v[-1], 2)):  # k [B,K,H,S], v [B,K,S,H]
+      a, b = (np.moveaxis(np.asarray(x), slots, 1) for x in (a, b))  # [B, S, ...]
+      np.testing.assert_allclose(a[filled], b[filled], atol=1e-6, rtol=0)  # computed by two programs
+
+  same_rows(*caches)
+  # A full pool grows (`PagePool.extend`, `PagedKVCache.extended`): the rows keep their slots, "no page" becomes
+  # the new count, and the model goes on over it.
+  pool.extend(40)
+  caches = (caches[0], caches[1].extended(40))
+  assert caches[1].pools[0].shape[0] == 40 and pool.free() == 40 - pool.allocated()
+  same_rows(*caches)
+  caches = call(caches, ["a", "b", "c"], [[True, True], [True, False], [True, True]])
+  same_rows(*caches)
+
 
 def test_a_write_past_a_rows_pages_is_dropped():
   """A slot in no page the row holds (past its last page, or past the table) maps out of the pool, so `write` drops

@@ -68,6 +68,9 @@ class _GenerateStream:
     self.prefill_tokens = self.row_steps = 0
     self.pending = None
 
+  def set_cache(self, cache):
+    self.cache = cache
+
   def admit(self, prompts, prompt_roles, *, role, keys, max_new_tokens, active=None):
     active = np.asarray([len(p) > 0 for p in prompts]) if active is None else np.asarray(active, bool)
     self.pending = (prompts, prompt_roles, role, keys, max_new_tokens, active)
@@ -114,7 +117,9 @@ class ScriptedSampler(_Recorder):
     return FakeCache([[] for _ in range(batch)], [[] for _ in range(batch)], capacity)
 
   @staticmethod
-  def fork(cache, g, capacity=None):  # copies; a row's room is its history's plus ``capacity`` slots, as `Sampler`'s
+  def fork(
+    cache, g, capacity=None, pages=None
+  ):  # copies (no pages: a list per row); a row's room is its history's plus ``capacity`` slots, as `Sampler`'s
     rep = lambda rows: [list(r) for r in rows for _ in range(g)]  # noqa: E731
     return FakeCache(rep(cache.tokens), rep(cache.roles), cache.capacity + (capacity or cache.capacity))
 
@@ -178,8 +183,8 @@ class ForcingSampler(_Recorder):
   def init_cache(self, batch, capacity):
     return self.sampler.init_cache(batch, capacity)
 
-  def fork(self, cache, g, capacity=None):
-    return self.sampler.fork(cache, g, capacity)
+  def fork(self, cache, g, capacity=None, pages=None):
+    return self.sampler.fork(cache, g, capacity, pages)
 
   def copy_rows(self, cache, source):
     return self.sampler.copy_rows(cache, source)

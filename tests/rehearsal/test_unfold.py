@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from envace_jax.envs import bfcl, checklist, tau2
-from envace_jax.model import tool_format, transformer
+from envace_jax.model import paged, tool_format, transformer
 from envace_jax.model.config import get_model_config
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import IM_END, ChatTemplateError, Message, Tokenizer
@@ -199,8 +199,18 @@ def test_continuation_prefills_only_new_tokens_and_openings_once_per_task(real_r
     assert [int(np.sum(c.lengths)) for c in levels] == [continued + generated, sum(rest), sum(common)]
   assert out.stats["prefill_tokens_shared"] == sum(sum(p[0]) + sum(p[1]) for p in (policy.prefills, reference.prefills))
   assert out.stats["prefill_tokens_reused"] == reused
-  stored = sum(out.caches[name].stored_slots() for name in ("policy", "reference"))
-  assert out.stats["kv_slots"] == stored < out.stats["kv_slots_dense"]
+  # Own slots in pages of 64: each row ends holding the pages its tokens fill (ended trajectories keep theirs with
+  # return_caches); each pool is a quarter of every row at the largest capacity, which held them (no growth).
+  allocated = stored = 0
+  for name, full in (("policy", REAL.act_capacity), ("reference", REAL.user_capacity)):
+    cache, z = out.caches[name], REAL.kv_page_size
+    rows, levels = int(cache.lengths.shape[0]), sum(level.stored_slots() for level in cache.levels()[:1])
+    assert cache.pools[0].shape[:2] == (-(-rows * (full // z) // 4), z)
+    assert cache.stored_slots() == levels + z * int(np.sum(-(-np.asarray(cache.lengths) // z)))
+    allocated, stored = allocated + cache.allocated_slots(), stored + cache.stored_slots()
+  assert "kv_pool_growths" not in out.stats
+  assert out.stats["kv_slots"] == allocated and stored <= out.stats["kv_slots_held"] <= allocated
+  assert allocated < out.stats["kv_slots_dense"]
   assert out.stats["prefill_tokens"] == sum(x[1] for s in (policy, reference) for c in s.calls for x in c.values())
   for t in range(b):  # the G rows of a task start with the same opening
     n = policy.prefills[0][0] + policy.prefills[1][t]  # ACT: the common part, then task t's rest
@@ -254,15 +264,38 @@ def test_context_exhausted_ends_cleanly(tiny_model, tokenizer, mock_tasks):
   assert len(policy.calls) == calls and "policy_calls" not in out.stats  # nothing was sampled
 
 
+class _RecordedPool(paged.PagePool):
+  """A `paged.PagePool` that keeps a list of its instances and the pages each release gave back."""
+
+  made: list = []
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.released = 0
+    _RecordedPool.made.append(self)
+
+  def release(self, row):
+    self.released += len(self.pages[row])
+    super().release(row)
+
+
 @pytest.mark.parametrize("user_mode", ["policy", "reference"])
-def test_continuous_batching_gives_the_lockstep_trajectories(tiny_model, tokenizer, mock_tasks, user_mode):
+def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectories(
+  tiny_model, tokenizer, mock_tasks, user_mode, monkeypatch
+):
   """The real sampler, sampled at temperature 1, generations of ragged lengths (ids below 2000 end one too, as an
   eos would), the user played by the policy (a view in its stream) or the reference (queued, run together):
   continuous batching and lockstep give the same trajectories (each generation is keyed by trajectory, role and
-  index, not by step): messages, terminations, training rows (ids, roles, logprobs <= 1e-4) and cache rows;
-  continuous batching spends fewer decode row-steps (a row that ends its generation starts the next one at once)."""
+  index, not by step): messages, terminations, training rows (ids, roles, logprobs <= 1e-4); continuous batching
+  spends fewer decode row-steps (a row that ends its generation starts the next one at once). One of the two runs
+  holds each view's own slots in pages of 16 from pools of 4 (policy user: the continuous run; reference user: the
+  lockstep run, the reference's cache paged too), the other dense rows: a pool doubles when a generation finds too
+  few free pages, every ended trajectory gives its pages back (none held at the end), and the pools hold fewer
+  slots than a dense row per view."""
   tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
   config, params = tiny_model
+  monkeypatch.setattr(paged, "PagePool", _RecordedPool)
+  _RecordedPool.made = []
   outs = {}
   for continuous in (False, True):
     policy, reference = (
@@ -270,10 +303,9 @@ def test_continuous_batching_gives_the_lockstep_trajectories(tiny_model, tokeniz
               pad_id=tokenizer.pad_id)
       for _ in range(2)
     )  # fmt: skip
-    rollout = dataclasses.replace(REAL, user_mode=user_mode, continuous_batching=continuous)
-    outs[continuous] = unfold(
-      tasks, policy, tokenizer, rollout, jax.random.key(5), reference_sampler=reference, return_caches=True
-    )
+    paging = dict(kv_page_size=16, kv_pages=4) if continuous == (user_mode == "policy") else dict(kv_page_size=0)
+    rollout = dataclasses.replace(REAL, user_mode=user_mode, continuous_batching=continuous, **paging)
+    outs[continuous] = unfold(tasks, policy, tokenizer, rollout, jax.random.key(5), reference_sampler=reference)
   lockstep, continuous = outs[False], outs[True]
   assert [t.termination for t in continuous.trajectories] == [t.termination for t in lockstep.trajectories]
   for a, b in zip(continuous.trajectories, lockstep.trajectories, strict=True):
@@ -283,14 +315,21 @@ def test_continuous_batching_gives_the_lockstep_trajectories(tiny_model, tokeniz
       np.testing.assert_array_equal(row.tokens, b.rows[role].tokens)
       np.testing.assert_array_equal(row.roles, b.rows[role].roles)
       np.testing.assert_allclose(row.logprobs, b.rows[role].logprobs, atol=1e-4)
-  for name in lockstep.caches:
-    np.testing.assert_array_equal(continuous.caches[name].filled(), lockstep.caches[name].filled())
   generated = sum(v for k, v in lockstep.stats.items() if k.startswith("generated_tokens_"))
   assert generated == sum(v for k, v in continuous.stats.items() if k.startswith("generated_tokens_"))
   # The reference user runs in rounds of its own either way: no fewer row-steps there, never more.
   fewer = continuous.stats["decode_row_steps"] < lockstep.stats["decode_row_steps"]
   assert generated <= continuous.stats["decode_row_steps"] <= lockstep.stats["decode_row_steps"]
   assert fewer or user_mode == "reference"
+  paged_run = continuous if user_mode == "policy" else lockstep
+  pools = _RecordedPool.made
+  assert len(pools) == (1 if user_mode == "policy" else 2)  # the policy's cache, and the reference's
+  assert paged_run.stats["kv_pool_growths"] >= 1 and pools[0].num_pages > 4
+  assert all(pool.allocated() == 0 and not pool.pages for pool in pools)  # every page given back
+  assert all(pool.released > 0 for pool in pools)
+  # kv_slots: the levels and the pools' pages; kv_slots_held: the levels and the most pages held at once.
+  peak = (paged_run.stats["kv_slots_held"] - paged_run.stats["kv_slots"]) // 16 + sum(p.num_pages for p in pools)
+  assert 0 < peak <= sum(p.num_pages for p in pools) and paged_run.stats["kv_slots"] < paged_run.stats["kv_slots_dense"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
