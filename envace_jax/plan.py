@@ -161,7 +161,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   shards = sharding.batch_size_multiple(mesh)
   update_mesh = mesh if shards > 1 and gcfg.micro_batch_size % shards == 0 else None
   sample_cfg = mc.replace(scan_layers=False)
-  on_mesh = mesh if n % shards == 0 else None  # as runtime.make_sampler places a sampler of B×G rows
+  on_mesh = mesh if mesh.size > 1 and n % shards == 0 else None  # as runtime.make_sampler places B×G rows
   sample_shapes = jax.eval_shape(functools.partial(transformer.init_params, sample_cfg), jax.random.key(0))
   sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
   placed = on_mesh is not None and on_mesh.size > 1
@@ -197,9 +197,12 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   num_new = _next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
   cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
+  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size) and this
+  # is their most.
+  bound = "; off a mesh, pages: at most this" if on_mesh is None and ucfg.kv_page_size else ""
   parts.append(Part("KV cache: policy", device_bytes(cache), "rollout",
                     f"{rows} rows ({names} × {b}×{g}) × {cache.capacity} slots" + _shared(cache, names, b)
-                    + f", {jnp.dtype(mc.dtype).name}"))  # fmt: skip
+                    + f", {jnp.dtype(mc.dtype).name}{bound}"))  # fmt: skip
   prefill, decode = _sampler_programs(sampler, params_abstract, cache, num_new, ucfg.sampling(Role.ACT), stops)
   programs["prefill (policy)"], programs["decode (policy)"] = prefill, decode
   rollout_temp = max(prefill["temp"], decode["temp"])

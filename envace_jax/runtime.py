@@ -186,9 +186,10 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 
 def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | None, rows: int) -> Sampler:
-  """A Sampler over ``params``; on ``mesh`` only when ``rows`` (the cache's batch) splits evenly over its batch
-  shards, else on one device (logged)."""
-  use_mesh = mesh if mesh is not None and rows % sharding.batch_size_multiple(mesh) == 0 else None
+  """A Sampler over ``params``; on ``mesh`` only when it has more than one device and ``rows`` (the cache's batch)
+  splits evenly over its batch shards, else on one device (logged when the mesh is larger). Off a mesh the rollout
+  holds each view's own KV slots in pages (`rollout.kv_page_size`)."""
+  use_mesh = mesh if mesh is not None and mesh.size > 1 and rows % sharding.batch_size_multiple(mesh) == 0 else None
   if mesh is not None and use_mesh is None and mesh.size > 1:
     logging.info(
       "sampler on one device: %d rows do not split over the %d batch shards", rows, sharding.batch_size_multiple(mesh)

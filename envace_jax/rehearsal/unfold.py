@@ -238,11 +238,12 @@ class _Unfolder:
     own = min(full, -(-max(own, 1) // eighth) * eighth)
     z = self.cfg.kv_page_size
     if z and getattr(first, "mesh", None) is None:
-      # The pool's sizes follow the run's constants (rows, the largest capacity), not this batch's openings: one
-      # set of compiled programs. The most it needs: every row at the largest capacity.
+      # Pages: the pool and the table follow the run's constants (rows, the largest capacity), not this batch's
+      # openings, so their shapes add no compiled programs (a row holds only its pages; `_schedule` keeps a view
+      # within its capacity). The most a pool needs: every row at the largest capacity.
       most = len(prompts) * self.cfg.group_size * -(-full // z)
       pool = paged.PagePool(self.cfg.kv_pages or -(-most // 4), z)
-      forked = first.fork(cache, self.cfg.group_size, capacity=own, pages=pool)
+      forked = first.fork(cache, self.cfg.group_size, capacity=full, pages=pool)
       if isinstance(forked, paged.PagedKVCache):  # a sampler without paged caches (a test's stand-in) ignores pool
         self.pages[name] = (pool, max(most, pool.num_pages))
       return forked
