@@ -318,21 +318,37 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
 def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
   """The queries' share of softmax attention over their rows' pages: `transformer._softmax_part`'s triple (running
   max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values [B, K, G, T, H]), so it merges with other key
-  sets (shared prefix levels) by log-sum-exp. Reads the W pages of ``table`` per row (gathered: a copy of them).
+  sets (shared prefix levels) by log-sum-exp.
+
+  One page of every row at a time (an online softmax over pages, as `transformer._online_softmax` over key blocks),
+  up to the last page any row of the call fills: a step reads one [B, Z, 2K, H] gather, not a copy of every row's
+  W pages, and the pages past the longest row are not read. On a 2-core CPU at 2048 own slots this was 20x faster
+  than gathering all W pages first (whose transposed operands made XLA's dots slow) and 2-3x slower than a dense
+  row read in place.
 
   Args:
     q_bkgth: dtype[B, K, G, T, H] queries, rotary-embedded.
     pool: dtype[P, Z, 2K, H]; table: int32[B, W]; kv_lens: int32[B]; q_slots: int32[B, T] (module docstring).
   """
   b, k, g, t, h = q_bkgth.shape
-  w, z = table.shape[1], pool.shape[1]
-  kv = jnp.take(pool, table, axis=0, mode="clip").reshape(b, w * z, 2 * k, h).astype(q_bkgth.dtype)  # P: masked
-  keys, values = kv[:, :, 0::2], kv[:, :, 1::2]  # [B, S, K, H]
-  scores = jnp.einsum("bkgth,bskh->bkgts", q_bkgth, keys, preferred_element_type=jnp.float32) * h**-0.5
-  slot = jnp.arange(w * z)
-  held = jnp.repeat(table < pool.shape[0], z, axis=1, total_repeat_length=w * z)  # [B, S]: slots in the row's pages
-  visible = (slot < kv_lens[:, None, None]) & (slot <= q_slots[:, :, None]) & held[:, None, :]  # [B, T, S]
-  return transformer._softmax_part(scores, visible[:, None, None], values, "bkgts,bskh->bkgth")
+  p, z = pool.shape[0], pool.shape[1]
+  used = jnp.minimum((jnp.max(kv_lens) + z - 1) // z, table.shape[1])
+
+  def body(w, carry):
+    pages = jax.lax.dynamic_index_in_dim(table, w, axis=1, keepdims=False)  # [B]; P: no page, masked
+    kv = jnp.take(pool, pages, axis=0, mode="clip").reshape(b, z, k, 2, h).astype(q_bkgth.dtype)
+    scores = jnp.einsum("bkgth,bzkh->bkgtz", q_bkgth, kv[:, :, :, 0], preferred_element_type=jnp.float32) * h**-0.5
+    slot = w * z + jnp.arange(z)
+    visible = (slot < kv_lens[:, None, None]) & (slot <= q_slots[:, :, None]) & (pages < p)[:, None, None]
+    part = transformer._softmax_part(scores, visible[:, None, None], kv[:, :, :, 1], "bkgtz,bzkh->bkgth")
+    return transformer._combine(carry, part)
+
+  init = (
+    jnp.full((b, k, g, t), transformer._MASKED, jnp.float32),
+    jnp.zeros((b, k, g, t), jnp.float32),
+    jnp.zeros((b, k, g, t, h), jnp.float32),
+  )
+  return jax.lax.fori_loop(0, used, body, init)
 
 
 def reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid=None):
