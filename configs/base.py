@@ -166,10 +166,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # True: a finished generation's row takes its trajectory's next one while the others decode (same trajectories).
   # On a 2-core CPU it saved decode steps but cost wall time (README, "Tests and benchmarks"): lockstep by default.
   c.rollout.continuous_batching = False
-  # Each view's own KV slots in pages of this many slots, held as its tokens fill them and given back when its
-  # trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity. Off a mesh only.
+  # Each view's own KV slots in pages of this many slots: reserved for a generation, kept as its tokens fill them,
+  # given back when its trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity.
+  # Off a mesh only.
   c.rollout.kv_page_size = 64
-  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every view full); a full pool doubles
+  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every row at the largest capacity); doubles
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()

@@ -383,8 +383,8 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   ):
     ck.boolean(f"rollout.{key}")
   grounding = ck.integer("rollout.grounding_max_tokens", 0)
-  ck.integer("rollout.kv_page_size", 0, why=" (0: dense rows)")
-  ck.integer("rollout.kv_pages", 0, why=" (0: a quarter of every view full)")
+  page = ck.integer("rollout.kv_page_size", 0, why=" (0: dense rows)")
+  ck.integer("rollout.kv_pages", 0, why=" (0: a quarter of every row at the largest capacity)")
   capacities = {}
   for view in VIEWS:
     capacity = ck.integer(f"rollout.{view}_capacity", 2, context, why=" (the model's context)" if context else "")
@@ -402,6 +402,12 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
       ck.number(f"rollout.{view}_sampling.temperature", lambda t: t > 0, "> 0", why)
     ck.number(f"rollout.{view}_sampling.top_p", lambda p: 0 < p <= 1, "in (0, 1]")
     ck.integer(f"rollout.{view}_sampling.top_k", 0)
+  largest = max((c for c in capacities.values() if c is not _MISSING), default=None)
+  if page is not _MISSING and largest is not None and page > largest:
+    ck.add(
+      f"rollout.kv_page_size={page} must be <= the largest view capacity ({largest}): a page past it holds slots no "
+      "view can fill"
+    )
   if grounding is not _MISSING and capacities["rehearse"] is not _MISSING and grounding >= capacities["rehearse"]:
     ck.add(
       f"rollout.grounding_max_tokens={grounding} must be < rollout.rehearse_capacity={capacities['rehearse']} (the "

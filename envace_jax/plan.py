@@ -197,9 +197,9 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   num_new = _next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
   cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
-  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size) and this
-  # is their most.
-  bound = "; off a mesh, pages: at most this" if on_mesh is None and ucfg.kv_page_size else ""
+  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size), whose pool
+  # starts at a quarter of every row at the largest capacity and grows to what the rows need.
+  bound = "; off a mesh, pages as the rows need them" if on_mesh is None and ucfg.kv_page_size else ""
   parts.append(Part("KV cache: policy", device_bytes(cache), "rollout",
                     f"{rows} rows ({names} × {b}×{g}) × {cache.capacity} slots" + _shared(cache, names, b)
                     + f", {jnp.dtype(mc.dtype).name}{bound}"))  # fmt: skip

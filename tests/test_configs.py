@@ -237,6 +237,11 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
       "rollout.rehearse_max_new_tokens=6144 must be < rollout.rehearse_capacity=6144",
     ),
     (
+      ["--config.rollout.kv_page_size=9000"],
+      "rollout.kv_page_size=9000 must be <= the largest view capacity (8192)",
+    ),
+    (["--config.rollout.kv_pages=-1"], "rollout.kv_pages=-1 must be >= 0"),
+    (
       ["--config.rollout.grounding_max_tokens=7000"],
       "rollout.grounding_max_tokens=7000 must be < rollout.rehearse_capacity=6144",
     ),

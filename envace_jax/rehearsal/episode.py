@@ -77,11 +77,12 @@ class UnfoldConfig:
       rows keep decoding (`sampler.Stream`), instead of waiting for the longest generation of the step (lockstep).
       Outputs do not depend on it beyond float rounding (each generation is keyed by its trajectory, role and
       index); it applies when every policy role has one sampler and equal sampling parameters, lockstep otherwise.
-    kv_page_size: slots per page of each view's own KV slots (`model/paged.py`: a view holds the pages its tokens
-      fill, reserved for a generation's prompt and budget, given back when its trajectory ends); 0 gives every view
-      a dense row at the roomiest view's capacity. Off a mesh only: a sampler on a mesh keeps dense rows.
-    kv_pages: pages a cache's pool starts with; 0: a quarter of what every view at its capacity would hold. A pool
-      that runs out doubles (at most to that), which compiles the sampler's programs for the new size once.
+    kv_page_size: slots per page of each view's own KV slots (`model/paged.py`: a generation reserves pages for its
+      prompt and budget, the view keeps those its tokens fill, and gives them back when its trajectory ends); 0
+      gives every view a dense row at the roomiest view's capacity. Off a mesh only: on a mesh rows stay dense.
+    kv_pages: pages a cache's pool starts with; 0: a quarter of every row of the cache at its largest view capacity.
+      A pool that runs out doubles, at most to every row at a dense row's own slots; each new size compiles the
+      sampler's programs once.
   """
 
   group_size: int = 4

@@ -83,8 +83,9 @@ class UnfoldOutput:
       ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
       shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
       ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
-      `KVCache.stored_slots`, or a paged cache's pool and levels), ``kv_slots_held`` (the most that held tokens or
-      reserved room at once: a paged cache's peak pages and its levels; ``kv_slots`` for a dense one),
+      `KVCache.stored_slots`, or a paged cache's pool and levels), ``kv_slots_held`` (per cache, the most that held
+      tokens or reserved room at once, summed over the caches: a paged cache's peak pages and its levels;
+      ``kv_slots`` for a dense one),
       ``kv_slots_dense`` (what one row per view at its largest capacity would), ``kv_pool_growths`` (times a page
       pool doubled),
       ``decode_row_steps`` (rows computed x iterations, summed over the decode loops, `sampler.Stream.row_steps`:
@@ -180,8 +181,8 @@ class _Unfolder:
     that continue it): a role's part common to all tasks' openings (when ``SHARED_OPENING_MIN`` tokens or more:
     ACT's policy and tool schemas, REHEARSE's instructions and schemas), prefilled once for all tasks; each task's
     rest, once for its G trajectories; each trajectory's own slots, as many as its role's capacity leaves after the
-    opening (the most over the views), or with ``kv_page_size`` room for as many in pages of a pool (``name``'s in
-    ``self.pages``), none held yet. When the roles' rows do not split over a mesh's batch shards, the common part
+    opening (the most over the views), or with ``kv_page_size`` pages of a pool (``name``'s in ``self.pages``),
+    none held yet, that a row gets as it needs them. When the roles' rows do not split over a mesh's batch shards, the common part
     is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role parameters) each
     sampler prefills its own roles' rows.
     """
@@ -238,14 +239,16 @@ class _Unfolder:
     own = min(full, -(-max(own, 1) // eighth) * eighth)
     z = self.cfg.kv_page_size
     if z and getattr(first, "mesh", None) is None:
-      # Pages: the pool and the table follow the run's constants (rows, the largest capacity), not this batch's
-      # openings, so their shapes add no compiled programs (a row holds only its pages; `_schedule` keeps a view
-      # within its capacity). The most a pool needs: every row at the largest capacity.
-      most = len(prompts) * self.cfg.group_size * -(-full // z)
-      pool = paged.PagePool(self.cfg.kv_pages or -(-most // 4), z)
+      # Pages: the table spans the largest capacity and the pool starts at a quarter of every row at it (or
+      # kv_pages), run constants rather than this batch's openings, so their shapes add no compiled programs (a row
+      # holds only its pages; `_schedule` keeps a view within its capacity). The most a pool can need: every row
+      # at the own slots a dense row would have (its view's capacity less the opening, at most `own`).
+      rows = len(prompts) * self.cfg.group_size
+      most = rows * -(-own // z)
+      pool = paged.PagePool(min(self.cfg.kv_pages or -(-rows * -(-full // z) // 4), most), z)
       forked = first.fork(cache, self.cfg.group_size, capacity=full, pages=pool)
       if isinstance(forked, paged.PagedKVCache):  # a sampler without paged caches (a test's stand-in) ignores pool
-        self.pages[name] = (pool, max(most, pool.num_pages))
+        self.pages[name] = (pool, most)
       return forked
     return first.fork(cache, self.cfg.group_size, capacity=own)
 
@@ -535,6 +538,8 @@ class _Unfolder:
       for ep in episodes:
         for slot, role in enumerate(roles):
           view = ep.views.get(role)
+          if view is not None and view.cached == 0:  # never prefilled (its opening did not fit); it may continue a
+            continue  # shared level all the same
           held = view.cached if view is not None else 0
           if int(lengths[slot * self.n + ep.index]) != held:
             raise RuntimeError(

@@ -291,7 +291,8 @@ class Sampler:
     addressing up to ``capacity`` slots (rounded up to whole pages); the caller grows rows before they write.
 
     Raises:
-      ValueError: on a mesh, B*G is not a multiple of the batch shards, or ``pages`` is given.
+      ValueError: capacity exceeds the model's context; on a mesh, B*G is not a multiple of the batch shards, or
+        ``pages`` is given.
     """
     capacity = cache.capacity if capacity is None else int(capacity)
     longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
@@ -299,6 +300,8 @@ class Sampler:
     if self.mesh is not None:
       parent = jax.device_put(parent, sharding.cache_shardings(self.config, self.mesh, parent, self.rules))
     rows = int(cache.lengths.shape[0]) * group_size
+    if capacity > self.config.max_seq_len:
+      raise ValueError(f"fork: capacity={capacity} exceeds the model's context of {self.config.max_seq_len} tokens.")
     if pages is not None:
       if self.mesh is not None:
         raise ValueError("fork: paged own slots run off the mesh only, for now; fork without pages.")

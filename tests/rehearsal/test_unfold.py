@@ -758,3 +758,17 @@ def test_per_role_samplers_generate_each_role_with_its_own_parameters(tiny_model
       row.logprobs[row.loss_mask], _recomputed_logprobs(config, rehearse_params, row), atol=1e-4
     )
     assert not np.allclose(row.logprobs[row.loss_mask], _recomputed_logprobs(config, act_params, row), atol=1e-2)
+
+
+def test_an_opening_that_does_not_fit_beside_shared_ones(tokenizer, mock_tasks):
+  """Two tasks share a long ACT opening part (stored once for both) and a third's ACT opening is over act_capacity:
+  the third's trajectories end with context_exhausted before anything is sampled, the others run, and the
+  bookkeeping check accepts the unfilled view's row (which continues the shared level all the same)."""
+  tasks = [_task(mock_tasks, t) for t in ("create_task_1", "update_task_with_message_history", "impossible_task_1")]
+  plans = {Role.ACT: ["Done."], Role.REHEARSE: [RESPONSE], Role.USER: ["Please help.", "###STOP###"]}
+  config = dataclasses.replace(FAST, act_capacity=760, max_turns=1, user_mode="policy")
+  out, policy, _ = _scripted(tokenizer, tasks, config, plans)
+  assert len(policy.prefills[0]) == len(out.policy_roles)  # the common parts, one row per role
+  for t, traj in enumerate(out.trajectories):
+    assert (traj.termination == Termination.CONTEXT_EXHAUSTED) == (t // config.group_size == 1), t
+  assert out.trajectories[2].events[-1]["detail"] == "the opening does not fit the view"
