@@ -182,9 +182,9 @@ class _Unfolder:
     ACT's policy and tool schemas, REHEARSE's instructions and schemas), prefilled once for all tasks; each task's
     rest, once for its G trajectories; each trajectory's own slots, as many as its role's capacity leaves after the
     opening (the most over the views), or with ``kv_page_size`` pages of a pool (``name``'s in ``self.pages``),
-    none held yet, that a row gets as it needs them. When the roles' rows do not split over a mesh's batch shards, the common part
-    is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role parameters) each
-    sampler prefills its own roles' rows.
+    none held yet, that a row gets as it needs them. When the roles' rows do not split over a mesh's batch shards,
+    the common part is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role
+    parameters) each sampler prefills its own roles' rows.
     """
     b = len(openings)
     prompts, prompt_roles = [], []
