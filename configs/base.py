@@ -170,7 +170,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # given back when its trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity.
   # Off a mesh only.
   c.rollout.kv_page_size = 64
-  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every row at the largest capacity); doubles
+  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every row at the largest capacity)
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()

@@ -289,7 +289,7 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
   index, not by step): messages, terminations, training rows (ids, roles, logprobs <= 1e-4); continuous batching
   spends fewer decode row-steps (a row that ends its generation starts the next one at once). One of the two runs
   holds each view's own slots in pages of 16 from pools of 4 (policy user: the continuous run; reference user: the
-  lockstep run, the reference's cache paged too), the other dense rows: a pool doubles when a generation finds too
+  lockstep run, the reference's cache paged too), the other dense rows: a pool grows when a generation finds too
   few free pages, every ended trajectory gives its pages back (none held at the end), and the pools hold fewer
   slots than a dense row per view."""
   tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
