@@ -164,7 +164,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   on_mesh = mesh if mesh.size > 1 and n % shards == 0 else None  # as runtime.make_sampler places B×G rows
   sample_shapes = jax.eval_shape(functools.partial(transformer.init_params, sample_cfg), jax.random.key(0))
   sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
-  placed = on_mesh is not None and on_mesh.size > 1
+  placed = on_mesh is not None  # more than one device (a one-device mesh is none)
   if ucfg.user_mode == "reference" and placed:
     parts.append(Part("reference (the initial weights)", device_bytes(sample_shapes, sample_sh), "persistent",
                       "sharded like the reference user's sampler, which reads it"))  # fmt: skip

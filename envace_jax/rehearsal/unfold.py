@@ -336,21 +336,19 @@ class _Unfolder:
   def _reserve(self, name: str, placed: list[tuple[_Job, int]], cache):
     """The cache with each placed (job, row) given the pages for its prompt and new-token budget; when the pool has
     too few free, it first grows at once to its most, every row at a dense row's own slots, which holds any jobs
-    (`paged.PagedKVCache.extended`): one more size of the sampler's programs to compile, where doubling compiled
-    one per step (the reference user's pool of 16 pages went 32, then 56 in one mock rollout). A dense cache is
-    returned as it is."""
+    (`paged.PagedKVCache.extended`): each pool size is one more size of every sampler program, so it grows once.
+    A dense cache is returned as it is."""
     if name not in self.pages or not placed:
       return cache
     pool, most = self.pages[name]
     for job, row in placed:
       need = pool.lengths.get(row, 0) + len(job.ids) + job.max_new
-      while pool.free() < -(-need // pool.page_size) - len(pool.pages.get(row, ())):
+      if pool.free() < -(-need // pool.page_size) - len(pool.pages.get(row, ())):
         if pool.num_pages >= most:
           raise RuntimeError(f"rollout bug: a pool of {pool.num_pages} pages, every row's most, has too few free.")
-        size = most
-        logging.info("the %s cache's KV page pool grows from %d to %d pages", name, pool.num_pages, size)
-        pool.extend(size)
-        cache = cache.extended(size)
+        logging.info("the %s cache's KV page pool grows from %d to %d pages", name, pool.num_pages, most)
+        pool.extend(most)
+        cache = cache.extended(most)
         self.stats["kv_pool_growths"] += 1
       pool.grow(row, need)
     self.peak[name] = max(self.peak[name], pool.allocated())
@@ -419,8 +417,7 @@ class _Unfolder:
       return
     rows = int(stream.cache.lengths.shape[0])
     placed = [(job, self._row(self.policy_roles, job)) for job in jobs]
-    if "policy" in self.pages:
-      stream.set_cache(self._reserve("policy", placed, stream.cache))
+    stream.set_cache(self._reserve("policy", placed, stream.cache))
     prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
     start = time.perf_counter()
     keys = _job_keys(key, rows, placed)
@@ -432,8 +429,7 @@ class _Unfolder:
     """Decodes the stream until one of its generations ends; those finished (their rows free again)."""
     start, before = time.perf_counter(), stream.row_steps
     finished = stream.advance(until=1)
-    if "policy" in self.pages:
-      stream.set_cache(self._settle("policy", [f.row for f in finished], stream.cache))
+    stream.set_cache(self._settle("policy", [f.row for f in finished], stream.cache))
     self.stats["time_policy_s"] += time.perf_counter() - start
     self.stats["policy_calls"] += 1
     self.stats["decode_row_steps"] += stream.row_steps - before
@@ -501,10 +497,10 @@ class _Unfolder:
         pool.shutdown(wait=True, cancel_futures=True)
     self.stats["steps"] = rounds
     for name, cache in self.caches.items():  # per layer
-      if name in self.pages:
-        levels = cache.prefix.stored_slots() if cache.prefix is not None else 0
+      if name in self.pages:  # the levels and the pool's pages; the levels and the most pages held at once
+        unheld = self.pages[name][0].num_pages - self.peak[name]
         self.stats["kv_slots"] += cache.allocated_slots()
-        self.stats["kv_slots_held"] += levels + self.peak[name] * cache.page_size
+        self.stats["kv_slots_held"] += cache.allocated_slots() - unheld * cache.page_size
       else:
         self.stats["kv_slots"] += cache.stored_slots()
         self.stats["kv_slots_held"] += cache.stored_slots()
