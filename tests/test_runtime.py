@@ -42,6 +42,30 @@ def test_release_host_memory_returns_freed_heap_pages():
   assert (r["freed"] - r["trimmed"]) * mib > 200  # the trim gave them back
 
 
+def test_release_host_memory_keeps_the_compiled_programs():
+  """The release drops JAX's tracing and lowering caches, not the compiled programs: a sampler call with shapes
+  seen before neither traces nor compiles its prefill and decode again (`Sampler.compile_counts` counts traces; only
+  eager operations' small programs compile again) and gives the same tokens."""
+  import jax
+  import numpy as np
+
+  from envace_jax.model import transformer
+  from envace_jax.model.config import PRESETS
+  from envace_jax.sampling.sampler import Sampler, SamplingParams
+
+  config = PRESETS["tiny"]
+  sampler = Sampler(config, transformer.init_params(config, jax.random.key(0)))
+  kw = dict(role=1, key=jax.random.key(0), max_new_tokens=5, sampling=SamplingParams(temperature=0.7))
+  run = lambda: sampler.generate(sampler.init_cache(batch=2, capacity=64), [[3, 4, 5], [6, 7]], 0, **kw)[0]  # noqa: E731
+  first = run()
+  traces = dict(sampler.compile_counts)
+  runtime.release_host_memory()
+  again = run()
+  assert sampler.compile_counts == traces == {"prefill": 1, "decode": 1, "admit": 1}
+  np.testing.assert_array_equal(again.tokens, first.tokens)
+  np.testing.assert_array_equal(again.logprobs, first.logprobs)
+
+
 def test_compile_clock_counts_each_new_program_once_and_its_seconds():
   import time
 

@@ -81,8 +81,8 @@ class UnfoldConfig:
       prompt and budget, the view keeps those its tokens fill, and gives them back when its trajectory ends); 0
       gives every view a dense row at the roomiest view's capacity. Off a mesh only: on a mesh rows stay dense.
     kv_pages: pages a cache's pool starts with; 0: a quarter of every row of the cache at its largest view capacity.
-      A pool that runs out grows at once to every row at a dense row's own slots (a new size compiles the sampler's
-      programs once).
+      A pool that runs out doubles, up to every row at that capacity; each size compiles the sampler's programs once
+      per run (the sizes do not depend on the batch).
   """
 
   group_size: int = 4

@@ -240,12 +240,12 @@ class _Unfolder:
     z = self.cfg.kv_page_size
     if z and getattr(first, "mesh", None) is None:
       # Pages: the table spans the largest capacity and the pool starts at a quarter of every row at it (or
-      # kv_pages), run constants rather than this batch's openings, so their shapes add no compiled programs (a row
-      # holds only its pages; `_schedule` keeps a view within its capacity). The most a pool can need: every row
-      # at the own slots a dense row would have (its view's capacity less the opening, at most `own`).
+      # kv_pages); it grows by doubling up to every row at it (`_reserve`). All run constants, not this batch's
+      # openings, so every rollout with as many rows compiles the same programs (a row holds only its pages;
+      # `_schedule` keeps a view within its capacity).
       rows = len(prompts) * self.cfg.group_size
-      most = rows * -(-own // z)
-      pool = paged.PagePool(min(self.cfg.kv_pages or -(-rows * -(-full // z) // 4), most), z)
+      most = rows * -(-full // z)
+      pool = paged.PagePool(min(self.cfg.kv_pages or -(-most // 4), most), z)
       forked = first.fork(cache, self.cfg.group_size, capacity=full, pages=pool)
       if isinstance(forked, paged.PagedKVCache):  # a sampler without paged caches (a test's stand-in) ignores pool
         self.pages[name] = (pool, most)
@@ -335,21 +335,26 @@ class _Unfolder:
 
   def _reserve(self, name: str, placed: list[tuple[_Job, int]], cache):
     """The cache with each placed (job, row) given the pages for its prompt and new-token budget; when the pool has
-    too few free, it first grows at once to its most, every row at a dense row's own slots, which holds any jobs
-    (`paged.PagedKVCache.extended`): each pool size is one more size of every sampler program, so it grows once.
-    A dense cache is returned as it is."""
+    too few free, it first doubles (`paged.PagedKVCache.extended`) until they fit, up to its most, every row at the
+    largest capacity (which holds any jobs). Each pool size is one more size of every sampler program; the sizes
+    are the same in every rollout with as many rows, so they compile once per run. A dense cache is returned as it
+    is."""
     if name not in self.pages or not placed:
       return cache
     pool, most = self.pages[name]
-    for job, row in placed:
-      need = pool.lengths.get(row, 0) + len(job.ids) + job.max_new
-      if pool.free() < -(-need // pool.page_size) - len(pool.pages.get(row, ())):
-        if pool.num_pages >= most:
-          raise RuntimeError(f"rollout bug: a pool of {pool.num_pages} pages, every row's most, has too few free.")
-        logging.info("the %s cache's KV page pool grows from %d to %d pages", name, pool.num_pages, most)
-        pool.extend(most)
-        cache = cache.extended(most)
-        self.stats["kv_pool_growths"] += 1
+    needs = [(row, pool.lengths.get(row, 0) + len(job.ids) + job.max_new) for job, row in placed]
+    short = sum(max(-(-n // pool.page_size) - len(pool.pages.get(row, ())), 0) for row, n in needs) - pool.free()
+    if short > 0:
+      size = pool.num_pages
+      while size - pool.num_pages < short and size < most:
+        size = min(2 * size, most)
+      if size - pool.num_pages < short:
+        raise RuntimeError(f"rollout bug: a pool of {size} pages, every row's most, has too few free.")
+      logging.info("the %s cache's KV page pool grows from %d to %d pages", name, pool.num_pages, size)
+      pool.extend(size)
+      cache = cache.extended(size)
+      self.stats["kv_pool_growths"] += 1
+    for row, need in needs:
       pool.grow(row, need)
     self.peak[name] = max(self.peak[name], pool.allocated())
     return self._table(name, cache)

@@ -30,8 +30,9 @@ Invariants:
     touches few rows of a large cache runs on a power-of-two bucket of them, gathered and put back, when the prefix
     copies that takes are no longer than the rows' own attended slots (a long shared opening stays shared).
   * Compilations are bounded: prompt chunks are bucketed to powers of two up to ``prefill_chunk``, new-token counts
-    and gathered rows to powers of two; ``compile_counts`` reports how many traces each jitted function took
-    (prefill, decode, and a stream's admit).
+    and gathered rows to powers of two, the slots a dense cache attends over too (a paged cache needs no such
+    bucket: one program serves every history length); ``compile_counts`` reports how many traces each jitted
+    function took (prefill, decode, and a stream's admit).
 """
 
 from __future__ import annotations
@@ -481,6 +482,13 @@ class Sampler:
     prefix = sum(level.capacity for level in cache.levels())
     return self.batch_multiple == 1 and _next_pow2(n, 1) < int(cache.lengths.shape[0]) and prefix <= attend
 
+  @staticmethod
+  def _attended(cache, attend: int) -> int:
+    """The static ``attend`` a call compiles for: ``attend`` on a dense cache; a paged cache's whole table, since
+    its pages are read only up to the last one any row fills whatever the table's width (`paged.attention_part`),
+    so one program serves every history length."""
+    return cache.capacity if isinstance(cache, paged.PagedKVCache) else attend
+
   def attend_bucket(self, n: int) -> int:
     """Cache slots a call attends over: ``n`` (the most slots any row of the call fills) rounded up to a power of
     two, at least ``prefill_chunk``; the caller caps it at the capacity. Attention then costs what the histories
@@ -547,7 +555,8 @@ class Sampler:
       valid = np.arange(size)[None, :] < (n - start)[:, None]
       last = n - 1 - start
       is_last = (n > 0) & (last >= 0) & (last < size)
-      chunk = (tokens, roles, valid, np.clip(last, 0, size - 1).astype(np.int32), is_last, min(attend, cache.capacity))
+      clipped = np.clip(last, 0, size - 1).astype(np.int32)
+      chunk = (tokens, roles, valid, clipped, is_last, self._attended(cache, min(attend, cache.capacity)))
       if compact:
         cache, last_logits = self._jit("prefill_rows", cache)(
           self.params, cache, last_logits, rows.astype(np.int32), *chunk
@@ -732,7 +741,9 @@ class Stream:
       b = len(self.live)
       some = np.flatnonzero(running)
       m = _next_pow2(len(some), 1)
-      if sampler._gathers(state.cache, len(some), attend):
+      compact = sampler._gathers(state.cache, len(some), attend)
+      attend = sampler._attended(state.cache, attend)
+      if compact:
         rows = np.concatenate([some, np.full(m - len(some), b)]).astype(np.int32)
         at = np.minimum(rows, b - 1)  # padding rows take row b-1's inputs and stay done
         keys = jax.random.wrap_key_data(jnp.asarray(self._keys[at]))

@@ -265,14 +265,19 @@ def test_context_exhausted_ends_cleanly(tiny_model, tokenizer, mock_tasks):
 
 
 class _RecordedPool(paged.PagePool):
-  """A `paged.PagePool` that keeps a list of its instances and the pages each release gave back."""
+  """A `paged.PagePool` that keeps a list of its instances, the sizes it grew to and the pages each release gave
+  back."""
 
   made: list = []
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self.released = 0
+    self.released, self.sizes = 0, [self.num_pages]
     _RecordedPool.made.append(self)
+
+  def extend(self, num_pages):
+    self.sizes.append(num_pages)
+    super().extend(num_pages)
 
   def release(self, row):
     self.released += len(self.pages[row])
@@ -325,6 +330,13 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
   pools = _RecordedPool.made
   assert len(pools) == (1 if user_mode == "policy" else 2)  # the policy's cache, and the reference's
   assert paged_run.stats["kv_pool_growths"] >= 1 and pools[0].num_pages > 4
+  # A pool doubles from kv_pages (each size is another size of every sampler program, the same in every rollout
+  # with as many rows), up to every row at the largest capacity (then its last size).
+  # Rows: the policy's cache, views x tasks x G (ACT, REHEARSE and a policy-played USER); the reference's, USER's.
+  mosts = [3 * 2 * 2 * 1024 // 16] if user_mode == "policy" else [2 * 2 * 2 * 1024 // 16, 2 * 2 * 512 // 16]
+  for pool, most in zip(pools, mosts, strict=True):
+    ladder = [4 * 2**k for k in range(10) if 4 * 2**k < most] + [most]
+    assert pool.sizes == sorted(set(pool.sizes)) and all(size in ladder for size in pool.sizes), pool.sizes
   assert all(pool.allocated() == 0 and not pool.pages for pool in pools)  # every page given back
   assert all(pool.released > 0 for pool in pools)
   # kv_slots: the levels and the pools' pages; kv_slots_held: the levels and the most pages held at once.

@@ -591,3 +591,28 @@ def test_paged_rows_work_gathered_and_with_pages_of_their_own(tiny_with_roles):
   np.testing.assert_array_equal(got.tokens[[1, 3]], want.tokens[[1, 3]])
   np.testing.assert_allclose(got.logprobs[[1, 3]], want.logprobs[[1, 3]], atol=1e-4)
   np.testing.assert_array_equal(np.asarray(pages.lengths)[[0, 1, 3]], np.asarray(dense[0].lengths)[[0, 1, 3]])
+
+
+def test_paged_rows_compile_one_program_for_every_history_length(tiny_with_roles):
+  """Turns that grow the rows' histories across several attend buckets (`Sampler.attend_bucket`, here 8, 16, 32, 64
+  slots) compile a prefill and a decode per bucket on dense rows, and one of each on pages (their attention reads
+  up to the last filled page whatever the table's width); the same greedy tokens either way."""
+  from envace_jax.model import paged
+
+  config, params = tiny_with_roles
+  dense_sampler, paged_sampler = (Sampler(config, params, prefill_chunk=8, min_bucket=8) for _ in range(2))
+  pool = paged.PagePool(num_pages=32, page_size=4)
+  for r in range(2):
+    pool.grow(r, 64)
+  pages = paged.init_cache(config.replace(scan_layers=False), pool, range(2), width=16)
+  pages = pages.replace(lengths=jnp.zeros(2, jnp.int32))
+  dense = dense_sampler.init_cache(2, 64)
+  kw = dict(role=Role.ACT, max_new_tokens=6)
+  for turn in range(5):
+    prompts = [[3 + turn, 4, 5, 6], [7, 8 + turn, 9, 10]]
+    want, dense = dense_sampler.generate(dense, prompts, Role.USER, key=jax.random.key(turn), **kw)
+    got, pages = paged_sampler.generate(pages, prompts, Role.USER, key=jax.random.key(turn), **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert int(pages.lengths[0]) == int(dense.lengths[0]) == 50  # 5 turns of 4 + 6 tokens: buckets 8 .. 64
+  assert dense_sampler.compile_counts["decode"] >= 3 and dense_sampler.compile_counts["prefill"] >= 3
+  assert paged_sampler.compile_counts == {"prefill": 1, "decode": 1, "admit": 1}
