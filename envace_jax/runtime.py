@@ -82,6 +82,19 @@ def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:
   return tokenizer
 
 
+# An XLA compile this long is a model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU), not an eager
+# operation's (about 0.01 s); each one leaves its jaxpr and lowered module in JAX's caches.
+_LARGE_COMPILE_S = 1.0
+_large_compiles = 0  # since import
+_large_at_clear = 0  # _large_compiles when the caches were last dropped
+
+
+def _count_large_compile(event: str, start: float, end: float, **_) -> None:
+  global _large_compiles
+  if event == _BACKEND_COMPILE and end - start >= _LARGE_COMPILE_S:
+    _large_compiles += 1
+
+
 def _clear_staging_caches() -> None:
   """JAX's own caches of traced jaxprs, lowered modules and Python-dispatched executables (``jax._src.util``; no
   public call clears them without jit's compiled-executable caches). Nothing when that private function is gone."""
@@ -105,7 +118,7 @@ def _malloc_trim():
   return trim
 
 
-def release_host_memory() -> None:
+def release_host_memory(staging: bool = False) -> None:
   """Drops JAX's tracing and lowering caches, keeping the compiled programs, and hands the C heap's free pages back
   to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
 
@@ -115,10 +128,15 @@ def release_host_memory() -> None:
   keeps every program's jaxpr and lowered module after compiling it: about 15 of the 50 MiB a SmolLM2 sampler
   program holds on CPU. `jax.clear_caches()` would drop the compiled programs too; `_clear_staging_caches` drops
   the rest, and a later call with shapes seen before runs the program it has (jit's C++ dispatch keeps it) without
-  tracing or compiling again (``tests/test_runtime.py``). Training and evaluation call this between phases (after a
-  rollout, an update, an evaluation's parts), when no large program runs; the pages come back zeroed when next used.
+  tracing or compiling again (``tests/test_runtime.py``). Eager operations' small programs do compile again, so the
+  caches are dropped only when a model-sized program (``_LARGE_COMPILE_S`` or more to compile) was compiled since
+  they last were, or when ``staging`` is True. Training and evaluation call this between phases (after a rollout,
+  an update, an evaluation's parts), when no large program runs; the pages come back zeroed when next used.
   """
-  _clear_staging_caches()
+  global _large_at_clear
+  if staging or _large_compiles > _large_at_clear:
+    _large_at_clear = _large_compiles
+    _clear_staging_caches()
   trim = _malloc_trim()
   if trim is not None:
     trim(0)
@@ -143,6 +161,7 @@ def host_memory_gib() -> dict[str, float]:
 
 _COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+jax.monitoring.register_event_time_span_listener(_count_large_compile)  # for release_host_memory, from import on
 
 
 class CompileClock:

@@ -59,11 +59,31 @@ def test_release_host_memory_keeps_the_compiled_programs():
   run = lambda: sampler.generate(sampler.init_cache(batch=2, capacity=64), [[3, 4, 5], [6, 7]], 0, **kw)[0]  # noqa: E731
   first = run()
   traces = dict(sampler.compile_counts)
-  runtime.release_host_memory()
+  runtime.release_host_memory(staging=True)  # the tiny model's programs compile in under _LARGE_COMPILE_S
   again = run()
   assert sampler.compile_counts == traces == {"prefill": 1, "decode": 1, "admit": 1}
   np.testing.assert_array_equal(again.tokens, first.tokens)
   np.testing.assert_array_equal(again.logprobs, first.logprobs)
+
+
+def test_release_host_memory_drops_the_caches_only_after_a_large_compile(monkeypatch):
+  """The caches go only when a program that took ``_LARGE_COMPILE_S`` or more compiled since they last went (eager
+  operations' programs would compile again for nothing otherwise), or when asked."""
+  calls = []
+  monkeypatch.setattr(runtime, "_clear_staging_caches", lambda: calls.append(1))
+  runtime.release_host_memory()
+  calls.clear()
+  runtime.release_host_memory()
+  assert calls == []  # nothing large compiled since
+  runtime._count_large_compile(runtime._BACKEND_COMPILE, 0.0, runtime._LARGE_COMPILE_S / 2)
+  runtime.release_host_memory()
+  assert calls == []  # an eager operation's compile
+  runtime._count_large_compile(runtime._BACKEND_COMPILE, 0.0, runtime._LARGE_COMPILE_S)
+  runtime.release_host_memory()
+  runtime.release_host_memory()
+  assert calls == [1]  # once for the large compile
+  runtime.release_host_memory(staging=True)
+  assert calls == [1, 1]
 
 
 def test_compile_clock_counts_each_new_program_once_and_its_seconds():

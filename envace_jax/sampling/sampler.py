@@ -225,7 +225,9 @@ class Sampler:
     shapes = tuple((c.lengths.shape[0], c.capacity) for c in (cache, *cache.levels()))
     if self.mesh is not None and not isinstance(cache, KVCache):
       raise ValueError("a paged cache (paged.PagedKVCache) runs off the mesh only, for now; use a KVCache.")
-    key = (kind, shapes if self.mesh is not None else None)
+    # On a mesh a program's shardings follow the cache's shapes; admit never takes the cache, so one jit serves all
+    # (a jit per cache shape would compile it again for each, and again after `runtime.release_host_memory`).
+    key = (kind, shapes if self.mesh is not None and kind != "admit" else None)
     if key in self._jitted:
       return self._jitted[key]
     fn, static, donate = {
