@@ -82,19 +82,6 @@ def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:
   return tokenizer
 
 
-# An XLA compile this long is a model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU), not an eager
-# operation's (about 0.01 s); each one leaves its jaxpr and lowered module in JAX's caches.
-_LARGE_COMPILE_S = 1.0
-_large_compiles = 0  # since import
-_large_at_clear = 0  # _large_compiles when the caches were last dropped
-
-
-def _count_large_compile(event: str, start: float, end: float, **_) -> None:
-  global _large_compiles
-  if event == _BACKEND_COMPILE and end - start >= _LARGE_COMPILE_S:
-    _large_compiles += 1
-
-
 def _clear_staging_caches() -> None:
   """JAX's own caches of traced jaxprs, lowered modules and Python-dispatched executables (``jax._src.util``; no
   public call clears them without jit's compiled-executable caches). Nothing when that private function is gone."""
@@ -161,6 +148,19 @@ def host_memory_gib() -> dict[str, float]:
 
 _COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# An XLA compile this long is a model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU), not an eager
+# operation's (about 0.01 s); each one leaves its jaxpr and lowered module in JAX's caches.
+_LARGE_COMPILE_S = 1.0
+_large_compiles = 0  # since import
+_large_at_clear = 0  # _large_compiles when the caches were last dropped
+
+
+def _count_large_compile(event: str, start: float, end: float, **_) -> None:
+  global _large_compiles
+  if event == _BACKEND_COMPILE and end - start >= _LARGE_COMPILE_S:
+    _large_compiles += 1
+
+
 jax.monitoring.register_event_time_span_listener(_count_large_compile)  # for release_host_memory, from import on
 
 
@@ -168,7 +168,7 @@ class CompileClock:
   """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
   ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
   and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident:
-  about 40 MB of machine code for a SmolLM2-135M sampler program on CPU).
+  about 35 MiB for a SmolLM2-135M sampler program on CPU, plus 15 MiB of JAX's caches until `release_host_memory`).
 
       with CompileClock() as clock:
         mark = clock.mark()
