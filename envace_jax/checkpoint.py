@@ -16,7 +16,7 @@ On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
                written by every process, each its own shards). ``params`` is the model's tree, or in per-role mode
                {"act": tree, "rehearse": tree}; ``opt_state`` is the optax state (e.g. AdamW) over it.
   ``config/``  the run's config as JSON: a checkpoint describes itself (``read_config``; ``python -m
-               envace_jax.inspect DIR`` prints it without the config file).
+               envace_jax.inspect_checkpoint DIR`` prints it without the config file).
   ``meta/``    JSON: the step, the RNG key (``jax.random.key_data`` and the key's implementation), the data position
                (``TaskStream.state()``), the step's metrics (non-finite floats as "NaN"/"Infinity" strings) and the
                save's wall time.
@@ -186,9 +186,9 @@ class Checkpointer:
     max_to_keep: how many of the newest checkpoints to keep (older ones are deleted); None keeps all.
     save_every: ``save`` writes only steps that are multiples of this (``force=True`` writes any step).
     async_save: write in a background thread (the default); False blocks in ``save`` until written.
-    read_only: for readers of a workdir another process may be writing (``--mode=eval``, ``envace_jax.inspect``,
-      notebooks): nothing is created or deleted (an unfinished save's tmp folder stays for its writer) and ``save``
-      raises.
+    read_only: for readers of a workdir another process may be writing (``--mode=eval``,
+      ``envace_jax.inspect_checkpoint``, notebooks): nothing is created or deleted (an unfinished save's tmp folder
+      stays for its writer) and ``save`` raises.
 
   Raises:
     ValueError: max_to_keep or save_every below 1.
@@ -393,7 +393,7 @@ class Checkpointer:
       f"{len(problems)} of its arrays do not match this run's state.\n  "
       + "\n  ".join(listed)
       + ("\nModel settings that differ:\n  " + "\n  ".join(settings) if settings else "")
-      + "\nResume with the checkpoint's own config (`python -m envace_jax.inspect "
+      + "\nResume with the checkpoint's own config (`python -m envace_jax.inspect_checkpoint "
       f"{os.path.dirname(self.directory)}` prints it), or start the new config in a fresh --workdir."
     )
 

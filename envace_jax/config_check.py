@@ -4,7 +4,7 @@
 
 The checks read files only to see that they exist (weights, checklist data) and, for a local model directory, its
 ``config.json`` (to compare it with the named preset and to learn the context length). Helpers here turn the
-config's strings into what the training loop needs: ``trained_roles``, ``weights_source``, ``tokenizer_source``.
+config's strings into what the training loop needs: ``grpo_fields``, ``weights_source``, ``tokenizer_source``.
 The schema itself, with every key's meaning and default, is ``configs/base.py``.
 """
 
@@ -15,39 +15,34 @@ import math
 import os
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from envace_jax.envs import datasets
+from envace_jax.config.choices import (
+  ARG_KEYS,
+  CHAT_TEMPLATES,
+  DTYPES,
+  ENV_MODES,
+  KL_ESTIMATORS,
+  MESH_AXES,
+  REHEARSAL_USERS,
+  REWARD_KINDS,
+  ROLES,
+  USER_MODES,
+  VIEWS,
+  WEIGHTINGS,
+)
+from envace_jax.config.choices import GRPO_MODES as MODES
+from envace_jax.config.choices import INVALID_REHEARSAL_POLICIES as ON_INVALID_REHEARSAL
+from envace_jax.config.choices import MALFORMED_POLICIES as ON_MALFORMED
+from envace_jax.config.choices import REHEARSAL_MODES as REHEARSAL
+from envace_jax.envs import registry
 from envace_jax.envs.base import EnvError
 from envace_jax.model import config as model_config
 
-MODES = ("envace", "per_role", "grpo_real_env")
-ROLES = ("act", "rehearse", "user")
-VIEWS = ("act", "rehearse", "user")
-# The same values as rl/grpo.py and rehearsal/unfold.py accept (tests/test_configs.py checks they agree).
-WEIGHTINGS = ("row", "trajectory")
-KL_ESTIMATORS = ("low_var_kl", "k1", "k2")
-ENV_MODES = ("rehearse", "real")
-ON_MALFORMED = ("continue", "end")
-ON_INVALID_REHEARSAL = ("as_is", "error", "end")
-USER_MODES = ("reference", "policy", "external")
-REWARD_KINDS = ("rule", "judge")
-ARG_KEYS = ("strict", "tau2")
-REHEARSAL = ("off", "parallel", "sequential")
-REHEARSAL_USERS = ("policy", "reference")
-DTYPES = ("float32", "bfloat16", "float16")
-CHAT_TEMPLATES = ("", "chatml")
-MESH_AXES = ("data", "fsdp", "tensor")
-DEMONSTRATED_BENCHMARKS = ("tau2", "bfcl")  # with reference conversations for train.sft_warmup_steps
 SMOLLM2 = "smollm2-135m"
 # Architecture fields a model directory's config.json must share with the preset it is given for.
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
-# Splits of each prepared dataset config, from the TFDS builders (checklist splits come from the data).
-_SPLITS = {
-  (benchmark, c.name): c.splits
-  for benchmark, builder in (("tau2", datasets.EnvaceTau2), ("bfcl", datasets.EnvaceBfcl))
-  for c in builder.BUILDER_CONFIGS
-}
 _MISSING = object()
 
 
@@ -75,11 +70,6 @@ def parse_roles(value: str | Sequence[str]) -> tuple[str, ...]:
       if name and name not in names:
         names.append(name)
   return tuple(names)
-
-
-def trained_roles(config) -> tuple[str, ...]:
-  """``config.grpo.trained_roles`` as a tuple of names from ``ROLES``."""
-  return parse_roles(config.grpo.trained_roles)
 
 
 def weights_source(config) -> str | None:
@@ -286,7 +276,7 @@ def _check_mesh(ck: _Checker) -> None:
 
 
 def _check_env(ck: _Checker) -> str | None:
-  benchmark = ck.one_of("env.benchmark", datasets.BENCHMARKS)
+  benchmark = ck.one_of("env.benchmark", tuple(registry.BENCHMARKS))
   domain, data_path = ck.text("env.domain"), ck.text("env.data_path")
   split, eval_split = ck.text("env.split"), ck.text("env.eval_split")
   data_dir = ck.text("env.data_dir")
@@ -294,9 +284,10 @@ def _check_env(ck: _Checker) -> str | None:
   ck.text("env.eval_task_ids")
   if data_dir is not _MISSING and not data_dir:
     ck.add("env.data_dir is empty; set it to the folder that holds (or will hold) the prepared datasets")
-  if benchmark is _MISSING or benchmark not in datasets.BENCHMARKS:
+  if benchmark is _MISSING or benchmark not in registry.BENCHMARKS:
     return None
-  if benchmark == "checklist":
+  bench = registry.get(benchmark)
+  if bench.data == "path":
     if data_path is not _MISSING:
       if not data_path:
         ck.add("env.data_path is required for env.benchmark='checklist': pass --config.env.data_path=FILE_OR_DIR")
@@ -306,47 +297,42 @@ def _check_env(ck: _Checker) -> str | None:
       if value is not _MISSING and (not re.fullmatch(r"[A-Za-z0-9_]+", value) or value == "all"):
         ck.add(f"{key}={value!r} is not a split name; use letters, digits and _ (tasks without a split are 'train')")
     return benchmark
-  if benchmark in datasets.USER_DATA_BENCHMARKS:
-    _check_user_data(ck, benchmark, domain, data_path, split, eval_split)
+  if bench.data == "download":
+    _check_download(ck, bench, domain, data_path, split, eval_split)
     return benchmark
-  names = datasets.configs(benchmark)
-  what = "τ² domain" if benchmark == "tau2" else "BFCL category"
+  names = bench.domains()
   if domain is _MISSING:
     return benchmark
   if domain not in names:
-    ck.add(f"env.domain={domain!r} is not a {what}; choose one of {_choices(names)}")
+    ck.add(f"env.domain={domain!r} is not a {bench.domain_word}; choose one of {_choices(names)}")
     return benchmark
-  splits = _SPLITS[(benchmark, domain)]
+  splits = bench.splits(domain)
   for key, value in (("env.split", split), ("env.eval_split", eval_split)):
     if value is not _MISSING and value not in splits:
       ck.add(f"{key}={value!r} is not a split of {benchmark} {domain}; choose one of {_choices(splits)}")
   return benchmark
 
 
-def _check_user_data(ck: _Checker, benchmark: str, domain: Any, data_path: Any, split: Any, eval_split: Any) -> None:
-  """VitaBench / FinMCP-Bench: data the user downloads (and, for VitaBench, the `vita` package that runs its tools)."""
-  from envace_jax.envs import finmcp, vitabench
-
-  module = vitabench if benchmark == "vitabench" else finmcp
-  if domain is not _MISSING and domain not in module.DOMAINS:
-    ck.add(f"env.domain={domain!r} is not a {benchmark} domain; choose one of {_choices(module.DOMAINS)}")
+def _check_download(ck: _Checker, bench: registry.Benchmark, domain: Any, data_path: Any, split: Any, eval_split: Any):
+  """A benchmark whose data the user downloads (VitaBench, FinMCP-Bench), and the packages its tools need."""
+  benchmark, domains, hint = bench.name, bench.domains(), bench.adapter().DOWNLOAD_HINT
+  if domain is not _MISSING and domain not in domains:
+    ck.add(f"env.domain={domain!r} is not a {bench.domain_word}; choose one of {_choices(domains)}")
   if data_path is not _MISSING:
     if not data_path:
-      ck.add(f"env.data_path is required for env.benchmark={benchmark!r}. {module.DOWNLOAD_HINT}")
+      ck.add(f"env.data_path is required for env.benchmark={benchmark!r}. {hint}")
     elif not os.path.exists(os.path.expanduser(data_path)):
-      ck.add(f"env.data_path={data_path!r} does not exist. {module.DOWNLOAD_HINT}")
-    elif benchmark == "vitabench" and domain in vitabench.DOMAINS:
+      ck.add(f"env.data_path={data_path!r} does not exist. {hint}")
+    elif domain in domains:
       try:
-        vitabench.find_task_file(data_path, domain)
+        bench.data_files(Path(data_path).expanduser(), domain)
       except EnvError as e:
         ck.add(f"env.data_path={data_path!r}: {e}")
-  if benchmark == "vitabench" and importlib.util.find_spec("vita") is None:
-    ck.add(
-      "the package `vita` (VitaBench's tools) is not installed: git clone https://github.com/meituan-longcat/vitabench "
-      "and pip install -e the clone (vita reads src/vita/models.yaml at import, see its README)"
-    )
+  for module, install in bench.requires:
+    if importlib.util.find_spec(module) is None:
+      ck.add(f"the package `{module}` ({bench.title}'s tools) is not installed: {install}")
   for key, value in (("env.split", split), ("env.eval_split", eval_split)):
-    if value is not _MISSING and value != "test":
+    if value is not _MISSING and value not in bench.splits(domain):
       ck.add(f"{key}={value!r}: {benchmark} has only the split 'test'")
 
 
@@ -362,10 +348,11 @@ def _check_train(ck: _Checker, benchmark: str | None) -> None:
   warmup = ck.integer("train.sft_warmup_steps", 0)
   if steps is not _MISSING and warmup is not _MISSING and warmup > steps:
     ck.add(f"train.sft_warmup_steps={warmup} must be <= train.steps={steps}")
-  if warmup and warmup is not _MISSING and benchmark and benchmark not in DEMONSTRATED_BENCHMARKS:
+  if warmup and warmup is not _MISSING and benchmark and not registry.get(benchmark).demonstrations:
+    demonstrated = [b.name for b in registry.BENCHMARKS.values() if b.demonstrations]
     ck.add(
       f"train.sft_warmup_steps={warmup} with env.benchmark={benchmark!r}: the supervised warm-up needs reference "
-      f"conversations with executable gold calls, which only {_choices(DEMONSTRATED_BENCHMARKS)} have; set it to 0"
+      f"conversations with executable gold calls, which only {_choices(demonstrated)} have; set it to 0"
     )
 
 
@@ -499,18 +486,19 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
     )
   if mode == "per_role" and "user" in roles:
     ck.add("grpo.mode='per_role' keeps parameter trees for 'act' and 'rehearse' only; drop 'user' from trained_roles")
-  if benchmark == "finmcp" and env_mode == "real":
+  bench = registry.get(benchmark) if benchmark else None
+  if bench and bench.tools_unreachable and env_mode == "real":
     ck.add(
-      "rollout.env_mode='real' needs FinMCP-Bench's live MCP servers, which are not reachable; use "
-      "rollout.env_mode='rehearse' (the rehearsing role stands in for them)"
+      f"rollout.env_mode='real' needs {bench.tools_unreachable}; use rollout.env_mode='rehearse' (the rehearsing role "
+      "stands in for them)"
     )
-  if benchmark == "vitabench" and ck.get("reward.kind") == "rule":
+  if bench and bench.judged and ck.get("reward.kind") == "rule":
     ck.add(
-      "env.benchmark='vitabench' is scored by an LLM judge over its rubrics (it has no gold actions): set "
+      f"env.benchmark={benchmark!r} is scored by an LLM judge over its rubrics (it has no gold actions): set "
       "--config.reward.kind=judge --config.reward.judge_url=URL --config.reward.judge_model=NAME"
     )
   if "user" in roles:
-    if benchmark in ("bfcl", "checklist", "finmcp"):
+    if bench and bench.logged_user_turns:
       ck.add(f"grpo.trained_roles has 'user', but {benchmark} replays logged user turns: there are no USER rows")
     elif user_mode in USER_MODES and user_mode != "policy":
       ck.add(

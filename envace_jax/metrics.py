@@ -208,7 +208,7 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
 
 
 def format_eval_summary(summary: Mapping[str, float], step: int) -> str:
-  """The training run's held-out evaluation (``evaluate.committed_execution``'s ``eval/*`` scalars, also appended to
+  """The training run's held-out evaluation (``heldout.committed_execution``'s ``eval/*`` scalars, also appended to
   ``workdir/eval.jsonl``) as a short table: pass^k, reward, invalid trajectories, scoring errors, turns and tool
   calls; REHEARSE's fidelity on the committed runs' real tool calls and on the benchmark's gold calls (when
   measured); the rehearsal-vs-real reward gap (when measured). A NaN (nothing to measure) shows as "-".

@@ -19,7 +19,7 @@ import jax
 from absl import logging
 
 from envace_jax import config_check
-from envace_jax.envs import datasets
+from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import Task
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
@@ -241,9 +241,9 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
 
 
 def dataset_config(config) -> str:
-  """The prepared-dataset config of ``config.env`` (`datasets.source_config`): the τ² domain, the BFCL category, the
-  checklist data path, or "DOMAIN:PATH" for the user-supplied VitaBench and FinMCP-Bench data."""
-  return datasets.source_config(config.env.benchmark, config.env.domain, config.env.data_path)
+  """The prepared-dataset config of ``config.env`` (`registry.Benchmark.source_config`): the τ² domain, the BFCL
+  category, the checklist data path, or "DOMAIN:PATH" for the user-supplied VitaBench and FinMCP-Bench data."""
+  return registry.get(config.env.benchmark).source_config(config.env.domain, config.env.data_path)
 
 
 def load_split(config, split: str) -> datasets.TaskSource:

@@ -1,6 +1,6 @@
 """How a trajectory gets its reward, and what a scorer's failure becomes.
 
-Three scorers (paper §3.3; DESIGN.md, "One training step", item 5):
+Three scorers (paper §3.3; README, "How a training step runs", step 5):
   * the benchmark's own evaluator on the real environment the trajectory ran in (τ²: ``evaluate_simulation``; BFCL:
     its multi-turn checker): committed executions, ``grpo_real_env`` rollouts, the reward gap's replay;
   * the rule checklist (`rl.rewards.rule_checklist`, ``reward.kind="rule"``) for rehearsed trajectories, which have
@@ -15,11 +15,16 @@ A failure is never a valid 0:
   * **a model output a scorer cannot handle** (arguments nested past the checker's recursion limit, a conversation
     the τ² evaluator cannot replay, a judge reply with no verdict, a judge request refused as too large) makes the
     trajectory invalid: ``RewardInfo(reward=nan, valid=False)``, excluded from the group baselines and the loss
-    (`rl.advantages`), a failed trial in pass^k (`evaluate.score_committed`), and counted.
+    (`rl.advantages`), a failed trial in pass^k (`score_committed`), and counted.
 
 Counts (`counts`): ``reward/scoring_errors`` (trajectories whose scorer raised or reported its own failure) and
 ``reward/invalid`` (every invalid trajectory: scoring errors and, e.g., an external user that failed), in every
 training step's metrics and every evaluation's summary.
+
+Also here, for training's and ``--mode=eval``'s evaluations alike: `score_committed` (the benchmark's reward and
+τ²-bench's pass^k over trials: per task with c successes in n trials, C(c, k) / C(n, k), averaged over tasks) and
+`reward_gap` (the rule reward of rehearsed trajectories vs the benchmark's reward for the same ACT decisions executed
+for real, `replay_for_real`).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 from absl import logging
 
 from envace_jax import config_check
-from envace_jax.envs.base import EnvError, RewardInfo, Task, ToolEnv
+from envace_jax.envs import registry
+from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolEnv
 from envace_jax.model import tool_format
-from envace_jax.rehearsal.episode import initial_conversation
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rl import rewards
 
@@ -41,33 +47,15 @@ SCORING_ERROR = "scoring_error"  # the `RewardInfo.info` key and `Trajectory.cou
 
 
 def make_env(config, task: Task) -> ToolEnv:
-  """A real environment for ``task``'s benchmark (not yet reset; ``unfold`` resets it).
+  """A real environment for ``task``'s benchmark (not yet reset; ``unfold`` resets it), scored by the rule checklist
+  or, for a judged benchmark, by ``config.reward``'s judge (without one its ``evaluate`` returns an invalid reward).
 
   Raises:
-    config_check.ConfigError: a benchmark without real tools to execute against.
+    EnvError: an unknown benchmark, or one without a real environment (`envs.registry`).
   """
-  if task.benchmark == "tau2":
-    from envace_jax.envs import tau2
-
-    return tau2.Tau2Env(task.domain)
-  if task.benchmark == "bfcl":
-    from envace_jax.envs import bfcl
-
-    return bfcl.BfclEnv()
-  if task.benchmark == "checklist":
-    from envace_jax.envs import checklist
-
-    return checklist.ChecklistEnv(scorer=rewards.rule_checklist)
-  if task.benchmark == "vitabench":
-    from envace_jax.envs import vitabench
-
-    # The rubric judge of config.reward; without one, evaluate() returns an invalid reward (envs/vitabench.py).
-    return vitabench.VitaBenchEnv(scorer=make_judge(config))
-  if task.benchmark == "finmcp":
-    from envace_jax.envs import finmcp
-
-    return finmcp.FinMcpEnv()
-  raise config_check.ConfigError([f"benchmark {task.benchmark!r} has no real environment to evaluate against"])
+  bench = registry.get(task.benchmark)
+  judge = make_judge(config) if bench.judged else None
+  return bench.make_env(task, rule_checklist=rewards.rule_checklist, judge=judge)
 
 
 def make_judge(config):
@@ -170,7 +158,7 @@ def act_in_rehearse_format(trajectories: Sequence[Trajectory]) -> float:
   confused = sum(
     tag in m.content
     for t in trajectories
-    for m in t.messages[len(initial_conversation(t.task)) :]
+    for m in t.messages[len(registry.initial_conversation(t.task)) :]
     if m.role == "assistant"
   )
   return confused / acts if acts else float("nan")
@@ -210,3 +198,109 @@ def check_scorers(config, real_tasks: Sequence[Task] = ()) -> None:
       raise config_check.ConfigError(
         [f"{where}: the benchmark's evaluator cannot score task {task.id!r}: {e}"]
       ) from None
+
+
+def pass_hat_k(successes: Sequence[int], trials: int, k: int) -> float:
+  """τ²-bench's pass^k: mean over tasks of C(c, k) / C(n, k) (c successes of n trials).
+
+  Raises:
+    ValueError: k outside 1..n, or a success count outside 0..n.
+  """
+  if not 1 <= k <= trials:
+    raise ValueError(f"pass^k needs 1 <= k <= n trials; got k={k}, n={trials}")
+  if any(not 0 <= c <= trials for c in successes):
+    raise ValueError(f"success counts must lie in 0..{trials}, got {list(successes)}")
+  return float(np.mean([math.comb(c, k) / math.comb(trials, k) for c in successes])) if successes else float("nan")
+
+
+def replay_for_real(task: Task, messages: Sequence[ChatMessage], env: ToolEnv) -> list[ChatMessage]:
+  """The same ACT decisions executed for real: ``env`` is reset with ``task``; every tool call of the assistant
+  messages runs on it, in order, and its real result replaces the rehearsed one (a call the rehearsal left
+  unanswered runs too); user and assistant messages are kept as they were.
+
+  Returns:
+    the conversation with real tool results, for the benchmark's evaluator.
+  """
+  env.reset(task)
+  out: list[ChatMessage] = []
+  for m in messages:
+    if m.role == "tool":
+      continue
+    out.append(m)
+    out += [env.answer(call) for call in (m.tool_calls if m.role == "assistant" else ())]
+  return out
+
+
+def reward_gap(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """Rule-checklist reward of rehearsed trajectories vs the benchmark reward of replaying them for real.
+
+  Args:
+    tasks: the original task of each trajectory (with its gold actions).
+    trajectories: rehearsed trajectories.
+  Returns:
+    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real): means over the trajectories both
+    scorers accepted, "gap/trajectories": how many those are, "gap/invalid": how many either scorer could not score
+    (`score`), "gap/scoring_errors": how many of those a scorer failed on}.
+  """
+  rehearsed, real, invalid, errors = [], [], 0, 0
+  for task, traj in zip(tasks, trajectories, strict=True):
+    r = score(config, traj, task=task)
+    env = make_env(config, task)
+    replayed = Trajectory(task, traj.group, traj.sample, replay_for_real(task, traj.messages, env))
+    q = score(config, replayed, env=env)
+    errors += bool(traj.counts.get(SCORING_ERROR) or replayed.counts.get(SCORING_ERROR))
+    if r.valid and q.valid:
+      rehearsed.append(r.reward)
+      real.append(q.reward)
+    else:
+      invalid += 1
+  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+  return {
+    "gap/rehearsed_reward": mean(rehearsed),
+    "gap/real_reward": mean(real),
+    "gap/gap": mean(rehearsed) - mean(real),
+    "gap/trajectories": float(len(real)),
+    "gap/invalid": float(invalid),
+    "gap/scoring_errors": float(errors),
+  }
+
+
+def is_success(reward: float) -> bool:
+  """τ²-bench's success of one trial (``tau2.metrics.agent_metrics.is_successful``): |reward - 1| <= 1e-6."""
+  return 1.0 - 1e-6 <= reward <= 1.0 + 1e-6
+
+
+def score_committed(
+  config, trajectories: Sequence[Trajectory], envs: Sequence[ToolEnv], num_tasks: int, num_trials: int
+) -> dict[str, float]:
+  """Scores committed executions (task-major, ``num_trials`` per task) with each one's environment's evaluator
+  (`score`); sets each trajectory's ``reward``.
+
+  An invalid trial (its scorer failed, or the external user did) is left out of the mean reward and counts as a
+  failed trial in pass^k: a task's c counts its successful trials (`is_success`) out of all ``num_trials``.
+
+  Returns:
+    {"reward": mean reward of the valid trials (NaN when none is), "pass^1".."pass^n", "tasks", "trials",
+    "reward/invalid", "reward/scoring_errors" (`counts`), "turns", "tool_calls" (means per trial),
+    "tool_call_validity" (`tool_call_validity`), "act_rehearse_format" (`act_in_rehearse_format`)}.
+  """
+  rewards_ = []
+  successes = [0] * num_tasks
+  for i, traj in enumerate(trajectories):
+    traj.reward = score(config, traj, env=envs[i])
+    if traj.reward.valid:
+      rewards_.append(traj.reward.reward)
+      successes[i // num_trials] += int(is_success(traj.reward.reward))
+  summary = {
+    "reward": float(np.mean(rewards_)) if rewards_ else float("nan"),
+    "tasks": float(num_tasks),
+    "trials": float(num_trials),
+    **counts(trajectories),
+    "turns": float(np.mean([t.counts.get("generations_act", 0) for t in trajectories])),
+    "tool_calls": float(np.mean([t.counts.get("tool_calls", 0) for t in trajectories])),
+    "tool_call_validity": tool_call_validity(trajectories),
+    "act_rehearse_format": act_in_rehearse_format(trajectories),
+  }
+  for k in range(1, num_trials + 1):
+    summary[f"pass^{k}"] = pass_hat_k(successes, num_trials, k)
+  return summary

@@ -2,7 +2,7 @@
 
     python -m envace_jax.main --config=configs/tau2.py --workdir=DIR
 
-One step, as data flows (DESIGN.md, "One training step"; paper §3):
+One step, as data flows (README, "How a training step runs"; paper §3):
   1. B tasks from the prepared dataset (``TaskStream``: a per-epoch permutation; its position is checkpointed).
   2. ``unfold``: B×G trajectories; ACT and REHEARSE (and a policy-played USER) share the policy's decode loop,
      continuously batched; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
@@ -21,9 +21,11 @@ resumed run repeats exactly what the uninterrupted run would have done.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -32,8 +34,8 @@ import numpy as np
 from absl import logging
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, evaluate, metrics, runtime, scoring
-from envace_jax.envs import datasets
+from envace_jax import config_check, heldout, metrics, runtime, scoring
+from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import EnvError, Task
 from envace_jax.model import transformer
 from envace_jax.model.roles import NUM_ROLES, Role
@@ -100,7 +102,15 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
 
 
 # Folded into a step's key for its extra batches (unfold folds trajectory, role and generation indices into its key).
-_DYNAMIC_SAMPLING_STREAM = 0xD5A
+_DYNAMIC_SAMPLING_STREAM = 0xD5A  # streams of a step's key (values fixed: they decide every rollout)
+_EVALUATION_STREAM = 0x5EED
+
+
+@contextlib.contextmanager
+def _untimed_phase(name: str) -> Iterator[dict[str, Any]]:
+  """`Trainer.phase`'s default: the phase's outputs go into a dict nobody reads; nothing is timed."""
+  del name
+  yield {}
 
 
 def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
@@ -126,6 +136,11 @@ class Trainer:
     model: the loaded model (``runtime.Model``); its params are the reference policy (frozen).
     state: the ``grpo.TrainState`` (params, optimizer state, step).
     stream: the ``datasets.TaskStream`` of training tasks.
+    phase: what `step` wraps each of its phases in: ``phase(name)`` is a context manager yielding a dict, which the
+      phase fills with what it produced. Names and what they put there: "rollout" (``trajectories``, ``stats``: the
+      step's first batch), "dynamic_sampling" (``trajectories``, ``metrics``), "batch" (``advantages``, ``batch``:
+      None when nothing is trainable), "reference" (``batch`` with the reference logprobs; ``grpo.use_kl`` only),
+      "update" (``metrics``). The default times nothing; ``experiments/throughput.py`` times each phase with it.
   """
 
   def __init__(self, config, workdir: str):
@@ -175,6 +190,7 @@ class Trainer:
     rows = config.train.tasks_per_step * config.train.group_size
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
+    self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
 
   def _scored_tasks(self) -> list[Task]:
     """The tasks the benchmark's evaluator will score: every training task when rollouts run on the real tools
@@ -351,13 +367,16 @@ class Trainer:
     """One update of ``self.state`` on ``batch`` (with the reference's logprobs when the loss has a KL term), at the
     warm-up's learning rate when ``supervised``; returns the update step's metrics as floats."""
     self.finish_save()
-    batch = self.with_reference(batch)
+    if self.grpo_cfg.use_kl:
+      with self.phase("reference") as out:
+        batch = out["batch"] = self.with_reference(batch)
     state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=supervised)
-    self.state, update_metrics = self.update(state, batch)
+    with self.phase("update") as out:
+      self.state, update_metrics = self.update(state, batch)
+      out["metrics"] = {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
     self._sync_samplers()
-    out = {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
     runtime.release_host_memory()
-    return out
+    return out["metrics"]
 
   # -- the supervised warm-up (train.sft_warmup_steps) ------------------------------------------------------------
 
@@ -372,7 +391,8 @@ class Trainer:
     out, skipped = [], 0
     for b, task in enumerate(tasks):
       try:
-        conversation = demonstration.reference_conversation(task, scoring.make_env(self.config, task))
+        env = scoring.make_env(self.config, task)
+        conversation = registry.get(task.benchmark).reference_conversation(task, env)
       except EnvError as e:
         logging.warning("supervised warm-up: task %s skipped: %s", task.id, e)
         skipped += 1
@@ -440,23 +460,27 @@ class Trainer:
     start = time.perf_counter()
     tasks = self.stream.next_batch()
     key = jax.random.fold_in(self.key, step)
-    trajectories, stats = self.rollout(tasks, key)
+    with self.phase("rollout") as out:
+      trajectories, stats = out["trajectories"], out["stats"] = self.rollout(tasks, key)
     scalars = rollout_metrics(trajectories, stats)  # the step's first batch: what the policy does on B tasks
     groups = group_trajectories(trajectories)
     scalars["rollout/groups_without_signal"] = sum(not has_signal(g) for g in groups) / len(groups)
     if self.grpo_cfg.dynamic_sampling:
-      trajectories, dynamic = self.dynamic_sampling(groups, key)
+      with self.phase("dynamic_sampling") as out:
+        trajectories, dynamic = out["trajectories"], out["metrics"] = self.dynamic_sampling(groups, key)
       scalars.update(dynamic)
       scalars["time/rollout_s"] += dynamic["time/dynamic_sampling_s"]
-    adv, adv_stats = self.advantages(trajectories)
+    with self.phase("batch") as out:
+      adv, adv_stats = out["advantages"] = self.advantages(trajectories)
+      update_start = time.perf_counter()
+      try:
+        batch = self.training_batch(trajectories, adv)
+      except ValueError as e:  # nothing trainable this step (e.g. every trajectory invalid): log it, do not crash
+        logging.warning("step %d: no update: %s", step, e)
+        scalars["update/skipped"] = 1.0
+        batch = None
+      out["batch"] = batch
     scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
-    update_start = time.perf_counter()
-    try:
-      batch = self.training_batch(trajectories, adv)
-    except ValueError as e:  # nothing trainable this step (e.g. every trajectory invalid): log it, do not crash
-      logging.warning("step %d: no update: %s", step, e)
-      scalars["update/skipped"] = 1.0
-      batch = None
     if batch is not None:
       update_metrics = self.apply_update(batch, supervised=False)
       scalars.update({f"update/{k}": v for k, v in update_metrics.items()})
@@ -491,7 +515,7 @@ class Trainer:
       if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
         say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
         initial = self.evaluate(0)
-        evaluate.write_summary(self.workdir, 0, initial)
+        heldout.write_summary(self.workdir, 0, initial)
         say(metrics.format_eval_summary(initial, 0))
       for step in range(self.start_step + 1, total + 1):
         mark = clock.mark()
@@ -516,7 +540,7 @@ class Trainer:
       if cfg.train.eval_tasks != 0:
         say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
-        evaluate.write_summary(self.workdir, total, summary)
+        heldout.write_summary(self.workdir, total, summary)
         say(metrics.format_eval_summary(summary, total))
         initial = [r for r in metrics.read_jsonl(self.workdir, "eval.jsonl") if r["step"] == 0]
         if initial and total:
@@ -535,15 +559,15 @@ class Trainer:
     )
 
   def evaluate(self, step: int) -> dict[str, float]:
-    """Committed execution of the current policy on held-out tasks against the real tools (``evaluate.py``), with
+    """Committed execution of the current policy on held-out tasks against the real tools (``heldout.py``), with
     the host memory figures after it (``runtime.host_memory_gib``)."""
     self._sync_samplers()
-    summary = evaluate.committed_execution(
+    summary = heldout.committed_execution(
       self.config,
       self.eval_tasks(),
       self.samplers,
       self.model.tokenizer,
-      jax.random.fold_in(jax.random.fold_in(self.key, step), 0x5EED),
+      jax.random.fold_in(jax.random.fold_in(self.key, step), _EVALUATION_STREAM),
       num_trials=self.config.eval.num_trials,
     )
     return {**summary, **runtime.host_memory_gib()}  # after the evaluation: an in-run one's replace the step's

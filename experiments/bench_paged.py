@@ -1,4 +1,4 @@
-"""G rows continuing one opening, decoded over four KV layouts: storage and decode speed (issue 18's paged KV).
+"""G rows continuing one opening, decoded over four KV layouts: storage and decode speed (`model/paged.py`).
 
     python -m experiments.bench_paged                          # SmolLM2-135M shapes, opening {1024} x G {8}; ~3 min
     python -m experiments.bench_paged --openings 256,2048 --groups 4,16 --page-size 64
@@ -91,7 +91,7 @@ def _layouts(config, params, opening: np.ndarray, group: int, new_tokens: int, p
 def bench(config, params, opening: int, group: int, new_tokens: int, page_size: int, repeats: int) -> list[dict]:
   ids = np.asarray(jax.random.randint(jax.random.key(opening), (opening,), 1, config.vocab_size), np.int32)
   first = jnp.asarray(np.arange(group) % config.vocab_size + 1, jnp.int32)  # each row continues differently
-  decode = jax.jit(_decode, static_argnums=(0, 4))
+  decode = jax.jit(_decode, static_argnames=("config", "steps"))
   rows, reference = [], None
   for name, (build, slots) in _layouts(config, params, ids, group, new_tokens, page_size).items():
     jax.block_until_ready(decode(config, params, build(), first, new_tokens))  # compiles

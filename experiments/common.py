@@ -13,7 +13,6 @@ Models:
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import os
@@ -24,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("smollm2", "tiny")
@@ -76,8 +77,7 @@ def make_config(model: str, domain: str, seed: int, data_dir: str, *, full: bool
   """The run config of ``model`` on τ² ``domain`` with ``seed``; ``full`` applies ``FULL`` and ``model_path``."""
   if full:
     c = config_file("tau2", domain)
-    for key, value in FULL.items():
-      set_value(c, key, value)
+    apply_overrides(c, FULL)
     c.model_path = model_path
   elif model == "tiny":
     check_domains(model, [domain])
@@ -89,47 +89,9 @@ def make_config(model: str, domain: str, seed: int, data_dir: str, *, full: bool
   return c
 
 
-def _parse(text: str) -> Any:
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def set_value(config, dotted: str, value: Any) -> None:
-  """Sets ``config.<dotted>`` to ``value``, converted to the field's type where it is text (as ``--config.*`` flags
-  are): "true"/"false" for bools, numbers, "a,b" for tuples.
-
-  Raises:
-    KeyError: no such field. ValueError: the value does not convert.
-  """
-  *path, leaf = dotted.split(".")
-  node = config
-  for p in path:
-    node = node[p]
-  if leaf not in node:
-    raise KeyError(f"no config field {dotted!r}")
-  old = node[leaf]
-  if isinstance(value, str):
-    if isinstance(old, bool):
-      if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(f"{dotted}={value!r}: expected true or false")
-      value = value.lower() in ("true", "1")
-    elif isinstance(old, tuple | list):
-      value = tuple(v.strip() for v in value.split(",") if v.strip())
-    elif isinstance(old, int | float):
-      value = _parse(value)
-      if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{dotted}: expected a number, got {value!r}")
-      if isinstance(old, int) and not isinstance(old, bool) and isinstance(value, float):
-        if value != int(value):
-          raise ValueError(f"{dotted}: expected an integer, got {value!r}")
-        value = int(value)
-  node[leaf] = value
-
-
 def split_overrides(extra: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
-  """``--config.KEY=VALUE`` arguments (as ``python -m envace_jax.main`` takes them) and whatever else was left."""
+  """``--config.KEY=VALUE`` arguments (as ``python -m envace_jax.main`` takes them) as (KEY, VALUE) pairs, and
+  whatever else was left."""
   overrides, rest = [], []
   for arg in extra:
     if arg.startswith("--config.") and "=" in arg:
@@ -140,6 +102,26 @@ def split_overrides(extra: Sequence[str]) -> tuple[list[tuple[str, str]], list[s
   return overrides, rest
 
 
+def apply_flags(config, overrides: Sequence[tuple[str, str]]):
+  """``config`` with (KEY, TEXT) overrides parsed as ``python -m envace_jax.main --config.KEY=TEXT`` parses them
+  (ml_collections' ``config_flags``: each field's type; a tuple field takes the text as one item, which the config
+  check splits at commas). Changes ``config`` in place and returns it.
+
+  Raises:
+    ValueError: an unknown key, or a value that does not convert (the message names the key).
+  """
+  argv = ["experiment", *(f"--config.{k}={v}" for k, v in overrides)]
+  flag_values = flags.FlagValues()
+  try:
+    config_flags.DEFINE_config_dict("config", config, flag_values=flag_values, lock_config=False, sys_argv=argv)
+    flag_values(argv)
+  except (AttributeError, KeyError) as e:
+    raise ValueError(f"no config field for an override in {argv[1:]}: {e}") from None
+  except flags.Error as e:
+    raise ValueError(str(e)) from None
+  return flag_values.config
+
+
 # The paper's method and its two ablations as config overrides (each goes through the same training loop).
 TRAINING_MODES: dict[str, dict[str, Any]] = {
   "envace": {"grpo.mode": "envace"},
@@ -148,9 +130,25 @@ TRAINING_MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def apply_overrides(config, overrides: Sequence[tuple[str, Any]]) -> None:
-  for key, value in overrides:
-    set_value(config, key, value)
+def apply_overrides(config, overrides: Mapping[str, Any]) -> None:
+  """Sets ``config.<KEY>`` to each Python value of ``overrides`` (dotted keys; values already typed).
+
+  Raises:
+    KeyError: a key the config does not have.
+  """
+  flat = set(_flat_keys(config))
+  unknown = [k for k in overrides if k not in flat]
+  if unknown:
+    raise KeyError(f"no config field {unknown[0]!r}")
+  config.update_from_flattened_dict(dict(overrides))
+
+
+def _flat_keys(node, prefix: str = ""):
+  for key, value in node.items():
+    if hasattr(value, "items"):
+      yield from _flat_keys(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}"
 
 
 def parse_ints(text: str) -> list[int]:

@@ -52,7 +52,7 @@ The user's first message is the task's scenario (``rollout.scenario_opening``, i
 the user simulator rarely states the request (experiments/learning_check.py).
 
 Each cell (method, seed) trains with ``train.train_and_evaluate`` into ``--workdir/METHOD/seedS`` (a killed run
-resumes from its checkpoint) and is evaluated with ``evaluate.evaluate_policy``: committed execution on the held-out
+resumes from its checkpoint) and is evaluated with ``heldout.evaluate_policy``: committed execution on the held-out
 tasks against the real tools and τ²'s evaluator (reward, pass^1, tool-call validity), REHEARSE's fidelity on the
 held-out gold calls (``fidelity_gold/*``) and on the committed runs' real calls, and the rehearsal-vs-real reward gap
 (the committed runs' messages and rewards go to ``heldout_transcripts.json`` there, for reading). The same
@@ -119,7 +119,7 @@ LABELS = {
 PAPER_TAU2_AVG = {"envace": 36.7, "grpo_real_env": 31.2, "per_role": 35.5}  # Qwen3-8B, τ² pass^1 (%), the paper's
 MODES = ("parallel", "sequential")
 
-# The evaluation numbers a cell keeps (evaluate.evaluate_policy's keys) and the table's columns.
+# The evaluation numbers a cell keeps (heldout.evaluate_policy's keys) and the table's columns.
 KEPT = (
   "reward",
   "pass^1",
@@ -206,10 +206,10 @@ def cell_config(args, method: str, seed: int):
   c.eval.num_trials = args.trials
   c.eval.fidelity = c.eval.fidelity_gold = c.eval.reward_gap = True
   if trained:
-    common.apply_overrides(c, common.TRAINING_MODES[method].items())
+    common.apply_overrides(c, common.TRAINING_MODES[method])
   elif method in WARMUP_ONLY:  # the warm-up trains both roles of the one policy, as EnvACE's does
     c.grpo.mode = "envace"
-  common.apply_overrides(c, args.overrides)
+  common.apply_flags(c, args.overrides)
   return c
 
 
@@ -277,14 +277,14 @@ def run_cell(args, method: str, seed: int, committed: Mapping[tuple[str, int], d
 
 
 def _evaluate(args, config, method: str, seed: int, workdir: pathlib.Path, train_s: float) -> dict[str, Any]:
-  """The cell's held-out evaluation (``evaluate.evaluate_policy`` with the seed's evaluation key, the same openings
+  """The cell's held-out evaluation (``heldout.evaluate_policy`` with the seed's evaluation key, the same openings
   for every method) as its record, printed in one line."""
-  from envace_jax import evaluate
+  from envace_jax import evaluate, heldout
 
   tasks = evaluate.eval_tasks(config)
   model, samplers, step = evaluate.load_policy(config, str(workdir), len(tasks) * args.trials)
   start = time.perf_counter()
-  summary, run = evaluate.evaluate_policy(
+  summary, run = heldout.evaluate_policy(
     config, tasks, samplers, model.tokenizer, evaluate.eval_key(seed), num_trials=args.trials
   )
   common.write_json(workdir / TRANSCRIPTS_FILE, [_transcript(t) for t in run.committed])
@@ -346,7 +346,7 @@ def run_test_time(args, method: str, seed: int, on_row) -> dict[str, Any]:
 
   A trained cell whose checkpoint is not in its workdir (its record came from the committed JSON) is trained again
   first, as its config says (the record says so: ``retrained_for_test_time``)."""
-  from envace_jax import evaluate, train
+  from envace_jax import evaluate, heldout, train
 
   workdir = cell_dir(args, method, seed)
   cell = common.read_json(workdir / CELL_FILE)
@@ -375,7 +375,7 @@ def run_test_time(args, method: str, seed: int, on_row) -> dict[str, Any]:
       c = copy.deepcopy(config)
       c.eval.rehearsal_n = n
       start = time.perf_counter()
-      summary, _ = evaluate.evaluate_policy(
+      summary, _ = heldout.evaluate_policy(
         c, tasks, samplers, model.tokenizer, evaluate.eval_key(seed), mode=mode, num_trials=args.trials,
         fidelity=False, gap=False, gold=False,
       )  # fmt: skip

@@ -19,8 +19,8 @@ never states the request, and an agent that is not told the task cannot earn its
      momentum of the warm-up is left in them);
   4. scores the trained policy on the same set with the same key.
 The check passes when both hold: for every seed, the fixed-set reward after the GRPO steps exceeds the one before
-them (after the warm-up: what is judged is reinforcement learning, not the supervised warm-up), and, as issue 5
-states it, the training reward at the last GRPO step, averaged over the seeds, exceeds the one at the first (whose
+them (after the warm-up: what is judged is reinforcement learning, not the supervised warm-up), and the
+training reward at the last GRPO step, averaged over the seeds, exceeds the one at the first (whose
 rollouts come from the policy before any GRPO update). Prints a table and the verdict and saves ``--out`` (PNG:
 per-step training reward per seed, and before/after per seed).
 Not a timed test. Measured on 2 CPU cores with the defaults (SmolLM2; 2 warm-up steps, 6 GRPO steps of B=3 x G=4
@@ -62,7 +62,7 @@ def load_config(args, seed: int):
   c.train.eval_every = 0
   c.train.group_size = args.group
   c.env.train_task_ids = args.task_ids
-  common.apply_overrides(c, common.TRAINING_MODES[args.mode].items())
+  common.apply_overrides(c, common.TRAINING_MODES[args.mode])
   c.train.tasks_per_step = tasks_per_step(args)
   c.grpo.learning_rate = args.lr
   c.grpo.sft_learning_rate = args.sft_lr

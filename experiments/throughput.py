@@ -14,8 +14,8 @@ default: Qwen3-8B then needs ~200 GB for those, more than one 141 GB H200; ``--c
 halves it), or take ``--config.model=qwen3-4b`` or shard over chips with ``--config.mesh.fsdp=N``; KV caches
 add 2 x B x G rows x act_capacity (8192 on airline) x 147 KB for Qwen3-4B/8B in bfloat16 (~19 GB at B=2, G=4).
 
-A ``train.Trainer`` (the loop of ``python -m envace_jax.main``) runs the phases of ``Trainer.step`` one by one,
-each timed on its own (``--config``: a τ² domain, default mock, or a config file ``configs/X.py[:arg]``):
+A ``train.Trainer`` (the loop of ``python -m envace_jax.main``) runs ``Trainer.step`` itself, each of its phases timed
+through ``Trainer.phase`` (``--config``: a τ² domain, default mock, or a config file ``configs/X.py[:arg]``):
   rollout  ``Trainer.rollout``: B x G self-unfolded trajectories (ACT, REHEARSE and the reference-played USER) and
            their rewards. Tokens from its stats: generated (by role) and prefilled (the group-shared openings once
            per task, plus every continuation); unfold's stats do not split prefill by role. The rollout interleaves
@@ -58,6 +58,7 @@ other processes used meanwhile (``bench_sampler.CpuMeter``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -80,6 +81,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from envace_jax import runtime  # noqa: E402
+from experiments import common  # noqa: E402
 from experiments.bench_sampler import CpuMeter, busy_note, read_bandwidth  # noqa: E402
 
 ROLES = ("act", "rehearse", "user")
@@ -293,45 +295,53 @@ def sampler_compiles(trainer) -> int:
   return sum(sum(s.compile_counts.values()) for s in trainer.samplers.values())
 
 
+class PhaseTimer:
+  """`train.Trainer.phase` that times each phase: wall and CPU seconds, the seconds spent compiling (``clock``),
+  and what the phase produced."""
+
+  def __init__(self, clock: runtime.CompileClock):
+    self.clock, self.phases = clock, {}
+
+  @contextlib.contextmanager
+  def __call__(self, name: str):
+    out: dict[str, Any] = {}
+    mark, start, cpu = self.clock.mark(), time.perf_counter(), cpu_seconds()
+    yield out
+    out.update(seconds=time.perf_counter() - start, cpu_s=cpu_seconds() - cpu, compile_s=self.clock.since(mark))
+    self.phases[name] = out
+
+
 def run_step(trainer, step: int, clock: runtime.CompileClock) -> StepRecord:
-  """Trainer.step's phases, each timed: rollout, advantages + batch, (reference forward), update."""
-  rec, meter, cfg = StepRecord(step=step), CpuMeter(), trainer.grpo_cfg
-  tasks = trainer.stream.next_batch()
-  compiles, mark, start, cpu = sampler_compiles(trainer), clock.mark(), time.perf_counter(), cpu_seconds()
-  trajectories, stats = trainer.rollout(tasks, jax.random.fold_in(trainer.key, step))
-  rec.rollout_s, rec.rollout_compile_s = time.perf_counter() - start, clock.since(mark)
-  rec.rollout_cpu_s = cpu_seconds() - cpu
+  """`Trainer.step` (the main job's step), each phase timed: rollout, advantages + batch, (reference), update."""
+  rec, meter, timer = StepRecord(step=step), CpuMeter(), PhaseTimer(clock)
+  compiles, untimed = sampler_compiles(trainer), trainer.phase
+  trainer.phase = timer
+  try:
+    trainer.step(step)
+  finally:
+    trainer.phase = untimed
+  rollout, batch = timer.phases["rollout"], timer.phases["batch"]
+  trajectories, stats = rollout["trajectories"], rollout["stats"]
+  rec.rollout_s, rec.rollout_compile_s, rec.rollout_cpu_s = rollout["seconds"], rollout["compile_s"], rollout["cpu_s"]
   rec.sampler_compiles = sampler_compiles(trainer) - compiles
   rec.generated = {role: int(stats.get(f"generated_tokens_{role}", 0)) for role in ROLES}
   rec.prefilled_shared = int(stats.get("prefill_tokens_shared", 0))
   rec.prefilled = int(stats.get("prefill_tokens", 0)) + rec.prefilled_shared
   rec.rollout_times = {k: float(v) for k, v in stats.items() if k.startswith("time_")}
   rec.trajectories, rec.trajectory_list = len(trajectories), trajectories
-
-  start = time.perf_counter()
-  adv, _ = trainer.advantages(trajectories)
-  try:
-    batch = trainer.training_batch(trajectories, adv)
-  except ValueError as e:  # nothing trainable (every trajectory invalid): Trainer.step skips the update too
-    log(f"step {step}: no update: {e}")
-    rec.skipped, rec.batch_s = True, time.perf_counter() - start
-    rec.others, rec.stolen = meter.stop()
-    return rec
-  rec.batch_s = time.perf_counter() - start
-  rec.row_tokens = int(np.asarray(batch.valid).sum())
-  rec.padded_tokens = int(np.asarray(batch.tokens).size)
-  if cfg.use_kl:
-    mark, start = clock.mark(), time.perf_counter()
-    batch = trainer.with_reference(batch)
-    rec.reference_s, rec.reference_compile_s = time.perf_counter() - start, clock.since(mark)
-
-  mark, start, cpu = clock.mark(), time.perf_counter(), cpu_seconds()
-  trainer.state, metrics = trainer.update(trainer.state, batch)
-  metrics = jax.device_get(metrics)
-  jax.block_until_ready(trainer.state)
-  rec.update_s, rec.update_compile_s = time.perf_counter() - start, clock.since(mark)
-  rec.update_cpu_s = cpu_seconds() - cpu
-  rec.trained_tokens = int(np.asarray(metrics["tokens"]))
+  rec.batch_s = batch["seconds"]
+  if batch["batch"] is None:  # nothing trainable (every trajectory invalid): Trainer.step skipped the update
+    log(f"step {step}: no update")
+    rec.skipped = True
+  else:
+    rec.row_tokens = int(np.asarray(batch["batch"].valid).sum())
+    rec.padded_tokens = int(np.asarray(batch["batch"].tokens).size)
+    if "reference" in timer.phases:
+      reference = timer.phases["reference"]
+      rec.reference_s, rec.reference_compile_s = reference["seconds"], reference["compile_s"]
+    update = timer.phases["update"]
+    rec.update_s, rec.update_compile_s, rec.update_cpu_s = update["seconds"], update["compile_s"], update["cpu_s"]
+    rec.trained_tokens = int(update["metrics"]["tokens"])
   rec.others, rec.stolen = meter.stop()
   return rec
 
@@ -510,30 +520,6 @@ def _load(path: pathlib.Path, arg: str | None):
   return module.get_config(arg) if arg else module.get_config()
 
 
-def _convert(text: str, current: Any) -> Any:
-  """``text`` as the type of the config value it replaces."""
-  if isinstance(current, bool):
-    if text.lower() not in ("true", "false", "1", "0"):
-      raise ValueError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
-  if isinstance(current, int):
-    return int(text)
-  if isinstance(current, float):
-    return float(text)
-  if isinstance(current, tuple):
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-  return text
-
-
-def apply_override(config, dotted: str, text: str) -> None:
-  """``--config.a.b=text``: sets config.a.b, converted to the type of its current value."""
-  *path, leaf = dotted.split(".")
-  node = config
-  for p in path:
-    node = node[p]
-  node[leaf] = _convert(text, node[leaf])
-
-
 def load_config(args, overrides: Sequence[str]):
   """The run's config: τ² domain or config file, the script's sizes, then the ``--config.KEY=VALUE`` overrides."""
   if args.model == "tiny":
@@ -550,10 +536,9 @@ def load_config(args, overrides: Sequence[str]):
   c.train.checkpoint_every = args.steps + 1
   c.train.eval_tasks = 0
   c.train.eval_every = 0
-  for item in overrides:
-    dotted, _, text = item[len("--config.") :].partition("=")
-    apply_override(c, dotted, text)
-  return c
+  c.train.sft_warmup_steps = 0  # every timed step is an RL step of one batch:
+  c.grpo.dynamic_sampling = False
+  return common.apply_flags(c, common.split_overrides(overrides)[0])
 
 
 # ---------------------------------------------------------------------------------------------------- main

@@ -140,7 +140,7 @@ def jit_apply(config, params, *args, **kwargs):
 def _jitted_apply():
   from envace_jax.model import transformer
 
-  return jax.jit(transformer.apply, static_argnums=0)
+  return jax.jit(transformer.apply, static_argnames="config")
 
 
 def torch_logits(model, tokens: np.ndarray) -> np.ndarray:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import jax
 import pytest
 
-from envace_jax import evaluate
+from envace_jax import evaluate, scoring
 from envace_jax.envs.base import RewardInfo
 
 
 def test_pass_hat_k_hand_computed():
   # One task, c = 2 successes of n = 4 trials: pass^1 = 2/4, pass^2 = C(2,2)/C(4,2) = 1/6, pass^3 = 0.
-  assert evaluate.pass_hat_k([2], 4, 1) == pytest.approx(0.5)
-  assert evaluate.pass_hat_k([2], 4, 2) == pytest.approx(1 / 6)
-  assert evaluate.pass_hat_k([2], 4, 3) == 0.0
+  assert scoring.pass_hat_k([2], 4, 1) == pytest.approx(0.5)
+  assert scoring.pass_hat_k([2], 4, 2) == pytest.approx(1 / 6)
+  assert scoring.pass_hat_k([2], 4, 3) == 0.0
   # Averaged over tasks: (C(4,2)/C(4,2) + C(1,2)/C(4,2)) / 2 = (1 + 0) / 2.
-  assert evaluate.pass_hat_k([4, 1], 4, 2) == pytest.approx(0.5)
+  assert scoring.pass_hat_k([4, 1], 4, 2) == pytest.approx(0.5)
 
 
 class _KnownEnv:
@@ -46,7 +46,7 @@ def test_score_committed_counts_invalid_trials_as_failures_and_0_999999_as_a_suc
       trajectories.append(Trajectory(create_task, b, g, [], counts={"generations_act": b + g, "tool_calls": g}))
       envs.append(_KnownEnv(r))
   trajectories[-1].termination = Termination.USER_ERROR
-  summary = evaluate.score_committed(_tiny_config("/unused"), trajectories, envs, num_tasks=3, num_trials=3)
+  summary = scoring.score_committed(_tiny_config("/unused"), trajectories, envs, num_tasks=3, num_trials=3)
   valid = [1.0, 0.999999, 0.0, 1.0, 1.0, 0.5, 0.9999989]
   assert summary["reward"] == pytest.approx(sum(valid) / 7, abs=1e-15)
   assert (summary["tasks"], summary["trials"]) == (3.0, 3.0)
@@ -58,7 +58,7 @@ def test_score_committed_counts_invalid_trials_as_failures_and_0_999999_as_a_suc
   ]
   assert successes == [2, 2, 0]
   assert (
-    [evaluate.is_success(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
+    [scoring.is_success(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
     == [agent_metrics.is_successful(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
     == [True, True, False, True, False]
   )
@@ -75,7 +75,7 @@ def test_score_committed_counts_invalid_trials_as_failures_and_0_999999_as_a_suc
 @pytest.mark.parametrize("successes,n,k", [([1], 2, 0), ([1], 2, 3), ([3], 2, 1), ([-1], 2, 1)])
 def test_pass_hat_k_rejects_bad_counts(successes, n, k):
   with pytest.raises(ValueError, match="pass\\^k|success counts"):
-    evaluate.pass_hat_k(successes, n, k)
+    scoring.pass_hat_k(successes, n, k)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_replay_for_real_swaps_rehearsed_results_for_real_ones(create_task):
   from envace_jax.envs import tau2
 
   env = tau2.Tau2Env("mock")
-  replayed = evaluate.replay_for_real(create_task, _rehearsed(create_task, True).messages, env)
+  replayed = scoring.replay_for_real(create_task, _rehearsed(create_task, True).messages, env)
   assert [m.role for m in replayed] == ["assistant", "user", "assistant", "tool", "assistant", "user"]
   real = replayed[3]
   assert "imagined_99" not in real.content and '"title": "Important Meeting"' in real.content
@@ -122,7 +122,7 @@ def test_reward_gap_hand_computed(create_task):
   # Means: rehearsed 0.75, real 0.5, gap 0.25.
   config = _tiny_config("/unused")
   trajs = [_rehearsed(create_task, True), _rehearsed(create_task, False)]
-  gap = evaluate.reward_gap(config, [create_task, create_task], trajs)
+  gap = scoring.reward_gap(config, [create_task, create_task], trajs)
   assert gap == {
     "gap/rehearsed_reward": 0.75,
     "gap/real_reward": 0.5,
@@ -200,7 +200,6 @@ def test_act_turns_in_rehearse_format_hand_counted(create_task):
   message's own block is not ACT's; no generation at all: NaN."""
   import math
 
-  from envace_jax import scoring
   from envace_jax.envs.base import ChatMessage, ToolCall
   from envace_jax.rehearsal.trajectory import Trajectory
 
@@ -215,5 +214,5 @@ def test_act_turns_in_rehearse_format_hand_counted(create_task):
   ]
   assert scoring.act_in_rehearse_format(trajectories) == 0.25
   assert math.isnan(scoring.act_in_rehearse_format([Trajectory(create_task, 0, 0, [], counts={})]))
-  summary = evaluate.score_committed(_tiny_config("/unused"), trajectories, [_KnownEnv(0.0)] * 2, 1, 2)
+  summary = scoring.score_committed(_tiny_config("/unused"), trajectories, [_KnownEnv(0.0)] * 2, 1, 2)
   assert summary["act_rehearse_format"] == 0.25

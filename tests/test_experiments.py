@@ -11,21 +11,24 @@ import pytest
 from experiments import common
 
 
-def test_set_value_converts_flag_text():
+def test_overrides_parse_as_the_main_job_parses_them():
+  """Experiments take ``--config.KEY=VALUE`` through ml_collections' config_flags, the parser of
+  ``python -m envace_jax.main``: each field's own type; a tuple field gets the text as one item (split at commas by
+  the config check, as for the main job)."""
   c = ml_collections.ConfigDict({"a": {"f": 1.0, "i": 2, "b": True, "t": ("act", "rehearse"), "s": "x"}})
-  for key, text, want in (
-    ("a.f", "1e-5", 1e-5),
-    ("a.i", "7", 7),
-    ("a.b", "false", False),
-    ("a.t", "act", ("act",)),
-    ("a.s", "y", "y"),
-  ):
-    common.set_value(c, key, text)
-    assert c.a[key.split(".")[1]] == want
-  with pytest.raises(ValueError):
-    common.set_value(c, "a.i", "1.5")
-  with pytest.raises(KeyError):
-    common.set_value(c, "a.missing", "1")
+  extra = ["--config.a.f=1e-5", "--config.a.i=7", "--config.a.b=false", "--config.a.t=act,user", "--config.a.s=y"]
+  overrides, rest = common.split_overrides([*extra, "--steps=2"])
+  assert rest == ["--steps=2"] and overrides[0] == ("a.f", "1e-5")
+  assert common.apply_flags(c, overrides) is c
+  assert c.a.to_dict() == {"f": 1e-5, "i": 7, "b": False, "t": ("act,user",), "s": "y"}
+  with pytest.raises(ValueError, match="--config.a.i=1.5"):
+    common.apply_flags(c, [("a.i", "1.5")])
+  with pytest.raises(ValueError, match="no config field for an override in \\['--config.a.missing=1'\\]"):
+    common.apply_flags(c, [("a.missing", "1")])
+  common.apply_overrides(c, {"a.t": ("act",), "a.i": 3})
+  assert c.a.t == ("act",) and c.a.i == 3
+  with pytest.raises(KeyError, match="no config field 'a.typo'"):
+    common.apply_overrides(c, {"a.typo": 1})
   config = common.make_config("tiny", "mock", 3, "/tmp/d")
   assert config.seed == 3 and config.env.domain == "mock" and config.model == "tiny"
   assert common.mean_std([0.0, 1.0]) == pytest.approx((0.5, math.sqrt(0.5)))

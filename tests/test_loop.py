@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, evaluate, metrics, runtime, scoring, train
+from envace_jax import config_check, evaluate, heldout, metrics, runtime, scoring, train
 from envace_jax.envs import tau2
 from envace_jax.envs.base import EnvError
 from envace_jax.model import tool_format
@@ -360,7 +360,7 @@ def test_a_judge_that_refuses_requests_mid_run_makes_them_invalid_and_a_revoked_
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The reward gap rehearses held-out tasks with nothing of their gold (evaluate.evaluate_policy).
+# The reward gap rehearses held-out tasks with nothing of their gold (heldout.evaluate_policy).
 
 
 @pytest.mark.parametrize("scenario_opening", [False, True])
@@ -394,9 +394,9 @@ def test_the_reward_gaps_rehearsals_see_no_gold_and_no_scenario(data_dir, monkey
     found = [s for s in (views.GROUNDING_HEADER, reference.result) if s in text]
     return found + [s for s in scenario if s in text]
 
-  monkeypatch.setattr(evaluate, "unfold", recording)
+  monkeypatch.setattr(heldout, "unfold", recording)
   samplers = {"policy": Policy(tok), "reference": User(tok)}
-  summary, _ = evaluate.evaluate_policy(config, [task], samplers, tok, jax.random.key(0), num_trials=2)
+  summary, _ = heldout.evaluate_policy(config, [task], samplers, tok, jax.random.key(0), num_trials=2)
   assert summary["gap/trajectories"] == 2.0 and len(rehearse_views) == 2
   for text in rehearse_views:
     assert CALL["gold"] in text or CALL["wrong"] in text  # REHEARSE did rehearse the agent's call

@@ -245,7 +245,8 @@ def _check_inspect_checkpoint(nb, facts: dict) -> None:
 
 def _inspect_checkpoint_env(request) -> tuple[dict[str, str], dict]:
   """The notebook inspects tests/conftest.py's ``tiny_run`` (ENVACE_NOTEBOOK_WORKDIR), the run its first cell would
-  train otherwise (configs/tiny.py, 2 steps, no evaluation): test_inspect.py and the notebook share one run."""
+  train otherwise (configs/tiny.py, 2 steps, no evaluation): test_inspect_checkpoint.py and the notebook share one
+  run."""
   workdir, _ = request.getfixturevalue("tiny_run")
   return {"ENVACE_NOTEBOOK_WORKDIR": str(workdir)}, {"workdir": workdir}
 

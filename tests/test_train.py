@@ -215,7 +215,9 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_pat
   batch = trainer.training_batch(trajectories, adv)
   batch = batch.replace(old_logprobs=trainer.policy_logprobs(batch))
   params = trainer.state.params
-  grads, _ = jax.jit(grpo.loss_and_grads, static_argnums=(0, 1))(trainer.model.config, trainer.grpo_cfg, params, batch)
+  grads, _ = jax.jit(grpo.loss_and_grads, static_argnames=("config", "cfg"))(
+    trainer.model.config, trainer.grpo_cfg, params, batch
+  )
 
   def nll(p, keep):
     total = count = 0.0
@@ -228,7 +230,9 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_pat
       count += jnp.sum(mb.target_mask)
     return -total / count
 
-  reference = jax.jit(jax.grad(nll), static_argnums=1)  # one program, not the gradient's ops dispatched one by one
+  reference = jax.jit(
+    jax.grad(nll), static_argnames="keep"
+  )  # one program, not the gradient's ops dispatched one by one
   if mode == "envace":
     expected = {"policy": reference(params, lambda r: True)}
     grads = {"policy": grads}

@@ -1,6 +1,6 @@
 """The protocol every benchmark adapter speaks: `Task`, `ToolEnv`, tool calls, observations, rewards.
 
-Benchmarks are model-free (DESIGN.md, "Dependency direction"): text and tool calls go in, observations and rewards
+Benchmarks are model-free (README, "How a training step runs"): text and tool calls go in, observations and rewards
 come out. Nothing here knows about tokens, the sampler or RL. The rehearsal package turns sampled text into
 `ToolCall`s and `ChatMessage`s; the adapters (`tau2.py`, `bfcl.py`, `checklist.py`, ...) run them on the benchmark's
 own tools and score them with the benchmark's own evaluator.
@@ -116,7 +116,7 @@ class ChatMessage:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceInteraction:
-  """A logged (tool, arguments, result): grounding for the rehearsing role (DESIGN.md, "Grounding for REHEARSE").
+  """A logged (tool, arguments, result): grounding for the rehearsing role (README, "How a training step runs", step 1).
 
   For τ² it is produced by replaying a gold action on a fresh environment at data-preparation time; for the
   checklist format it is a logged tool result of the reference conversation.

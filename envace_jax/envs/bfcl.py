@@ -59,10 +59,11 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, EnvError, GoldAction, Observation, RewardInfo, Task, ToolCall, ToolEnv
 
 BENCHMARK = "bfcl"
-CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+CATEGORIES = tuple(registry.BENCHMARKS[BENCHMARK].packaged_splits)
 _OUT_OF_SCOPE = {
   "web_search_base": "needs the live web (SerpAPI and page fetches)",
   "web_search_no_snippet": "needs the live web (SerpAPI and page fetches)",

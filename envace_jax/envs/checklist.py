@@ -420,7 +420,7 @@ class ChecklistEnv(ToolEnv):
   compares arguments: 1 == 1.0, "1" != 1). A call logged several times replays its results in logged order, then
   repeats the last. Anything else is an error `Observation`.
 
-  Scoring lives in `rl/rewards.py` (envs do not import rl, DESIGN.md "Dependency direction"), so the wiring passes it
+  Scoring lives in `rl/rewards.py` (envs do not import rl), so the wiring passes it
   in: `ChecklistEnv(scorer=rewards.rule_checklist)` (offline, gold actions only) or
   `ChecklistEnv(scorer=judge.ChecklistJudge(config))` (`rl/judge.py`) (the paper's LLM judge over the checklists).
 

@@ -25,7 +25,7 @@ On disk, under `data_dir`: `envace_tau2/retail/1.0.0/envace_tau2-train.array_rec
 `dataset_info.json` and `features.json`. A prepared version is never regenerated: change the data, bump the version.
 A checklist config is named after the file and a hash of its content (`mydata_3f2a9c01b7e4`), so editing the file
 prepares a new config instead of reading a stale one. VitaBench and FinMCP-Bench configs are named after the domain
-and a hash of the data read (`source_config` builds the "DOMAIN:PATH" argument from a run's config).
+and a hash of the data read (`registry.Benchmark.source_config` builds the "DOMAIN:PATH" argument from a run's config).
 
 Elsewhere (no envace code), the files read back with
 `tfds.builder_from_directory(data_dir / "envace_tau2/retail/1.0.0").as_data_source("train")`.
@@ -46,6 +46,7 @@ from typing import Any, overload
 import numpy as np
 import tensorflow_datasets as tfds
 
+from envace_jax.envs import registry
 from envace_jax.envs.base import EnvError, Task
 
 _FILE_FORMAT = "array_record"
@@ -167,12 +168,9 @@ class EnvaceTau2(_TaskBuilder):
 
   name = "envace_tau2"
   DESCRIPTION = "tau2-bench tasks (one config per domain) as envace Task JSON, with replayed reference interactions."
-  # The splits of each domain's split_tasks.json, without "base" (airline/retail: train + test) and TFDS's reserved
-  # "all". Telecom is left out: the τ² adapter does not support it (user-side tools).
   BUILDER_CONFIGS = [
-    TaskConfig(name="mock", source="mock", splits=("base",), description="tau2-bench mock domain (9 tasks)"),
-    TaskConfig(name="airline", source="airline", splits=("train", "test"), description="tau2-bench airline domain"),
-    TaskConfig(name="retail", source="retail", splits=("train", "test"), description="tau2-bench retail domain"),
+    TaskConfig(name=d, source=d, splits=s, description=f"tau2-bench {d} domain")
+    for d, s in registry.get("tau2").packaged_splits.items()
   ]
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
@@ -190,8 +188,8 @@ class EnvaceBfcl(_TaskBuilder):
   name = "envace_bfcl"
   DESCRIPTION = "BFCL multi-turn tasks (one config per category) as envace Task JSON."
   BUILDER_CONFIGS = [
-    TaskConfig(name=c, source=c, splits=("test",), description=f"BFCL {c}")
-    for c in ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+    TaskConfig(name=c, source=c, splits=s, description=f"BFCL {c}")
+    for c, s in registry.get("bfcl").packaged_splits.items()
   ]
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
@@ -273,18 +271,6 @@ _BUILDERS: dict[str, type[_TaskBuilder]] = {
   "vitabench": EnvaceVitabench,
   "finmcp": EnvaceFinmcp,
 }
-BENCHMARKS = tuple(_BUILDERS)
-USER_DATA_BENCHMARKS = ("vitabench", "finmcp")  # configs are "DOMAIN:PATH" (see source_config)
-
-
-def source_config(benchmark: str, domain: str, data_path: str) -> str:
-  """The dataset config of a run: the data path for "checklist", "DOMAIN:PATH" for VitaBench and FinMCP-Bench, the
-  domain (τ² domain, BFCL category) otherwise."""
-  if benchmark == "checklist":
-    return data_path
-  if benchmark in USER_DATA_BENCHMARKS:
-    return f"{domain}:{data_path}"
-  return domain
 
 
 def configs(benchmark: str) -> tuple[str, ...]:
@@ -293,10 +279,15 @@ def configs(benchmark: str) -> tuple[str, ...]:
   Raises:
     EnvError: unknown benchmark.
   """
-  return tuple(c.name for c in _builder_cls(benchmark).BUILDER_CONFIGS)
+  return tuple(c.name for c in builder_class(benchmark).BUILDER_CONFIGS)
 
 
-def _builder_cls(benchmark: str) -> type[_TaskBuilder]:
+def builder_class(benchmark: str) -> type[_TaskBuilder]:
+  """The TFDS builder class of ``benchmark``.
+
+  Raises:
+    EnvError: unknown benchmark.
+  """
   if benchmark not in _BUILDERS:
     raise EnvError(f"unknown benchmark {benchmark!r} for prepared datasets; choose one of {list(_BUILDERS)}")
   return _BUILDERS[benchmark]
@@ -320,18 +311,9 @@ def _user_data_config(benchmark: str, config: str | Path) -> TaskConfig:
   """A "DOMAIN:PATH" config named after the domain and a hash of the data files it reads."""
   domain, sep, raw_path = str(config).partition(":")
   if not sep or not domain or not raw_path:
-    raise EnvError(f"a {benchmark} dataset config is 'DOMAIN:PATH' (datasets.source_config), got {str(config)!r}")
+    raise EnvError(f"a {benchmark} dataset config is 'DOMAIN:PATH' (Benchmark.source_config), got {str(config)!r}")
   path = Path(raw_path).expanduser().resolve()
-  if benchmark == "vitabench":
-    from envace_jax.envs import vitabench
-
-    files = [vitabench.find_task_file(path, domain)]  # not the whole clone: only the task file is read
-  elif path.is_dir():
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".jsonl"))
-  elif path.is_file():
-    files = [path]
-  else:
-    raise EnvError(f"{benchmark} data {str(path)!r} does not exist")
+  files = registry.get(benchmark).data_files(path, domain)
   digest = hashlib.sha256()
   for f in files:
     digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -343,18 +325,19 @@ def builder(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBu
   """The TFDS builder of one benchmark config under `data_dir` (array_record); prepares nothing.
 
   Args:
-    benchmark: one of `BENCHMARKS`.
+    benchmark: one of `registry.BENCHMARKS`.
     config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
-      and "finmcp" "DOMAIN:PATH" (`source_config`).
+      and "finmcp" "DOMAIN:PATH" (`registry.Benchmark.source_config`).
     data_dir: root folder of the prepared datasets.
 
   Raises:
     EnvError: unknown benchmark or config; missing checklist data.
   """
-  cls = _builder_cls(benchmark)
-  if cls is EnvaceChecklist:
+  cls = builder_class(benchmark)
+  data = registry.get(benchmark).data
+  if data == "path":
     builder_config: TaskConfig | str = _checklist_config(config)
-  elif benchmark in USER_DATA_BENCHMARKS:
+  elif data == "download":
     builder_config = _user_data_config(benchmark, config)
   else:
     names = configs(benchmark)
@@ -368,9 +351,9 @@ def prepare(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBu
   """Load the tasks through the benchmark's adapter and write them as array_record; no-op when already prepared.
 
   Args:
-    benchmark: one of `BENCHMARKS`.
+    benchmark: one of `registry.BENCHMARKS`.
     config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
-      and "finmcp" "DOMAIN:PATH" (`source_config`).
+      and "finmcp" "DOMAIN:PATH" (`registry.Benchmark.source_config`).
     data_dir: root folder of the prepared datasets.
 
   Returns:
@@ -445,9 +428,9 @@ def load(benchmark: str, config: str | Path, split: str, data_dir: str | Path) -
   """Open one split of a prepared dataset for random access (`prepare` it first).
 
   Args:
-    benchmark: one of `BENCHMARKS`.
+    benchmark: one of `registry.BENCHMARKS`.
     config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
-      and "finmcp" "DOMAIN:PATH" (`source_config`).
+      and "finmcp" "DOMAIN:PATH" (`registry.Benchmark.source_config`).
     split: a split of that config ("train"/"test" for τ², "test" for BFCL, the tasks' splits for checklist).
     data_dir: root folder of the prepared datasets, as given to `prepare`.
 

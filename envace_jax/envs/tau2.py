@@ -68,9 +68,10 @@ from envace_jax.envs.base import (
   ToolCall,
   ToolEnv,
 )
+from envace_jax.envs.registry import BENCHMARKS
 
 BENCHMARK = "tau2"
-DOMAINS = ("mock", "airline", "retail")  # supported
+DOMAINS = tuple(BENCHMARKS[BENCHMARK].packaged_splits)  # supported
 ALL_SPLIT = "all"
 USER_STOP_MARKERS = (STOP, TRANSFER, OUT_OF_SCOPE)  # tau2.user.base; `UserSimulator.is_stop` checks these
 EVALUATION_TYPE = EvaluationType.ALL  # everything offline; ALL_WITH_NL_ASSERTIONS would need an LLM judge

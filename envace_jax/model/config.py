@@ -17,10 +17,10 @@ import json
 import os
 from typing import Any
 
+from envace_jax.config.choices import DTYPES
 from envace_jax.model.roles import NUM_ROLES
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -88,8 +88,8 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ConfigError(f"{name}={getattr(self, name)!r}; use one of {_DTYPES}.")
+      if getattr(self, name) not in DTYPES:
+        raise ConfigError(f"{name}={getattr(self, name)!r}; use one of {DTYPES}.")
     if self.rope_scaling is not None:
       kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
       if kind not in ("llama3", "linear", "default"):

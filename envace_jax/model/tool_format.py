@@ -10,7 +10,8 @@ The text formats (what the model reads and writes):
   * A tool result: ``<tool_response>\\n...\\n</tool_response>``.
 
 ``parse_action`` turns one ACT generation into an ``Action``: a tool call, a plain reply, or a typed parse error. It
-never raises on model output: malformed output is data (recorded on the trajectory and scored, DESIGN.md step 3).
+never raises on model output: malformed output is data (recorded on the trajectory and scored; README, "How a
+training step runs", step 3).
 """
 
 from __future__ import annotations

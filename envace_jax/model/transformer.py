@@ -27,7 +27,7 @@ after the prefixes' tokens (``KVCache.offsets``).
 Paged caches (`paged.PagedKVCache`, per-layer layout only): a row's own slots live in pages of a per-layer pool that
 rows share after a fork; the same prefix levels may precede them. Writes and masking follow the same slot order.
 
-Role embeddings (DESIGN.md, "Roles and role embeddings"; paper §3.1): a learned table ``role_embed[R, D]`` added to
+Role embeddings (paper §3.1): a learned table ``role_embed[R, D]`` added to
 the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
 Passing ``roles=None`` skips the table altogether.
 

@@ -474,12 +474,6 @@ def _is_converted(path: pathlib.Path) -> bool:
   return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
-def load_gguf(gguf_path: str | os.PathLike, **config_overrides):
-  """(ModelConfig, params) of a GGUF file, dequantized to float32 (through the safetensors cache)."""
-  path = convert_gguf(gguf_path)
-  return load_hf_dir(path, ModelConfig.from_hf_dir(path, **config_overrides))
-
-
 @dataclasses.dataclass
 class Pretrained:
   """A loaded model.

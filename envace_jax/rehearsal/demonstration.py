@@ -1,6 +1,6 @@
 """Demonstrations for the supervised warm-up: a benchmark's reference conversation as training rows of both roles.
 
-The optional ``train.sft_warmup_steps`` (issue 5: "ACT on gold calls, REHEARSE on real responses") trains, before RL,
+The optional ``train.sft_warmup_steps`` (ACT on gold calls, REHEARSE on real responses) trains, before RL,
 on what the policy *should* have generated:
 
   * ACT: the task's gold tool calls (τ²'s ``gold_actions``, BFCL's ground truth), then the information the task
@@ -23,40 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from envace_jax.config_check import DEMONSTRATED_BENCHMARKS
+from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolEnv
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Tokenizer
 from envace_jax.rehearsal import views
-from envace_jax.rehearsal.episode import Episode, UnfoldConfig, initial_conversation
+from envace_jax.rehearsal.episode import Episode, UnfoldConfig
 from envace_jax.rehearsal.trajectory import Termination, Trajectory
 from envace_jax.sampling.stopping import FinishReason
-
-
-def reference_conversation(task: Task, env: ToolEnv) -> list[ChatMessage]:
-  """The benchmark's reference conversation of ``task``, with every gold call executed on ``env`` (reset here).
-
-  τ²: ``tau2.oracle_conversation`` (the task's initial conversation, each gold action and its real result, one
-  message with ``communicate_info``, the user's stop marker). BFCL: ``bfcl.oracle_conversation`` (per logged user
-  turn its ground-truth calls and their real results).
-
-  Raises:
-    EnvError: a benchmark outside ``config_check.DEMONSTRATED_BENCHMARKS``, or gold actions the oracle cannot
-      play (τ² user-side actions).
-  """
-  if task.benchmark == "tau2":
-    from envace_jax.envs import tau2
-
-    return tau2.oracle_conversation(env, task)
-  if task.benchmark == "bfcl":
-    from envace_jax.envs import bfcl
-
-    return bfcl.oracle_conversation(task, env)
-  raise EnvError(
-    f"task {task.id!r} of benchmark {task.benchmark!r} has no reference conversation to demonstrate; the supervised "
-    f"warm-up supports {', '.join(DEMONSTRATED_BENCHMARKS)} (set train.sft_warmup_steps=0)"
-  )
 
 
 def _one_call_per_message(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
@@ -100,7 +75,7 @@ def demonstration(
   Args:
     config: the rollout's `UnfoldConfig` (env_mode, capacities, greeting, parallel_calls).
     task: the task.
-    conversation: its reference conversation (`reference_conversation`).
+    conversation: its reference conversation (`registry.Benchmark.reference_conversation`).
     tokenizer, chat_format: as the rollout uses them.
     index: the trajectory's index in the batch (``TrainingRow.trajectory``; also its group).
     env: env_mode="real" only: the real environment that answers the calls (reset here).
@@ -120,7 +95,7 @@ def demonstration(
     ep.env = env
   eos = next(iter(chat_format.close_after_eos), None)
   eos_ids = tuple(tokenizer.eos_ids)
-  skip = len(initial_conversation(task))
+  skip = len(registry.initial_conversation(task))
   messages = [m for m in list(conversation)[skip:] if m.role != "system"]
   if not config.parallel_calls:
     messages = _one_call_per_message(messages)

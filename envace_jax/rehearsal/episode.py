@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from envace_jax.config.choices import ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
+from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
@@ -24,10 +26,6 @@ from envace_jax.rehearsal.users import ExternalUserConfig
 from envace_jax.sampling.sampler import SamplingParams
 from envace_jax.sampling.stopping import FinishReason
 
-USER_MODES = ("reference", "policy", "external")
-ENV_MODES = ("rehearse", "real")
-MALFORMED_POLICIES = ("continue", "end")
-INVALID_REHEARSAL_POLICIES = ("as_is", "error", "end")
 ROLE_NAMES = {Role.ACT: "act", Role.REHEARSE: "rehearse", Role.USER: "user"}
 
 
@@ -191,15 +189,6 @@ class UnfoldConfig:
     return (tool_format.TOOL_RESPONSE_CLOSE,) if role == Role.REHEARSE else ()
 
 
-def initial_conversation(task: Task) -> tuple[ChatMessage, ...]:
-  """The logged conversation a task starts from (τ² mock tasks have one); imports the τ² adapter only for τ² tasks."""
-  if task.benchmark == "tau2" and task.criteria.get("tau2_task") is not None:
-    from envace_jax.envs import tau2  # heavy optional dependency
-
-    return tau2.initial_conversation(task)
-  return ()
-
-
 class Episode:
   """One trajectory in flight.
 
@@ -254,7 +243,7 @@ class Episode:
       raise UnfoldConfigError(f"task {task.id!r} has neither logged user_turns nor a user_scenario to simulate")
     if history and task.user_turns:
       raise UnfoldConfigError(f"task {task.id!r} replays logged user turns: it cannot start from a given history")
-    history = list(initial_conversation(task)) + list(history)
+    history = list(registry.initial_conversation(task)) + list(history)
     traj = Trajectory(task, group, 0, list(history))
     act = views.View(tokenizer, chat_format, Role.ACT, task.tools)
     act.append(Message("system", task.system_prompt), *[m for c in history for m in views.act_messages(c)])

@@ -33,13 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv, json_layout
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
 from envace_jax.rehearsal.completion import complete
-from envace_jax.rehearsal.episode import initial_conversation
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.sampling.sampler import GREEDY
 
@@ -154,7 +154,7 @@ def probes(trajectories: Sequence[Trajectory], rehearse_prompt: str = views.REHE
   out = []
   for t, traj in enumerate(trajectories):
     system = Message("system", views.rehearse_system_prompt(traj.task, rehearse_prompt, ""))
-    logged = len(initial_conversation(traj.task))
+    logged = len(registry.initial_conversation(traj.task))
     pending: list = []
     for i, m in enumerate(traj.messages):
       if m.role == "assistant":
@@ -193,7 +193,7 @@ def gold_trajectories(
       continue
     env = make_env(task)
     env.reset(task)
-    messages = [*initial_conversation(task), *opening]
+    messages = [*registry.initial_conversation(task), *opening]
     for i, action in enumerate(gold):
       call = ToolCall(action.name, dict(action.arguments), id=f"gold_{i}")
       messages += [ChatMessage("assistant", tool_calls=(call,)), env.answer(call)]

@@ -34,20 +34,25 @@ from typing import Any
 
 import jax
 
+from envace_jax.config.choices import REHEARSAL_MODES as MODES
+from envace_jax.config.choices import REHEARSAL_USERS
+from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolEnv
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
 from envace_jax.rehearsal import views
 from envace_jax.rehearsal.completion import complete
-from envace_jax.rehearsal.episode import UnfoldConfig, initial_conversation
+from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rehearsal.unfold import unfold
 from envace_jax.rehearsal.users import UserSimulator, UserSimulatorError
 from envace_jax.sampling.sampler import GREEDY, SamplingParams
 
-MODES = ("off", "parallel", "sequential")
-REHEARSAL_USERS = ("policy", "reference")
+# Streams of `run`'s key: the openings, the rehearsals, the committed execution; within the rehearsals, round n
+# unfolds with fold_in(key, n), assesses with fold_in(key, _ASSESS_STREAM + n) and memorises with _MEMORY_STREAM.
+_OPENING_STREAM, _REHEARSAL_STREAM, _COMMIT_STREAM = 0, 1, 2
+_ASSESS_STREAM, _MEMORY_STREAM = 1000, 2000
 
 IMAGINED_USER = (
   'You are imagining the user of this conversation. All you know is the user\'s first message:\n"{first}"\n'
@@ -248,7 +253,7 @@ def rehearsal_task(task: Task, opening: Sequence[ChatMessage], account_text: str
   message, and the gold actions, required information and reference interactions removed (the benchmark's answer
   must not leak into the rehearsal). ``account_text`` (sequential) is appended to the agent's system message.
   Tasks with logged user turns keep only the first one."""
-  history = [*initial_conversation(task), *opening]
+  history = [*registry.initial_conversation(task), *opening]
   first = next((m.content for m in history if m.role == "user"), "")
   if not first and task.user_turns:
     first = task.user_turns[0]
@@ -293,7 +298,7 @@ def openings(
     PrivateRehearsalError: a simulated user but neither ``user_sampler`` nor ``user_simulator``.
   """
   out: list[tuple[ChatMessage, ...]] = [() for _ in range(len(tasks) * num_trials)]
-  need = [b for b, t in enumerate(tasks) if not t.user_turns and not initial_conversation(t)]
+  need = [b for b, t in enumerate(tasks) if not t.user_turns and not registry.initial_conversation(t)]
   if not need:
     return out
   greeting = (ChatMessage("assistant", config.greeting),) if config.greeting else ()
@@ -442,8 +447,10 @@ def rehearse(
       for s in range(g):
         item.rehearsals.append(Rehearsal(out.trajectories[p * g + s], account=accounts[p]))
         pairs.append((p, len(item.rehearsals) - 1))
-    _assess(prepared, pairs, policy, tokenizer, config, jax.random.fold_in(key, 1000 + n), costs["assessment"])
-  _memorize(prepared, policy, tokenizer, config, jax.random.fold_in(key, 2000), costs["memory"])
+    _assess(
+      prepared, pairs, policy, tokenizer, config, jax.random.fold_in(key, _ASSESS_STREAM + n), costs["assessment"]
+    )
+  _memorize(prepared, policy, tokenizer, config, jax.random.fold_in(key, _MEMORY_STREAM), costs["memory"])
 
 
 def commit(
@@ -507,8 +514,8 @@ def run(
   """Opening, private rehearsal (``config.mode``), memory and committed execution of ``num_trials`` trials per task.
 
   The opening's user is the evaluation's (``unfold_config.user_mode``: the reference sampler, the policy, or an
-  external ``user_simulator``); it uses ``fold_in(key, 0)`` whatever the mode, so every mode starts from the same
-  first messages.
+  external ``user_simulator``); its key is the same whatever the mode, so every mode starts from the same first
+  messages.
 
   Args:
     envs: one real `ToolEnv` per (task, trial), task-major; only the committed execution touches them.
@@ -527,7 +534,7 @@ def run(
     num_trials,
     tokenizer,
     unfold_config,
-    jax.random.fold_in(key, 0),
+    jax.random.fold_in(key, _OPENING_STREAM),
     user_sampler=user_sampler,
     user_simulator=user_simulator if user_mode == "external" else None,
     cost=costs["opening"],
@@ -541,7 +548,7 @@ def run(
     tokenizer,
     unfold_config,
     config,
-    jax.random.fold_in(key, 1),
+    jax.random.fold_in(key, _REHEARSAL_STREAM),
     reference_sampler=reference_sampler,
     costs=costs,
   )
@@ -550,7 +557,7 @@ def run(
     policy,
     tokenizer,
     unfold_config,
-    jax.random.fold_in(key, 2),
+    jax.random.fold_in(key, _COMMIT_STREAM),
     envs,
     reference_sampler=reference_sampler,
     user_simulator=user_simulator,

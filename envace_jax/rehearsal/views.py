@@ -1,4 +1,4 @@
-"""The three views of a self-unfolded trajectory and how their prompts are rendered (paper §3; DESIGN.md, "Roles").
+"""The three views of a self-unfolded trajectory and how their prompts are rendered (paper §3).
 
 A trajectory is seen three ways, each an append-only chat that one role continues:
 

@@ -1,6 +1,6 @@
 """Role-wise GRPO advantages: the group of a generation is (task, role) (host numpy, outside jit).
 
-Paper §3 (role-wise GRPO); DESIGN.md, "One training step", step 6. ``trajectory_arrays`` reads scored trajectories
+Paper §3 (role-wise GRPO); README, "How a training step runs", step 6. ``trajectory_arrays`` reads scored trajectories
 into arrays; ``role_advantages`` gives every trajectory one advantage per role, which each of its rows of that role
 carries into the update (rl/grpo.py).
 """
@@ -11,10 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from envace_jax.config.choices import WEIGHTINGS
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
-
-WEIGHTINGS = ("row", "trajectory")
 
 
 def role_name(role: int) -> str:
@@ -35,7 +34,7 @@ def role_advantages(
 ) -> tuple[np.ndarray, dict[str, float]]:
   """Role-wise GRPO advantages A[i, r] = (R_i - baseline_{g(i), r}) [/ (std_{g(i), r} + eps)].
 
-  The group of trajectory i's role-r generations is (groups[i], r) (paper §3, role-wise GRPO; DESIGN.md step 6).
+  The group of trajectory i's role-r generations is (groups[i], r) (paper §3, role-wise GRPO).
   Member i of that group has weight w_i = generations[i, r] ("row": every generation counts once) or
   1[generations[i, r] > 0] ("trajectory"); invalid trajectories have weight 0. Then
 

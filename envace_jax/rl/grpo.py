@@ -1,7 +1,7 @@
 """Role-wise GRPO: the config, the dual-clipped policy loss with exact micro-batch accumulation, the optax step.
 
 The paper trains one policy that wears two hats, ACT and REHEARSE, with GRPO where the group of a generation is
-(task, role) (paper §3, role-wise GRPO; DESIGN.md, "One training step", steps 6-7). The advantages live in
+(task, role) (paper §3, role-wise GRPO; README, "How a training step runs", steps 6-7). The advantages live in
 rl/advantages.py, the padded batch in rl/batch.py, the training forward in rl/logprobs.py. Data flows:
 
     rewards, groups, generations, valid = advantages.trajectory_arrays(trajectories)   # host numpy
@@ -43,17 +43,17 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from envace_jax.config.choices import GRPO_MODES as MODES
+from envace_jax.config.choices import KL_ESTIMATORS, WEIGHTINGS
 from envace_jax.model import transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
-from envace_jax.rl.advantages import WEIGHTINGS, role_name
+from envace_jax.rl.advantages import role_name
 from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches, trimmed
 from envace_jax.rl.logprobs import target_logprobs
 from envace_jax.sampling import sharding
 
-MODES = ("envace", "per_role", "grpo_real_env")
-KL_ESTIMATORS = ("low_var_kl", "k1", "k2")
 # per_role mode: the name of each role's parameter tree.
 ROLE_TREES: dict[str, int] = {"act": int(Role.ACT), "rehearse": int(Role.REHEARSE)}
 _DEFAULT_TRAINED_ROLES = {
@@ -746,14 +746,14 @@ def make_update_step(
 
   add = lambda acc, new: jax.tree.map(jnp.add, acc, new)  # noqa: E731
   take = lambda batch, k: jax.tree.map(lambda x: x[k], batch)  # noqa: E731
-  donated = (0,) if donate else ()
+  donated = ("state",) if donate else ()
   if mesh is None:
     # Pinned to the default device: a program's cache key includes whether each argument is committed to a device,
     # and the state mixes fresh (uncommitted) leaves with earlier outputs (committed) from step to step.
     one = SingleDeviceSharding(jax.devices()[0])
     micro_jit = jax.jit(micro, in_shardings=one, out_shardings=one)
-    add_jit = jax.jit(add, in_shardings=one, out_shardings=one, donate_argnums=0)
-    finish_jit = jax.jit(finish, in_shardings=one, out_shardings=one, donate_argnums=donated)
+    add_jit = jax.jit(add, in_shardings=one, out_shardings=one, donate_argnames="acc")
+    finish_jit = jax.jit(finish, in_shardings=one, out_shardings=one, donate_argnames=donated)
     take_jit = jax.jit(take, in_shardings=one, out_shardings=one)
     shards = 1
   else:
@@ -763,9 +763,9 @@ def make_update_step(
     mb_sh = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), batch_sh)
     acc_sh = (state_sh.params, rep)
     micro_jit = jax.jit(micro, in_shardings=(state_sh.params, mb_sh), out_shardings=acc_sh)
-    add_jit = jax.jit(add, in_shardings=(acc_sh, acc_sh), out_shardings=acc_sh, donate_argnums=0)
+    add_jit = jax.jit(add, in_shardings=(acc_sh, acc_sh), out_shardings=acc_sh, donate_argnames="acc")
     finish_jit = jax.jit(
-      finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnums=donated
+      finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnames=donated
     )
     take_jit = jax.jit(take, in_shardings=(batch_sh, rep), out_shardings=mb_sh)
     shards = sharding.batch_size_multiple(mesh, rules)

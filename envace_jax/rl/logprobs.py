@@ -157,7 +157,7 @@ def target_logprobs(
 _RECOMPUTE_FIELDS = tuple("tokens roles valid positions segments parents target_index source_index target_mask".split())
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnames="config")
 def _recompute(config, params, fields):
   batch = TrainBatch(
     **fields, loss_mask=None, old_logprobs=None, ref_logprobs=None, row_role=None, target_advantages=None

@@ -231,11 +231,11 @@ class Sampler:
     if key in self._jitted:
       return self._jitted[key]
     fn, static, donate = {
-      "prefill": (self._prefill_chunk, (8,), (1,)),
-      "prefill_rows": (self._prefill_rows, (9,), (1,)),  # when the batch is not split (batch_multiple 1)
-      "decode": (self._decode_loop, (6, 7, 8), (1,)),
-      "decode_rows": (self._decode_rows, (7, 8, 9), (1,)),  # likewise
-      "admit": (self._admit_rows, (), (0,)),
+      "prefill": (self._prefill_chunk, ("attend",), ("cache",)),
+      "prefill_rows": (self._prefill_rows, ("attend",), ("cache",)),  # when the batch is not split (batch_multiple 1)
+      "decode": (self._decode_loop, ("sampling", "stop_strings", "attend"), ("state",)),
+      "decode_rows": (self._decode_rows, ("sampling", "stop_strings", "attend"), ("state",)),  # likewise
+      "admit": (self._admit_rows, (), ("state",)),
     }[kind]
     kwargs = {}
     if self.mesh is not None:
@@ -260,7 +260,7 @@ class Sampler:
       else:  # state without its cache, last_logits, admitted, fitted
         state = state.replace(cache=None)
         kwargs = dict(in_shardings=(state, rows2, rows1, rows1), out_shardings=state)
-    self._jitted[key] = jax.jit(fn, static_argnums=static, donate_argnums=donate, **kwargs)
+    self._jitted[key] = jax.jit(fn, static_argnames=static, donate_argnames=donate, **kwargs)
     return self._jitted[key]
 
   # ------------------------------------------------------------------------------------------------ caches

@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from envace_jax import config_check
-from envace_jax.envs import datasets, finmcp
+from envace_jax.envs import datasets, finmcp, registry
 from envace_jax.envs.base import ChatMessage, EnvError, Task, ToolCall
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -287,7 +287,7 @@ def test_config_with_data_validates_and_refuses_what_cannot_run():
   config = _load_config("finmcp.py:multi_turn", f"--config.env.data_path={FIXTURE}")
   config_check.validate(config)
   assert (config.env.benchmark, config.env.domain, config.rollout.env_mode) == ("finmcp", "multi_turn", "rehearse")
-  assert datasets.source_config("finmcp", config.env.domain, config.env.data_path) == f"multi_turn:{FIXTURE}"
+  assert registry.get("finmcp").source_config(config.env.domain, config.env.data_path) == f"multi_turn:{FIXTURE}"
   from envace_jax import runtime
 
   assert runtime.dataset_config(config) == f"multi_turn:{FIXTURE}"  # what training and --mode=eval prepare
@@ -306,7 +306,7 @@ def test_config_with_data_validates_and_refuses_what_cannot_run():
 
 
 def test_prepared_dataset_roundtrip(tmp_path):
-  config = datasets.source_config("finmcp", "all", str(FIXTURE))
+  config = registry.get("finmcp").source_config("all", str(FIXTURE))
   builder = datasets.prepare("finmcp", config, tmp_path)
   assert list(builder.info.splits) == ["test"]
   source = datasets.load("finmcp", config, "test", tmp_path)

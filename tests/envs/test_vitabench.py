@@ -17,7 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from envace_jax import config_check
-from envace_jax.envs import datasets, vitabench
+from envace_jax.envs import datasets, registry, vitabench
 from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolCall
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -373,7 +373,7 @@ def test_prepared_dataset_roundtrip(tmp_path, monkeypatch):
   monkeypatch.setattr(
     datasets, "_load_vitabench_tasks", lambda path, domain: vitabench.load_tasks(path, domain, backend=FakeBackend())
   )
-  config = datasets.source_config("vitabench", "delivery", str(DATA))
+  config = registry.get("vitabench").source_config("delivery", str(DATA))
   assert config == f"delivery:{DATA}"
   datasets.prepare("vitabench", config, tmp_path)
   source = datasets.load("vitabench", config, "test", tmp_path)

@@ -184,7 +184,7 @@ def test_the_model_on_pages_gives_the_dense_caches_logits(with_prefix):
   config = config_lib.get_model_config("tiny").replace(scan_layers=False)
   params = transformer.unstack_layers(transformer.init_params(config.replace(scan_layers=True), jax.random.key(1)))
   rng = np.random.default_rng(2)
-  apply = jax.jit(transformer.apply, static_argnums=0)
+  apply = jax.jit(transformer.apply, static_argnames="config")
   prefix = None
   if with_prefix:  # one shared row of 6 tokens that every row continues
     prefix = transformer.init_cache(config, batch=1, capacity=8)

@@ -249,7 +249,7 @@ def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
   valid = np.arange(40)[None, :] < np.array([[40], [23]])
 
   def run():  # a fresh jit: KEY_BLOCK is read when tracing
-    apply = jax.jit(transformer.apply, static_argnums=0)
+    apply = jax.jit(transformer.apply, static_argnames="config")
     cache = transformer.init_cache(config, batch=2, capacity=64)
     first, cache = apply(config, params, tokens[:, :9], cache=cache)
     second, cache = apply(config, params, tokens[:, 9:], cache=cache, valid=valid[:, 9:])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from envace_jax.envs import bfcl, tau2
+from envace_jax.envs import bfcl, registry, tau2
 from envace_jax.envs.base import EnvError, Task
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
@@ -31,7 +31,7 @@ def mock_tasks():
 
 def _demo(tokenizer, task, env_mode="rehearse", **config):
   env = tau2.Tau2Env(task.domain) if task.benchmark == "tau2" else bfcl.BfclEnv()
-  conversation = demonstration.reference_conversation(task, env)
+  conversation = registry.get(task.benchmark).reference_conversation(task, env)
   sizes = {"group_size": 2, "act_capacity": 8192, "rehearse_capacity": 8192}
   cfg = UnfoldConfig(**{**sizes, "env_mode": env_mode, **config})
   real = (tau2.Tau2Env(task.domain) if task.benchmark == "tau2" else bfcl.BfclEnv()) if env_mode == "real" else None
@@ -122,4 +122,4 @@ def test_bfcl_parallel_calls_become_one_call_per_generation_each_with_its_result
 def test_benchmarks_without_gold_calls_are_refused_with_the_fix():
   task = Task(id="t", benchmark="checklist", domain="d", split="train", system_prompt="s", tools=(), user_turns=("hi",))
   with pytest.raises(EnvError, match=r"supports tau2, bfcl \(set train.sft_warmup_steps=0\)"):
-    demonstration.reference_conversation(task, env=None)
+    registry.get(task.benchmark).reference_conversation(task, env=None)

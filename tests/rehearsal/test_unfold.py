@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from envace_jax.envs import bfcl, checklist, tau2
+from envace_jax.envs import bfcl, checklist, registry, tau2
 from envace_jax.model import paged, tool_format, transformer
 from envace_jax.model.config import get_model_config
 from envace_jax.model.roles import Role
@@ -714,7 +714,12 @@ def test_scenario_opening_tells_the_agent_the_task_as_the_warm_up_does(tokenizer
     assert user_view[2] == Message("assistant", task.user_scenario, author=Role.USER)  # the user's own message
   env = tau2.Tau2Env("mock")
   demo = demonstration.demonstration(
-    config, task, demonstration.reference_conversation(task, env), tokenizer, views.ChatFormat.of(tokenizer), 0
+    config,
+    task,
+    registry.get(task.benchmark).reference_conversation(task, env),
+    tokenizer,
+    views.ChatFormat.of(tokenizer),
+    0,
   )
 
   def first_prompt(row):

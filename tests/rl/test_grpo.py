@@ -34,7 +34,7 @@ def params():
 
 @functools.cache
 def _jitted_loss_and_grads():
-  return jax.jit(grpo.loss_and_grads, static_argnums=(0, 1))
+  return jax.jit(grpo.loss_and_grads, static_argnames=("config", "cfg"))
 
 
 def loss_and_grads(cfg, params, batch, config=CONFIG):
@@ -294,13 +294,15 @@ def test_training_forward_matches_transformer_apply(overrides):
   rng = np.random.default_rng(1)
   batch = collate([make_row(rng, 23, 5, ACT), make_row(rng, 40, 12, REHEARSE)], [1.0, 1.0], trained_roles=(2, 3))
   index = np.maximum(batch.target_index - 1, 0)
-  logits, _ = jax.jit(transformer.apply, static_argnums=0)(
+  logits, _ = jax.jit(transformer.apply, static_argnames="config")(
     config, params, batch.tokens, batch.roles, valid=batch.valid, logits_index=index
   )
   targets = np.take_along_axis(batch.tokens, batch.target_index, axis=1)
   want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets[..., None], axis=-1)[..., 0]
   for p in (params, transformer.unstack_layers(params)):
-    logp, entropy = jax.jit(target_logprobs, static_argnums=(0, 3, 4))(config, p, batch, True, 8)
+    logp, entropy = jax.jit(target_logprobs, static_argnames=("config", "remat", "head_chunk"))(
+      config, p, batch, True, 8
+    )
     m = batch.target_mask
     np.testing.assert_allclose(np.asarray(logp)[m], want[m], atol=2e-5)
     probs = jax.nn.softmax(logits)

@@ -164,8 +164,8 @@ def test_shard_params_rejects_mismatched_trees(mesh):
 # The sharded forward pass equals the unsharded one
 
 B, T, S = 4, 8, 24
-_reference_apply = jax.jit(transformer.apply, static_argnums=0)
-_init_params = jax.jit(transformer.init_params, static_argnums=0)  # jitted: op-by-op init is ~3x slower on CPU
+_reference_apply = jax.jit(transformer.apply, static_argnames="config")
+_init_params = jax.jit(transformer.init_params, static_argnames="config")  # jitted: op-by-op init is ~3x slower on CPU
 
 
 def _inputs(config, seed):

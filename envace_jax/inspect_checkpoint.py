@@ -1,8 +1,8 @@
 """What a training run saved, read back without its config file (each checkpoint carries its config).
 
-    python -m envace_jax.inspect WORKDIR                 # every saved step: config, parameters, role embeddings, ...
-    python -m envace_jax.inspect WORKDIR --step 2        # one step
-    python -m envace_jax.inspect WORKDIR --json          # the same, as JSON
+    python -m envace_jax.inspect_checkpoint WORKDIR          # every saved step: config, parameters, role embeddings, …
+    python -m envace_jax.inspect_checkpoint WORKDIR --step 2 # one step
+    python -m envace_jax.inspect_checkpoint WORKDIR --json   # the same, as JSON
 
 WORKDIR is a training ``--workdir`` (``WORKDIR/checkpoints/<step>/``, see ``checkpoint.py``); its ``checkpoints``
 folder or one step's folder work too. For each step the report gives the config the step was saved with, every
@@ -53,7 +53,7 @@ MAIN_METRICS = (
   "rollout/rehearsed_json_validity",
   "time/step_s",
 )
-EVAL_JSONL = "eval.jsonl"  # evaluate.write_summary: one line per held-out evaluation
+EVAL_JSONL = "eval.jsonl"  # heldout.write_summary: one line per held-out evaluation
 SHARED_TREE = "policy"  # the name of the one parameter tree of envace / grpo_real_env runs
 ROLE_TREES = tuple(grpo.ROLE_TREES)  # per_role runs' trees: ("act", "rehearse")
 
@@ -483,10 +483,10 @@ def format_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m envace_jax.inspect DIR [--step N] [--json]``; returns the exit status (1 on a CheckpointError,
-  whose message is printed on stderr)."""
+  """``python -m envace_jax.inspect_checkpoint DIR [--step N] [--json]``; returns the exit status (1 on a
+  CheckpointError, whose message is printed on stderr)."""
   parser = argparse.ArgumentParser(
-    prog="python -m envace_jax.inspect",
+    prog="python -m envace_jax.inspect_checkpoint",
     description="Print what a training run's checkpoints hold: config, parameters, role embeddings, metrics.",
   )
   parser.add_argument("workdir", help="a training --workdir (or its checkpoints/ folder, or one step's folder)")

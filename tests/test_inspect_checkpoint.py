@@ -1,5 +1,6 @@
-"""envace_jax.inspect: what it reports equals what the checkpoint holds (shapes, dtypes, norms, role embeddings,
-optimizer step, config), for a shared tree and per_role's two trees; clear errors for a workdir without checkpoints."""
+"""envace_jax.inspect_checkpoint: what it reports equals what the checkpoint holds (shapes, dtypes, norms, role
+embeddings, optimizer step, config), for a shared tree and per_role's two trees; clear errors for a workdir without
+checkpoints."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from envace_jax import inspect as ckpt_inspect
+from envace_jax import inspect_checkpoint as ckpt_inspect
 from envace_jax import metrics
 from envace_jax.checkpoint import Checkpointer, CheckpointError
 from envace_jax.model import config as model_config_lib
@@ -188,7 +189,11 @@ def test_tiny_run_report_matches_the_restored_checkpoint(tiny_run, capsys):
 
   # The command line: one process, no config file, no log spam; the text and the JSON carry the same values.
   proc = subprocess.run(
-    [sys.executable, "-m", "envace_jax.inspect", str(workdir)], cwd=ROOT, capture_output=True, text=True, check=False
+    [sys.executable, "-m", "envace_jax.inspect_checkpoint", str(workdir)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=False,
   )
   assert proc.returncode == 0, proc.stderr
   assert "Traceback" not in proc.stderr and "I1" not in proc.stderr  # absl INFO lines start with I<date>

@@ -1,0 +1,20 @@
+"""The values of each enumerated config key, declared once: the start-up check (``config_check``) and the modules
+that read the key both import them from here, and importing this module costs nothing (``main`` validates a config
+before the training stack loads)."""
+
+GRPO_MODES = ("envace", "per_role", "grpo_real_env")  # grpo.mode (rl/grpo.py)
+KL_ESTIMATORS = ("low_var_kl", "k1", "k2")  # grpo.kl_estimator (rl/grpo.py: kl_penalty)
+WEIGHTINGS = ("row", "trajectory")  # grpo.weighting (rl/advantages.py)
+ENV_MODES = ("rehearse", "real")  # rollout.env_mode (rehearsal/episode.py)
+USER_MODES = ("reference", "policy", "external")  # rollout.user_mode
+MALFORMED_POLICIES = ("continue", "end")  # rollout.on_malformed
+INVALID_REHEARSAL_POLICIES = ("as_is", "error", "end")  # rollout.on_invalid_rehearsal
+REHEARSAL_MODES = ("off", "parallel", "sequential")  # eval.rehearsal (rehearsal/private.py)
+REHEARSAL_USERS = ("policy", "reference")  # eval.rehearsal_user
+DTYPES = ("float32", "bfloat16", "float16")  # dtype, param_dtype (model/config.py)
+MESH_AXES = ("data", "fsdp", "tensor")  # mesh.* (sampling/sharding.py)
+ROLES = ("act", "rehearse", "user")  # grpo.trained_roles
+VIEWS = ("act", "rehearse", "user")  # rollout.<view>_capacity, rollout.<view>_sampling
+REWARD_KINDS = ("rule", "judge")  # reward.kind (scoring.py)
+ARG_KEYS = ("strict", "tau2")  # reward.arg_keys (rl/rewards.py)
+CHAT_TEMPLATES = ("", "chatml")  # chat_template (model/tokenizer.py)
