@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from envace_jax.model import transformer  # attribute access at call time: transformer imports this module
+from envace_jax.model import kvcache
 
 
 @struct.dataclass
@@ -51,16 +51,16 @@ class PagedKVCache:
   pools: tuple[jax.Array, ...]
   table: jax.Array
   lengths: jax.Array
-  prefix: transformer.KVCache | None = None
+  prefix: kvcache.KVCache | None = None
 
-  def levels(self) -> list[transformer.KVCache]:
-    return transformer.KVCache.levels(self)
+  def levels(self) -> list[kvcache.KVCache]:
+    return kvcache.KVCache.levels(self)
 
   def offsets(self) -> jax.Array:
-    return transformer.KVCache.offsets(self)
+    return kvcache.KVCache.offsets(self)
 
   def filled(self) -> jax.Array:
-    return transformer.KVCache.filled(self)
+    return kvcache.KVCache.filled(self)
 
   @property
   def page_size(self) -> int:
@@ -86,14 +86,14 @@ class PagedKVCache:
     return self.replace(table=self.table[:, : -(-capacity // self.page_size)])
 
   def gather(self, rows: jax.Array, capacity: int) -> PagedKVCache:
-    """`transformer.KVCache.gather` for pages: rows ``rows`` (int32[B']; B or more: an empty row), their first
+    """`kvcache.KVCache.gather` for pages: rows ``rows`` (int32[B']; B or more: an empty row), their first
     ceil(capacity / Z) pages and a copy of each prefix level's row for each. The pools are shared, not copied: `put`
     takes the written pools back."""
     rows = jnp.asarray(rows, jnp.int32)
     none = self.pools[0].shape[0]
     table = jnp.take(self.trimmed(capacity).table, rows, axis=0, mode="fill", fill_value=none)
     lengths = jnp.take(self.lengths, rows, mode="fill", fill_value=0)
-    return self.replace(table=table, lengths=lengths, prefix=transformer.gather_levels(self, rows))
+    return self.replace(table=table, lengths=lengths, prefix=kvcache.gather_levels(self, rows))
 
   def allocated_slots(self) -> int:
     """Slots the pools allocate (P * Z, held or free) and the prefix levels' slots: the cache's memory per layer."""
@@ -109,7 +109,7 @@ class PagedKVCache:
     table = jnp.where(self.table >= old, num_pages, self.table)
     return self.replace(pools=tuple(grow(p) for p in self.pools), table=table)
 
-  def dense(self) -> transformer.KVCache:
+  def dense(self) -> kvcache.KVCache:
     """The same rows as a `transformer.KVCache` with W * Z own slots (each row's pages in slot order, zeros where it
     holds none) and the same prefix levels; for inspection and tests (``dense().flatten()`` puts the levels in
     front)."""
@@ -121,10 +121,10 @@ class PagedKVCache:
       return kv[:, :, 0::2].transpose(0, 2, 3, 1), kv[:, :, 1::2].transpose(0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
 
     k, v = zip(*(rows(p) for p in self.pools), strict=True)
-    return transformer.KVCache(k=tuple(k), v=tuple(v), lengths=self.lengths, prefix=self.prefix)
+    return kvcache.KVCache(k=tuple(k), v=tuple(v), lengths=self.lengths, prefix=self.prefix)
 
-  def flatten(self) -> transformer.KVCache:
-    """`transformer.KVCache.flatten` of `dense`: each row's whole history in one dense row."""
+  def flatten(self) -> kvcache.KVCache:
+    """`kvcache.KVCache.flatten` of `dense`: each row's whole history in one dense row."""
     return self.dense().flatten()
 
   def put(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
@@ -316,7 +316,7 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
 
 
 def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
-  """The queries' share of softmax attention over their rows' pages: `transformer._softmax_part`'s triple (running
+  """The queries' share of softmax attention over their rows' pages: `kvcache.softmax_part`'s triple (running
   max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values [B, K, G, T, H]), so it merges with other key
   sets (shared prefix levels) by log-sum-exp.
 
@@ -340,11 +340,11 @@ def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
     scores = jnp.einsum("bkgth,bzkh->bkgtz", q_bkgth, kv[:, :, :, 0], preferred_element_type=jnp.float32) * h**-0.5
     slot = w * z + jnp.arange(z)
     visible = (slot < kv_lens[:, None, None]) & (slot <= q_slots[:, :, None]) & (pages < p)[:, None, None]
-    part = transformer._softmax_part(scores, visible[:, None, None], kv[:, :, :, 1], "bkgtz,bzkh->bkgth")
-    return transformer._combine(carry, part)
+    part = kvcache.softmax_part(scores, visible[:, None, None], kv[:, :, :, 1], "bkgtz,bzkh->bkgth")
+    return kvcache.combine(carry, part)
 
   init = (
-    jnp.full((b, k, g, t), transformer._MASKED, jnp.float32),
+    jnp.full((b, k, g, t), kvcache.MASKED, jnp.float32),
     jnp.zeros((b, k, g, t), jnp.float32),
     jnp.zeros((b, k, g, t, h), jnp.float32),
   )
@@ -359,7 +359,7 @@ def reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid=None):
   b, t, n, h = q_btnh.shape
   k = pool.shape[2] // 2
   q_bkgth = q_btnh.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
-  out = transformer._merge_parts([attention_part(q_bkgth, pool, table, kv_lens, q_slots)], q_btnh.dtype)
+  out = kvcache.merge_parts([attention_part(q_bkgth, pool, table, kv_lens, q_slots)], q_btnh.dtype)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 

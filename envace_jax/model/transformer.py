@@ -47,159 +47,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from envace_jax.model import paged
+from envace_jax.model import kvcache, paged
 from envace_jax.model.config import ModelConfig
+from envace_jax.model.kvcache import KVCache, gather_levels, init_cache  # noqa: F401  (re-exported: transformer.KVCache)
 
 Params = Any
-# A large negative logit for masked attention; finite, so a query with no visible key gives no NaN.
-_MASKED = -1e30
-
-
-@struct.dataclass
-class KVCache:
-  """Keys and values of every layer with a static capacity, and the filled length of each sequence; optionally the
-  continuation of a shorter cache of shared prefixes (``prefix``), whose storage its rows share instead of copying.
-
-  Attributes:
-    k: rotary-embedded keys, transposed: dtype[L, B, K, H, S] for a scanned model, a tuple of L dtype[B, K, H, S]
-      otherwise.
-    v: values: dtype[L, B, K, S, H], or a tuple of L dtype[B, K, S, H].
-    lengths: int32[B], number of filled slots of each sequence (slots 0..lengths-1 hold its own tokens).
-    prefix: None, or a KVCache of P rows (P divides B, per-layer layout) whose row ``b // (B // P)`` holds what
-      precedes row b's own slots: row b's history is its prefix row's history (prefixes nest), then its own slots.
-      The G rows that continue one prefix attend over it together (`_attend_prefix`), so its keys and values are
-      stored and read once per step, not once per row (Hydragen, Juravsky et al. 2024; cascade attention).
-  """
-
-  k: jax.Array | tuple[jax.Array, ...]
-  v: jax.Array | tuple[jax.Array, ...]
-  lengths: jax.Array
-  prefix: KVCache | None = None
-
-  @property
-  def capacity(self) -> int:
-    """S, the number of own slots per sequence (a prefix's tokens are not counted)."""
-    return self.v[0].shape[2]  # layer 0 of v: [B, K, S, H] in both layouts
-
-  def row_capacity(self) -> jax.Array:
-    """int32[B]: the own slots each row may fill (S for every row here; a paged row's own, `paged.PagedKVCache`)."""
-    return jnp.full(self.lengths.shape, self.capacity, jnp.int32)
-
-  def levels(self) -> list[KVCache]:
-    """The prefix chain, nearest first (empty without a prefix)."""
-    chain, level = [], self.prefix
-    while level is not None:
-      chain.append(level)
-      level = level.prefix
-    return chain
-
-  def offsets(self) -> jax.Array:
-    """int32[B]: tokens each row's prefixes hold before its own slots (0 without a prefix)."""
-    b = self.lengths.shape[0]
-    total = jnp.zeros((b,), jnp.int32)
-    for level in self.levels():
-      total = total + jnp.repeat(level.lengths, b // level.lengths.shape[0], total_repeat_length=b)
-    return total
-
-  def filled(self) -> jax.Array:
-    """int32[B]: each row's whole history in tokens, its prefixes' included."""
-    return self.offsets() + self.lengths
-
-  def stored_slots(self) -> int:
-    """Slots allocated for keys (one per token position per row, per layer), this cache's and its prefixes'."""
-    return sum(c.lengths.shape[0] * c.capacity for c in (self, *self.levels()))
-
-  def flatten(self) -> KVCache:
-    """The same histories as a cache without prefix (each row's prefixes copied in front of its own slots), with
-    capacity = the most slots any row's history spans (prefix capacities + own). For inspection and tests."""
-    if self.prefix is None:
-      return self
-    b = self.lengths.shape[0]
-    parts = [*reversed(self.levels()), self]  # root first
-    capacity = sum(c.capacity for c in parts)
-    stacked = not isinstance(self.k, tuple)
-    if stacked:
-      raise ValueError("flatten: a cache with a prefix is laid out per layer (scan_layers=False).")
-    k = [jnp.zeros((b, *self.k[0].shape[1:3], capacity), self.k[0].dtype) for _ in self.k]
-    v = [jnp.zeros((b, self.v[0].shape[1], capacity, self.v[0].shape[3]), self.v[0].dtype) for _ in self.v]
-    start = jnp.zeros((b,), jnp.int32)
-    for part in parts:
-      rows = jnp.arange(b) // (b // part.lengths.shape[0])
-      slots = jnp.arange(part.capacity)
-      target = jnp.where(slots[None, :] < part.lengths[rows][:, None], start[:, None] + slots[None, :], capacity)
-      r = jnp.arange(b)[:, None, None]
-      heads = jnp.arange(self.v[0].shape[1])[None, :, None]
-      for i in range(len(k)):
-        k[i] = k[i].at[r, heads, :, target[:, None, :]].set(jnp.swapaxes(part.k[i][rows], 2, 3), mode="drop")
-        v[i] = v[i].at[r, heads, target[:, None, :]].set(part.v[i][rows], mode="drop")
-      start = start + part.lengths[rows]
-    return KVCache(k=tuple(k), v=tuple(v), lengths=start)
-
-  def take(self, rows: Any) -> KVCache:
-    """Row i of the result is row ``rows[i]`` of this cache (int[B'] indices; a row may be taken several times),
-    or an empty row (zeros, length 0) where ``rows[i]`` is B or more. Raises ValueError for a cache with a prefix."""
-    if self.prefix is not None:
-      raise ValueError("take copies rows of a cache without prefix.")
-    stacked = not isinstance(self.k, tuple)
-    index = jnp.asarray(rows, jnp.int32)
-    take = lambda x, axis: jnp.take(x, index, axis=axis, mode="fill", fill_value=0)  # noqa: E731
-    kv = lambda x: take(x, 1 if stacked else 0)  # noqa: E731
-    return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=take(self.lengths, 0))
-
-  def gather(self, rows: jax.Array, capacity: int) -> KVCache:
-    """A cache of B' = len(rows) rows holding the histories of rows ``rows`` (int32[B']; B or more: an empty row):
-    their first ``capacity`` own slots, and a copy of each prefix level's row for each, so that row i continues level
-    row i. For work on a few rows of a large batch (`Sampler.prefill`, `Stream.advance`); `put` writes the own slots
-    back. Per-layer layout only (ValueError otherwise)."""
-    if not isinstance(self.k, tuple):
-      raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
-    rows = jnp.asarray(rows, jnp.int32)
-    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=gather_levels(self, rows))
-
-  def put(self, rows: jax.Array, part: KVCache) -> KVCache:
-    """This cache with the own slots and lengths of ``part`` (from ``gather(rows, capacity)``, then written) in rows
-    ``rows`` (B or more: dropped); prefix levels untouched (read-only)."""
-    rows = jnp.asarray(rows, jnp.int32)
-    n = part.capacity
-    k = tuple(x.at[rows, :, :, :n].set(y, mode="drop") for x, y in zip(self.k, part.k, strict=True))
-    v = tuple(x.at[rows, :, :n].set(y, mode="drop") for x, y in zip(self.v, part.v, strict=True))
-    return self.replace(k=k, v=v, lengths=self.lengths.at[rows].set(part.lengths, mode="drop"))
-
-  def trimmed(self, capacity: int) -> KVCache:
-    """This cache's first ``capacity`` slots (every row's filled ones: the caller checks), prefix kept."""
-    stacked = not isinstance(self.k, tuple)
-    k = jax.tree.map(lambda x: x[..., :capacity], self.k)
-    v = jax.tree.map(lambda x: x[:, :, :, :capacity] if stacked else x[:, :, :capacity], self.v)
-    return self.replace(k=k, v=v)
-
-
-def gather_levels(cache, rows: jax.Array) -> KVCache | None:
-  """The prefix chain of a cache (a `KVCache` or `paged.PagedKVCache`) for B' = len(rows) rows that continue its rows
-  ``rows`` (int32[B']): each level's row for each, copied, nested as in the cache; None without a prefix."""
-  b = cache.lengths.shape[0]
-  prefix = None
-  for level in reversed(cache.levels()):  # root first: each level becomes the prefix of the one below it
-    index = rows // (b // level.lengths.shape[0])
-    prefix = level.replace(prefix=None).take(index).replace(prefix=prefix)
-  return prefix
-
-
-def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
-  """An empty KV cache of ``capacity`` slots per row, laid out for ``config.scan_layers`` (see KVCache).
-
-  dtype defaults to the config's compute dtype.
-  """
-  k_shape = (batch, config.num_kv_heads, config.head_dim, capacity)
-  v_shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-  dtype = dtype or config.dtype
-  if config.scan_layers:
-    zeros = lambda shape: jnp.zeros((config.num_layers, *shape), dtype)
-  else:
-    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  # k and v must be distinct buffers: the sampler donates both.
-  return KVCache(k=zeros(k_shape), v=zeros(v_shape), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
@@ -271,7 +124,7 @@ KEY_BLOCK = 256
 def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
   """Softmax attention: q [B, K, G, T, H] over keys [B, K, H, S] and values [B, K, S, H], mask bool[B, T, S]."""
   scores_bkgts = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32)
-  scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts * (head_dim**-0.5), _MASKED)
+  scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts * (head_dim**-0.5), kvcache.MASKED)
   probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(q_bkgth.dtype)
   return jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)
 
@@ -281,7 +134,7 @@ def _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, scale: float, block: int)
   FlashAttention, Dao et al. 2022), over the blocks up to the last one any query sees.
 
   Shapes as `_attend`'s, S a multiple of ``block``. Returns (float32 out [B, K, G, T, H], float32 log-sum-exp of the
-  scaled scores [B, K, G, T]); a query that sees no key gets out 0 and log-sum-exp ``_MASKED``.
+  scaled scores [B, K, G, T]); a query that sees no key gets out 0 and log-sum-exp ``kvcache.MASKED``.
   """
   b, k, g, t, h = q_bkgth.shape
   s = k_bkhs.shape[-1]
@@ -293,15 +146,15 @@ def _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, scale: float, block: int)
     v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
     mask = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)[:, None, None]
     scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_blk, preferred_element_type=jnp.float32) * scale
-    return _combine(carry, _softmax_part(scores, mask, v_blk, "bkgts,bksh->bkgth"))
+    return kvcache.combine(carry, kvcache.softmax_part(scores, mask, v_blk, "bkgts,bksh->bkgth"))
 
   init = (
-    jnp.full((b, k, g, t), _MASKED, jnp.float32),
+    jnp.full((b, k, g, t), kvcache.MASKED, jnp.float32),
     jnp.zeros((b, k, g, t), jnp.float32),
     jnp.zeros((b, k, g, t, h), jnp.float32),
   )
   best, total, acc = jax.lax.fori_loop(0, (last + block) // block, body, init)
-  lse = jnp.where(total > 0, best + jnp.log(jnp.where(total > 0, total, 1.0)), _MASKED)
+  lse = jnp.where(total > 0, best + jnp.log(jnp.where(total > 0, total, 1.0)), kvcache.MASKED)
   return acc / jnp.where(total > 0, total, 1.0)[..., None], lse
 
 
@@ -394,15 +247,6 @@ def _tiled_backward(head_dim, q_block, k_block, residuals, d_out):
 _tiled_attention.defvjp(_tiled_forward, _tiled_backward)
 
 
-def _softmax_part(scores, visible, v, spec: str):
-  """One key set's share of a softmax over several: (running max [..], sum of exp [..], float32 weighted values
-  [.., H]) for float32 ``scores`` [.., S] masked by ``visible``, values contracted by the einsum ``spec``."""
-  scores = jnp.where(visible, scores, _MASKED)
-  best = scores.max(axis=-1)
-  probs = jnp.where(visible, jnp.exp(scores - best[..., None]), 0.0)
-  return best, probs.sum(axis=-1), jnp.einsum(spec, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
 def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
   """The queries' share of attention over a shared prefix: rows b*m .. b*m+m-1 (m = B / P) all read prefix row b,
   as one [m*G*T, H] x [H, S] matmul per (prefix, KV head), so the prefix's keys and values are read once for its m
@@ -413,22 +257,9 @@ def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
   # `_attend` does); an einsum over the 6-d query let XLA transpose (copy) the prefix's keys and values instead.
   q_pkqh = q_bkgth.reshape(p, b // p, k, g * t, h).transpose(0, 2, 1, 3, 4).reshape(p, k, -1, h)
   scores = jnp.einsum("pkqh,pkhs->pkqs", q_pkqh, k_pkhs, preferred_element_type=jnp.float32) * head_dim**-0.5
-  part = _softmax_part(scores, visible_ps[:, None, None, :], v_pksh, "pkqs,pksh->pkqh")
+  part = kvcache.softmax_part(scores, visible_ps[:, None, None, :], v_pksh, "pkqs,pksh->pkqh")
   unflat = lambda x: x.reshape(p, k, b // p, g, t, *x.shape[3:]).swapaxes(1, 2).reshape(b, k, g, t, *x.shape[3:])  # noqa: E731
   return tuple(unflat(x) for x in part)
-
-
-def _combine(a, b):
-  """Two `_softmax_part` triples as one over the union of their key sets (the log-sum-exp merge)."""
-  best = jnp.maximum(a[0], b[0])
-  scale_a, scale_b = jnp.exp(a[0] - best), jnp.exp(b[0] - best)
-  return best, a[1] * scale_a + b[1] * scale_b, a[2] * scale_a[..., None] + b[2] * scale_b[..., None]
-
-
-def _merge_parts(parts, dtype):
-  """Softmax attention over the union of the parts' key sets, from their `_softmax_part` triples."""
-  _, total, acc = functools.reduce(_combine, parts)
-  return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
 class Attention(nn.Module):
@@ -494,12 +325,12 @@ class Attention(nn.Module):
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
       parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots)]
       parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
-      out_bkgth = _merge_parts(parts, dtype)
+      out_bkgth = kvcache.merge_parts(parts, dtype)
     elif prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
       scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32) * h**-0.5
-      parts = [_softmax_part(scores, mask[:, None, None], v_bksh, "bkgts,bksh->bkgth")]
+      parts = [kvcache.softmax_part(scores, mask[:, None, None], v_bksh, "bkgts,bksh->bkgth")]
       parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
-      out_bkgth = _merge_parts(parts, dtype)
+      out_bkgth = kvcache.merge_parts(parts, dtype)
     elif cache is None and t > block and t % block == 0:
       # Long self-contained sequences (training rows): tile by tile, skipping the tiles of the masked upper triangle,
       # one tile of scores alive at a time in the forward and the backward.
