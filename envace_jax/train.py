@@ -348,9 +348,8 @@ class Trainer:
     return grpo.build_batch(trajectories, adv, self.grpo_cfg, pad_id=self.model.tokenizer.pad_id or 0)
 
   def with_reference(self, batch: TrainBatch) -> TrainBatch:
-    """``batch`` with the reference policy's logprobs when the loss has a KL term (else unchanged)."""
-    if not self.grpo_cfg.use_kl:
-      return batch
+    """``batch`` with the reference policy's logprobs, for the loss's KL term (`apply_update` calls it when
+    ``grpo.use_kl`` is on)."""
     return logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
 
   def finish_save(self) -> None:
