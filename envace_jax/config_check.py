@@ -4,8 +4,8 @@
 
 The checks read files only to see that they exist (weights, checklist data) and, for a local model directory, its
 ``config.json`` (to compare it with the named preset and to learn the context length). Helpers here turn the
-config's strings into what the training loop needs: ``grpo_fields``, ``weights_source``, ``tokenizer_source``.
-The schema itself, with every key's meaning and default, is ``configs/base.py``.
+config's strings into what the training loop needs: ``weights_source``, ``tokenizer_source``. The schema itself,
+with every key's meaning and default, is ``envace_jax/config/defaults.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from envace_jax.config.choices import (
   USER_MODES,
   VIEWS,
   WEIGHTINGS,
+  parse_names,
 )
 from envace_jax.config.choices import GRPO_MODES as MODES
 from envace_jax.config.choices import INVALID_REHEARSAL_POLICIES as ON_INVALID_REHEARSAL
@@ -59,19 +60,6 @@ def _choices(values: Sequence[str]) -> str:
   return ", ".join(repr(v) for v in values)
 
 
-def parse_roles(value: str | Sequence[str]) -> tuple[str, ...]:
-  """Role names from "act,rehearse" or ("act", "rehearse") (items may themselves hold commas), stripped, in order,
-  without repeats. Checks nothing: ``validate`` does."""
-  items = [value] if isinstance(value, str) else list(value)
-  names: list[str] = []
-  for item in items:
-    for name in str(item).split(","):
-      name = name.strip()
-      if name and name not in names:
-        names.append(name)
-  return tuple(names)
-
-
 def weights_source(config) -> str | None:
   """What to pass to ``weights.load_pretrained``: ``model_path``, or ``model`` when it is "smollm2-135m" or a path;
   None for a randomly initialised preset ("tiny")."""
@@ -80,19 +68,6 @@ def weights_source(config) -> str | None:
   if config.model in model_config.PRESETS and config.model != SMOLLM2:
     return None
   return config.model
-
-
-def grpo_fields(config) -> dict[str, Any]:
-  """``config.grpo`` as keyword arguments of ``rl.grpo.GrpoConfig`` (trained_roles as a tuple of names)."""
-  fields = config.grpo.to_dict()
-  fields["trained_roles"] = parse_roles(fields["trained_roles"])
-  fields["sft_steps"] = config.train.sft_warmup_steps
-  return fields
-
-
-def unfold_fields(config) -> dict[str, Any]:
-  """``config.rollout`` plus ``group_size`` (``config.train.group_size``), for ``UnfoldConfig.from_dict``."""
-  return {**config.rollout.to_dict(), "group_size": config.train.group_size}
 
 
 def tokenizer_source(config) -> str | None:
@@ -116,7 +91,7 @@ class _Checker:
       try:
         value = value[part]
       except (KeyError, TypeError, AttributeError):
-        self.add(f"{key} is missing; every config starts from configs/base.py, which defines it")
+        self.add(f"{key} is missing; every config starts from envace_jax/config/defaults.py, which defines it")
         return _MISSING
     return value
 
@@ -438,7 +413,7 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
   raw_roles = ck.get("grpo.trained_roles")
   roles: tuple[str, ...] = ()
   if raw_roles is not _MISSING:
-    roles = parse_roles(raw_roles) if isinstance(raw_roles, str | list | tuple) else ()
+    roles = parse_names(raw_roles) if isinstance(raw_roles, str | list | tuple) else ()
     unknown = [r for r in roles if r not in ROLES]
     if not roles or unknown:
       ck.add(
@@ -514,7 +489,7 @@ def _check_eval(ck: _Checker) -> None:
     ck.add("eval.tasks=0: --mode=eval needs at least one task; set a count or -1 (every task of env.eval_split)")
   raw = ck.get("eval.rehearsal")
   if raw is not _MISSING:
-    modes = parse_roles(raw) if isinstance(raw, str | tuple | list) else ()
+    modes = parse_names(raw) if isinstance(raw, str | tuple | list) else ()
     bad = [m for m in modes if m not in REHEARSAL]
     if not modes or bad:
       ck.add(
@@ -533,8 +508,8 @@ def _check_eval(ck: _Checker) -> None:
 def validate(config, *, weights: bool = True) -> None:
   """Checks a run's config (a ``ml_collections.ConfigDict`` from configs/*.py); loads no model, computes nothing.
 
-  Checks every key the training loop reads (see configs/base.py for their meaning): enum values (modes, roles,
-  benchmark, domain/category, splits), ranges (G >= 2, lr > 0, capacities within the model's context, ...), that
+  Checks every key the training loop reads (envace_jax/config/defaults.py says what each means): enum values (modes,
+  roles, benchmark, domain/category, splits), ranges (G >= 2, lr > 0, capacities within the model's context, ...), that
   weights, tokenizer and checklist data exist, and that the settings fit together (grpo_real_env needs
   env_mode="real", a trained "user" role needs the policy to play the user, ...).
 

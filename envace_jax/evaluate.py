@@ -24,6 +24,7 @@ import jax
 from absl import logging
 
 from envace_jax import config_check, heldout, metrics, runtime, scoring
+from envace_jax.config import choices
 from envace_jax.envs.base import Task
 from envace_jax.model import transformer
 
@@ -42,7 +43,7 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax.rl import grpo
 
-  cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
+  cfg = grpo.GrpoConfig.from_config(config)
   base = ({name: model.params for name in grpo.ROLE_TREES} if cfg.per_role else model.params), None
   if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
     return base
@@ -62,7 +63,7 @@ def eval_tasks(config) -> list[Task]:
 
 def eval_modes(config) -> tuple[str, ...]:
   """``config.eval.rehearsal`` ("off,parallel,sequential" or a tuple) as mode names."""
-  return config_check.parse_roles(config.eval.rehearsal)
+  return choices.parse_names(config.eval.rehearsal)
 
 
 def eval_key(seed: int) -> jax.Array:

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from envace_jax import config_check, metrics, runtime, scoring
+from envace_jax import metrics, runtime, scoring
 from envace_jax.envs.base import Task
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal import fidelity as fidelity_lib
@@ -50,19 +50,6 @@ def policy_of(samplers: Mapping[str, Any]):
     return samplers["policy"]
   act = samplers["policy"]
   return {Role.ACT: act, Role.REHEARSE: samplers["rehearse"], Role.USER: act}
-
-
-def rehearsal_config(config, mode: str) -> private.PrivateRehearsalConfig:
-  """``config.eval``'s private-rehearsal settings with ``mode``."""
-  e = config.eval
-  return private.PrivateRehearsalConfig(
-    mode=mode,
-    num_rehearsals=e.rehearsal_n,
-    assessment_max_tokens=e.assessment_max_tokens,
-    memory_max_tokens=e.memory_max_tokens,
-    digest_max_tokens=e.digest_max_tokens,
-    user=e.rehearsal_user,
-  )
 
 
 def evaluate_policy(
@@ -106,7 +93,7 @@ def evaluate_policy(
     policy,
     tokenizer,
     ucfg,
-    rehearsal_config(config, mode),
+    private.PrivateRehearsalConfig.from_config(config, mode=mode),
     key,
     envs,
     num_trials=num_trials,
@@ -156,11 +143,8 @@ def evaluation_unfold_config(config, samplers: Mapping[str, Any]) -> UnfoldConfi
   """The rollout settings of an evaluation: ``config.rollout`` with one trajectory per (task, trial), and the
   reference weights as the user where the run trains a policy-played user (the evaluation's user should not be the
   policy under test)."""
-  fields = config_check.unfold_fields(config)
-  fields.update(group_size=1)
-  if fields["user_mode"] == "policy" and "reference" in samplers:
-    fields["user_mode"] = "reference"
-  return UnfoldConfig.from_dict(fields)
+  user = "reference" if config.rollout.user_mode == "policy" and "reference" in samplers else config.rollout.user_mode
+  return UnfoldConfig.from_config(config, group_size=1, user_mode=user)
 
 
 def _fidelity(prefix: str, sampler, tokenizer, trajectories, ucfg: UnfoldConfig, key: jax.Array) -> dict[str, float]:

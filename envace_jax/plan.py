@@ -140,8 +140,8 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   source = config_check.weights_source(config)
   mc = model_config.get_model_config(source if source is not None else config.model, dtype=config.dtype)
   mc = mc.replace(param_dtype=jnp.dtype(config.get("param_dtype", "float32")).name)
-  ucfg = UnfoldConfig.from_dict(config_check.unfold_fields(config))
-  gcfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
+  ucfg = UnfoldConfig.from_config(config)
+  gcfg = grpo.GrpoConfig.from_config(config)
   mesh = runtime.make_mesh(config)
   b, g = config.train.tasks_per_step, config.train.group_size
   n = b * g

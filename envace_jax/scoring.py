@@ -92,7 +92,7 @@ def _judge_config_error(config, error: Exception) -> config_check.ConfigError:
 def rule_reward(config, task: Task, trajectory: Trajectory) -> RewardInfo:
   """The rule-checklist reward (``config.reward``'s settings) of ``trajectory``'s conversation against ``task``'s
   gold actions and required information (`rl.rewards.rule_checklist`)."""
-  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  rule = rewards.RuleChecklistConfig.from_config(config)
   return rewards.rule_checklist(
     task, trajectory.messages, malformed_outputs=trajectory.counts.get("malformed_act", 0), config=rule
   )

@@ -154,8 +154,8 @@ class Trainer:
       raise config_check.ConfigError(
         [f"model={config.model!r} has no tokenizer; set config.tokenizer (e.g. smollm2-135m)"]
       )
-    self.grpo_cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(config))
-    self.unfold_cfg = UnfoldConfig.from_dict(config_check.unfold_fields(config))
+    self.grpo_cfg = grpo.GrpoConfig.from_config(config)
+    self.unfold_cfg = UnfoldConfig.from_config(config)
     self.mesh = runtime.make_mesh(config)
     shards = sharding.batch_size_multiple(self.mesh)
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None

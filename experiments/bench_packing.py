@@ -10,7 +10,7 @@ environment's instructions and the same schemas. Three layouts of the same train
   * plain: one row per (trajectory, role);
   * per task: a task's rows of one role packed around their shared prefix (``grpo.max_packed_length=0``);
   * across tasks: the rows of one role in several tasks packed around their common root too, up to
-    ``grpo.max_packed_length`` tokens per row (configs/base.py).
+    ``grpo.max_packed_length`` tokens per row (envace_jax/config/defaults.py).
 
 Printed per layout: rows, tokens the forward sees (valid), the padded [rows, T] it computes on, and with ``--time``
 the seconds of one update step (the jitted forward, backward and AdamW step on SmolLM2, best of 2 after a compile).
@@ -41,7 +41,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", type=int, default=4, help="tasks per step (B)")
   parser.add_argument("--group", type=int, default=4, help="rows per task and role (G)")
-  parser.add_argument("--max-packed-length", type=int, default=0, help="0: configs/base.py's grpo.max_packed_length")
+  parser.add_argument(
+    "--max-packed-length", type=int, default=0, help="0: envace_jax/config/defaults.py's grpo.max_packed_length"
+  )
   parser.add_argument("--time", action="store_true", help="also time one update step per layout")
   parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
   args = parser.parse_args()

@@ -36,7 +36,8 @@ TINY_CAVEAT = (
   "and say nothing about the method; use --model=smollm2 (CPU, slow) or --full (Qwen3-8B, accelerators)."
 )
 
-# The paper's sizes (configs/base.py, "paper:" / "full size:" next to each field; configs/tau2.py's paper-size run).
+# The paper's sizes (envace_jax/config/defaults.py: "paper:" / "full size:" next to each field; configs/tau2.py's
+# paper-size run).
 # --full applies these; anything else goes through --config.KEY=VALUE.
 FULL = {
   "model": "qwen3-8b",

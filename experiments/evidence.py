@@ -34,7 +34,7 @@ Methods (one config each; everything else, seeds included, is shared, except whe
                    split's tasks, gold calls for ACT and the real tools' responses for REHEARSE), one pass over the four
                    training tasks;
   warmup_grounded  the same warm-up with REHEARSE's grounding (the task's reference interactions in its view,
-                   ``rollout.grounding_max_tokens``, as the paper trains it; configs/base.py's 1024 tokens);
+                   ``rollout.grounding_max_tokens``, as the paper trains it; the defaults' 1024 tokens);
   envace           the warm-up, then world-rehearsal GRPO (``grpo.mode=envace``: REHEARSE answers every tool call);
   grpo_real_env    plain GRPO against the real tools, ACT trained only, in the warm-up too (``grpo.trained_roles``
                    holds for every step): REHEARSE's weights, shared with ACT, are never trained for it;
@@ -197,7 +197,7 @@ def cell_config(args, method: str, seed: int):
   c.grpo.dynamic_sampling_max_draws = args.max_draws
   c.rollout.scenario_opening = True
   c.rollout.max_turns = args.max_turns
-  if method != "warmup_grounded":  # it keeps the config's grounding (configs/base.py), as the paper trains REHEARSE
+  if method != "warmup_grounded":  # it keeps the defaults' grounding, as the paper trains REHEARSE
     c.rollout.grounding_max_tokens = args.grounding
   if not args.full:  # --full keeps FULL's 8k-token responses
     for role in ("act", "rehearse", "user"):

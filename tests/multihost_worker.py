@@ -51,7 +51,7 @@ def run(out: str) -> None:
 
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   model_config = get_model_config("tiny", vocab_size=49152)  # configs/tiny.py: the tiny preset, SmolLM2's vocabulary
-  cfg = grpo.GrpoConfig(learning_rate=1e-3, micro_batch_size=4)
+  cfg = grpo.GrpoConfig.from_config(learning_rate=1e-3, micro_batch_size=4)
   params = transformer.unstack_tree(transformer.init_params(model_config, jax.random.key(0)))  # the state's layout
   state = grpo.init_train_state(cfg, params)
   rows, advantages = build_rows(model_config.vocab_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import pathlib
 
@@ -10,10 +12,12 @@ from absl import flags
 from ml_collections import config_flags
 
 from envace_jax import config_check
+from envace_jax.config import choices, defaults
 from envace_jax.config_check import ConfigError
 from envace_jax.model import config as model_config
-from envace_jax.rehearsal import episode, unfold
-from envace_jax.rl import grpo
+from envace_jax.model.roles import Role
+from envace_jax.rehearsal import episode, private, unfold, users
+from envace_jax.rl import grpo, rewards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -156,12 +160,12 @@ def test_documented_overrides():
     "--config.eval.rehearsal_n=4",
   )
   config_check.validate(config)
-  assert config_check.grpo_fields(config)["trained_roles"] == ("act",)
+  assert grpo.GrpoConfig.from_config(config).trained_roles == (int(Role.ACT),)
   assert config.env.domain == "retail" and config.train.group_size == 4 and config.grpo.learning_rate == 3e-6
   # A comma-separated override arrives as one tuple item; it is split into roles.
   config = load("tau2.py", "--config.grpo.trained_roles=act,rehearse")
   config_check.validate(config)
-  assert config_check.grpo_fields(config)["trained_roles"] == ("act", "rehearse")
+  assert grpo.GrpoConfig.from_config(config).trained_roles == (int(Role.ACT), int(Role.REHEARSE))
   # The real-environment baseline, with the two settings it needs.
   baseline = load(
     "tau2.py",
@@ -300,7 +304,8 @@ def test_missing_key_and_missing_smollm2(monkeypatch):
   with config.unlocked():
     del config.grpo["learning_rate"]
   assert (
-    only_problem(config) == "grpo.learning_rate is missing; every config starts from configs/base.py, which defines it"
+    only_problem(config)
+    == "grpo.learning_rate is missing; every config starts from envace_jax/config/defaults.py, which defines it"
   )
   from envace_jax.model import weights
 
@@ -312,27 +317,72 @@ def test_missing_key_and_missing_smollm2(monkeypatch):
 
 
 def test_helpers():
-  assert config_check.parse_roles("act, rehearse,act") == ("act", "rehearse")
-  assert config_check.parse_roles(("act,user", "rehearse")) == ("act", "user", "rehearse")
+  assert choices.parse_names("act, rehearse,act") == ("act", "rehearse")
+  assert choices.parse_names(("act,user", "rehearse")) == ("act", "user", "rehearse")
   config = load("tau2.py")
   assert config_check.weights_source(config) == "smollm2-135m"
   assert config_check.tokenizer_source(config) == "smollm2-135m"
-  assert config_check.unfold_fields(config)["group_size"] == config.train.group_size
 
 
-# The config sections are the field names of the components that read them.
+# The config sections are the field names of the components that read them, and their only defaults.
+
+# Each settings dataclass, built from the defaults (envace_jax/config/defaults.py) by its from_config, and the fields
+# no run setting supplies (protocol constants and the checklist's own weights).
+SETTINGS = {
+  episode.UnfoldConfig: (episode.UnfoldConfig.from_config, {"greeting", "agent_stop_markers", "rehearse_prompt",
+                                                            "user_prompt"}),
+  grpo.GrpoConfig: (grpo.GrpoConfig.from_config, set()),
+  private.PrivateRehearsalConfig: (functools.partial(private.PrivateRehearsalConfig.from_config, mode="off"),
+                                   {"sampling"}),
+  rewards.RuleChecklistConfig: (rewards.RuleChecklistConfig.from_config, {"action_weight", "communicate_weight",
+                                                                          "well_formed_weight"}),
+  users.ExternalUserConfig: (lambda: episode.UnfoldConfig.from_config().external_user, {
+    "timeout_s", "max_retries", "backoff_s", "backoff_max_s", "temperature", "max_tokens", "max_concurrency",
+    "extra_body"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", list(SETTINGS), ids=lambda c: c.__name__)
+def test_every_run_setting_has_one_default(cls, monkeypatch):
+  """A field the run config supplies has no default of its own (the defaults module is its one home), so a test or
+  notebook that builds the dataclass runs what the CLI runs; a field no run setting supplies keeps its default."""
+  build, fixed = SETTINGS[cls]
+  supplied = {f.name for f in dataclasses.fields(cls)} - fixed
+  with_default = {
+    f.name for f in dataclasses.fields(cls)
+    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+  }  # fmt: skip
+  assert with_default == fixed, f"{cls.__name__}: a second default for {sorted(with_default - fixed)}"
+  assert isinstance(build(), cls)
+  # The builder reads the defaults module: a changed default reaches the dataclass.
+  original = defaults.get_config
+
+  def changed():
+    c = original()
+    c.train.group_size, c.rollout.max_turns, c.grpo.micro_batch_size = 7, 9, 5
+    c.eval.rehearsal_n, c.reward.malformed_penalty, c.rollout.external_user.model = 6, 0.5, "sim"
+    return c
+
+  monkeypatch.setattr(defaults, "get_config", changed)
+  moved = build()
+  want = {"group_size": 7, "max_turns": 9, "micro_batch_size": 5, "num_rehearsals": 6, "malformed_penalty": 0.5,
+          "model": "sim"}  # fmt: skip
+  assert {k: getattr(moved, k) for k in want if k in supplied} == {k: v for k, v in want.items() if k in supplied}
+  assert any(k in supplied for k in want)
 
 
 @pytest.mark.parametrize("spec", ["tau2.py", "tau2.py:mock", "bfcl.py", "tiny.py"])
 def test_grpo_section_builds_a_grpo_config(spec):
-  cfg = grpo.GrpoConfig.from_mapping(config_check.grpo_fields(load(spec)))
+  config = load(spec)
+  cfg = grpo.GrpoConfig.from_config(config)
   assert cfg.mode == "envace" and cfg.learning_rate == 1e-6
+  assert cfg.sft_steps == config.train.sft_warmup_steps and cfg.micro_batch_size == config.grpo.micro_batch_size
 
 
 @pytest.mark.parametrize("spec", ["tau2.py", "tau2.py:mock", "bfcl.py", "tiny.py"])
 def test_rollout_section_builds_an_unfold_config(spec):
   config = load(spec)
-  cfg = unfold.UnfoldConfig.from_dict(config_check.unfold_fields(config))
+  cfg = unfold.UnfoldConfig.from_config(config)
   assert cfg.group_size == config.train.group_size and cfg.act_capacity == config.rollout.act_capacity
   assert cfg.act_sampling.temperature == config.rollout.act_sampling.temperature
   assert unfold.UnfoldConfig is episode.UnfoldConfig

@@ -118,7 +118,7 @@ def test_shared_tree_with_bfloat16_and_no_role_embed(tmp_path, capsys):
 def _per_role_state():
   """grpo's per_role state of the tiny preset after AdamW steps: the ACT tree stepped twice, the REHEARSE tree once,
   role-embedding gradients that differ per role (jit this: eager op-by-op takes seconds)."""
-  cfg = grpo.GrpoConfig(mode="per_role", learning_rate=1e-2)
+  cfg = grpo.GrpoConfig.from_config(mode="per_role", learning_rate=1e-2)
   params = transformer.init_params(model_config_lib.get_model_config("tiny", scan_layers=True), jax.random.key(0))
   state = grpo.init_train_state(cfg, params)
   opt = grpo.make_optimizer(cfg)

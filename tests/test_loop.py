@@ -402,7 +402,7 @@ def test_the_reward_gaps_rehearsals_see_no_gold_and_no_scenario(data_dir, monkey
     assert CALL["gold"] in text or CALL["wrong"] in text  # REHEARSE did rehearse the agent's call
     assert leaks(text) == []
   # The same task rolled out for training: its REHEARSE view is grounded in the reference interaction.
-  ucfg = UnfoldConfig.from_dict(config_check.unfold_fields(config))
+  ucfg = UnfoldConfig.from_config(config)
   out = unfold_lib.unfold([task], Policy(tok), tok, ucfg, jax.random.key(0), reference_sampler=User(tok))
   shown = [views.GROUNDING_HEADER, reference.result, *(scenario if scenario_opening else [])]
   assert leaks(tok.decode(out.views[0][Role.REHEARSE].tokens)) == shown

@@ -151,7 +151,7 @@ def _check_quickstart(nb, facts: dict) -> None:
   # Section 3: the rule-checklist reward of the trajectory shown, recomputed from its conversation.
   unfolded = _printed(nb, "out = unfold([task], sampler")
   task, config = facts["task"], _tau2_mock_config()
-  rule = rewards.RuleChecklistConfig(arg_keys=config.reward.arg_keys, malformed_penalty=config.reward.malformed_penalty)
+  rule = rewards.RuleChecklistConfig.from_config(config)
   reward = rewards.rule_checklist(task, facts["demo_messages"], facts["demo_malformed"], config=rule)
   assert f"rule-checklist reward {reward.reward:.2f}\n" in unfolded, unfolded
   assert ast.literal_eval(_after(unfolded, "reward items: ")) == dict(reward.breakdown)

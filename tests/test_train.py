@@ -387,7 +387,7 @@ def test_dynamic_sampling_keeps_the_groups_with_signal_it_found_when_the_draws_r
     _, first = batch("a", [(0.5, 0.5), (0.0, 1.0), (1.0, 1.0)])
     extra_tasks, extra = batch("b", [(0.2, 0.2), (0.3, 0.9), (0.0, 0.0)])
     fake = types.SimpleNamespace(
-      grpo_cfg=grpo.GrpoConfig(dynamic_sampling=True, dynamic_sampling_max_draws=draws),
+      grpo_cfg=grpo.GrpoConfig.from_config(dynamic_sampling=True, dynamic_sampling_max_draws=draws),
       stream=types.SimpleNamespace(next_batch=lambda tasks=extra_tasks: tasks),
       rollout=lambda tasks, key, out=extra: (out, {"time_total_s": 2.0, "generated_tokens_act": 7}),
     )

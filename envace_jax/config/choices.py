@@ -18,3 +18,16 @@ VIEWS = ("act", "rehearse", "user")  # rollout.<view>_capacity, rollout.<view>_s
 REWARD_KINDS = ("rule", "judge")  # reward.kind (scoring.py)
 ARG_KEYS = ("strict", "tau2")  # reward.arg_keys (rl/rewards.py)
 CHAT_TEMPLATES = ("", "chatml")  # chat_template (model/tokenizer.py)
+
+
+def parse_names(value) -> tuple[str, ...]:
+  """Names from "act,rehearse" or ("act", "rehearse") (items may themselves hold commas), stripped, in order, without
+  repeats: grpo.trained_roles, eval.rehearsal. Checks nothing: ``config_check.validate`` does."""
+  items = [value] if isinstance(value, str) else list(value)
+  names: list[str] = []
+  for item in items:
+    for name in str(item).split(","):
+      name = name.strip()
+      if name and name not in names:
+        names.append(name)
+  return tuple(names)

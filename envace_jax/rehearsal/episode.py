@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from envace_jax.config import defaults
 from envace_jax.config.choices import ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
@@ -33,9 +34,10 @@ class UnfoldConfigError(ValueError):
   """The rollout is misconfigured (bad `UnfoldConfig` value, missing sampler or environments)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class UnfoldConfig:
-  """How a self-unfolded rollout runs. Validated at construction (`UnfoldConfigError`).
+  """How a self-unfolded rollout runs. Validated at construction (`UnfoldConfigError`). A run's settings come from
+  ``config.rollout`` and ``config.train.group_size`` (`from_config`; the defaults live there only).
 
   Attributes:
     group_size: G, trajectories per task (the GRPO group).
@@ -83,34 +85,35 @@ class UnfoldConfig:
       per run (the sizes do not depend on the batch).
   """
 
-  group_size: int = 4
-  max_turns: int = 8
-  act_max_new_tokens: int = 256
-  rehearse_max_new_tokens: int = 256
-  user_max_new_tokens: int = 128
-  act_sampling: SamplingParams = SamplingParams()
-  rehearse_sampling: SamplingParams = SamplingParams()
-  user_sampling: SamplingParams = SamplingParams()
-  act_capacity: int = 8192
-  rehearse_capacity: int = 8192
-  user_capacity: int = 2048
-  user_mode: str = "reference"
-  env_mode: str = "rehearse"
-  on_malformed: str = "continue"
-  on_invalid_rehearsal: str = "as_is"
-  accept_error_text: bool = True
-  grounding_max_tokens: int = 1024
-  parallel_calls: bool = False
-  rehearse_sees_dialogue: bool = True
+  group_size: int
+  max_turns: int
+  act_max_new_tokens: int
+  rehearse_max_new_tokens: int
+  user_max_new_tokens: int
+  act_sampling: SamplingParams
+  rehearse_sampling: SamplingParams
+  user_sampling: SamplingParams
+  act_capacity: int
+  rehearse_capacity: int
+  user_capacity: int
+  user_mode: str
+  env_mode: str
+  on_malformed: str
+  on_invalid_rehearsal: str
+  accept_error_text: bool
+  grounding_max_tokens: int
+  parallel_calls: bool
+  rehearse_sees_dialogue: bool
+  scenario_opening: bool
+  external_user: ExternalUserConfig | None
+  continuous_batching: bool
+  kv_page_size: int
+  kv_pages: int
+  # Not run settings: fixed by the benchmarks' protocols (τ²'s greeting) and the views' prompts.
   greeting: str = "Hi! How can I help you today?"
-  scenario_opening: bool = False
   agent_stop_markers: tuple[str, ...] = ()
   rehearse_prompt: str = views.REHEARSE_PROMPT
   user_prompt: str = views.USER_PROMPT
-  external_user: ExternalUserConfig | None = None
-  continuous_batching: bool = False
-  kv_page_size: int = 64
-  kv_pages: int = 0
 
   def __post_init__(self):
     positive = ("group_size", "max_turns", "act_max_new_tokens", "rehearse_max_new_tokens", "user_max_new_tokens")
@@ -149,6 +152,17 @@ class UnfoldConfig:
       ) from e
     if not isinstance(self.agent_stop_markers, tuple) or not all(self.agent_stop_markers):
       raise UnfoldConfigError("UnfoldConfig.agent_stop_markers must be a tuple of non-empty strings")
+
+  @classmethod
+  def from_config(cls, config=None, **overrides) -> UnfoldConfig:
+    """``config.rollout`` with ``group_size = config.train.group_size``, then ``overrides`` (field: value).
+    config: a run config (``envace_jax/config/defaults.py``'s layout); None: the defaults.
+
+    Raises:
+      UnfoldConfigError: an unknown key or an invalid value.
+    """
+    c = defaults.or_defaults(config)
+    return cls.from_dict({**c.rollout.to_dict(), "group_size": c.train.group_size, **overrides})
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> UnfoldConfig:

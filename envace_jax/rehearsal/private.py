@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 
+from envace_jax.config import defaults
 from envace_jax.config.choices import REHEARSAL_MODES as MODES
 from envace_jax.config.choices import REHEARSAL_USERS
 from envace_jax.envs import registry
@@ -95,9 +96,10 @@ class PrivateRehearsalError(ValueError):
   """Private rehearsal is misconfigured (mode, N, budgets, missing sampler)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivateRehearsalConfig:
-  """How a task is rehearsed before the committed execution.
+  """How a task is rehearsed before the committed execution. A run's values are ``config.eval``'s (`from_config`;
+  no defaults here).
 
   Attributes:
     mode: "off", "parallel" or "sequential".
@@ -111,13 +113,31 @@ class PrivateRehearsalConfig:
     sampling: `SamplingParams` of the assessments and the memory (default greedy).
   """
 
-  mode: str = "off"
-  num_rehearsals: int = 4
-  assessment_max_tokens: int = 96
-  memory_max_tokens: int = 128
-  digest_max_tokens: int = 256
-  user: str = "policy"
+  mode: str
+  num_rehearsals: int
+  assessment_max_tokens: int
+  memory_max_tokens: int
+  digest_max_tokens: int
+  user: str
   sampling: SamplingParams = GREEDY
+
+  @classmethod
+  def from_config(cls, config=None, *, mode: str, **overrides) -> PrivateRehearsalConfig:
+    """``config.eval``'s rehearsal settings (``rehearsal_n``, ``rehearsal_user``, the three token budgets) with
+    ``mode`` (one of ``eval.rehearsal``'s), then ``overrides``. config: a run config; None: the defaults.
+
+    Raises:
+      PrivateRehearsalError: an invalid value.
+    """
+    e = defaults.or_defaults(config).eval
+    fields = dict(
+      num_rehearsals=e.rehearsal_n,
+      assessment_max_tokens=e.assessment_max_tokens,
+      memory_max_tokens=e.memory_max_tokens,
+      digest_max_tokens=e.digest_max_tokens,
+      user=e.rehearsal_user,
+    )
+    return cls(mode=mode, **{**fields, **overrides})
 
   def __post_init__(self):
     if self.mode not in MODES:

@@ -47,9 +47,10 @@ class UserSimulator(abc.ABC):
     """Releases connections."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExternalUserConfig:
-  """An OpenAI-compatible chat-completions endpoint playing the user.
+  """An OpenAI-compatible chat-completions endpoint playing the user. A run's endpoint is
+  ``config.rollout.external_user`` (``UnfoldConfig.from_config``); the request policy below is not a run setting.
 
   Attributes:
     base_url: the API root; requests go to ``{base_url}/chat/completions`` (e.g. "http://127.0.0.1:30000/v1").
@@ -65,9 +66,9 @@ class ExternalUserConfig:
     extra_body: merged into each request body.
   """
 
-  base_url: str = ""
-  model: str = ""
-  api_key_env: str = ""
+  base_url: str
+  model: str
+  api_key_env: str
   timeout_s: float = 60.0
   max_retries: int = 3
   backoff_s: float = 1.0

@@ -43,6 +43,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from envace_jax.config import choices, defaults
 from envace_jax.config.choices import GRPO_MODES as MODES
 from envace_jax.config.choices import KL_ESTIMATORS, WEIGHTINGS
 from envace_jax.model import transformer
@@ -56,11 +57,6 @@ from envace_jax.sampling import sharding
 
 # per_role mode: the name of each role's parameter tree.
 ROLE_TREES: dict[str, int] = {"act": int(Role.ACT), "rehearse": int(Role.REHEARSE)}
-_DEFAULT_TRAINED_ROLES = {
-  "envace": (int(Role.ACT), int(Role.REHEARSE)),
-  "per_role": (int(Role.ACT), int(Role.REHEARSE)),
-  "grpo_real_env": (int(Role.ACT),),
-}
 _LOG_RATIO_CLAMP = 20.0  # |logp_new - logp_old| and |ref - logp| are clamped here before exp (verl's convention)
 _KL_CLAMP = 10.0  # the low_var_kl estimate is clamped to [-10, 10] (verl's kl_penalty)
 
@@ -80,14 +76,15 @@ def _parse_role(value: Any) -> int:
 # Config
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GrpoConfig:
-  """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument).
+  """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument). A run's
+  values are ``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps`` (`from_config`; no defaults here).
 
   Attributes:
     mode: "envace", "per_role" or "grpo_real_env" (see the module doc).
-    trained_roles: role ids (or names) whose generations are trained; None: the mode's default (ACT and REHEARSE;
-      ACT only for grpo_real_env). Stored as a sorted tuple of ints. Other roles are frozen: their loss mask is 0.
+    trained_roles: role ids (or names) whose generations are trained, stored as a sorted tuple of ints. Other roles
+      are frozen: their loss mask is 0.
     weighting: how a group's baseline counts its members: "row" (each generation once: a trajectory with 5 ACT
       generations counts 5 times in the ACT baseline, as the paper's code does) or "trajectory" (each trajectory
       once, among those with at least one generation of the role).
@@ -128,44 +125,42 @@ class GrpoConfig:
     dynamic_sampling_max_draws: the most extra batches (of B tasks each) one step may roll out.
   """
 
-  mode: str = "envace"
-  trained_roles: tuple[int, ...] | None = None
-  weighting: str = "row"
-  std_normalize: bool = False
-  adv_eps: float = 1e-6
-  clip_eps_low: float = 0.2
-  clip_eps_high: float = 0.2
-  clip_ratio_c: float = 3.0
-  use_kl: bool = False
-  kl_coef: float = 1e-4
-  kl_estimator: str = "low_var_kl"
-  learning_rate: float = 1e-6
-  sft_steps: int = 0
-  sft_learning_rate: float = 0.0
-  fresh_optimizer_after_sft: bool = True
-  weight_decay: float = 0.01
-  max_grad_norm: float = 1.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.999
-  adam_eps: float = 1e-8
-  micro_batch_size: int = 4
-  length_bucket: int = 512
-  remat: bool = True
-  head_chunk: int = 512
-  pack_shared_prefix: bool = True
-  min_shared_prefix: int = 64
-  max_packed_length: int = 8192
-  dynamic_sampling: bool = False
-  dynamic_sampling_max_draws: int = 4
+  mode: str
+  trained_roles: tuple[int, ...]
+  weighting: str
+  std_normalize: bool
+  adv_eps: float
+  clip_eps_low: float
+  clip_eps_high: float
+  clip_ratio_c: float
+  use_kl: bool
+  kl_coef: float
+  kl_estimator: str
+  learning_rate: float
+  sft_steps: int
+  sft_learning_rate: float
+  fresh_optimizer_after_sft: bool
+  weight_decay: float
+  max_grad_norm: float
+  adam_b1: float
+  adam_b2: float
+  adam_eps: float
+  micro_batch_size: int
+  length_bucket: int
+  remat: bool
+  head_chunk: int
+  pack_shared_prefix: bool
+  min_shared_prefix: int
+  max_packed_length: int
+  dynamic_sampling: bool
+  dynamic_sampling_max_draws: int
 
   def __post_init__(self):
     for name, valid in (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS)):
       if getattr(self, name) not in valid:
         raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; valid values: {valid}.")
     roles = self.trained_roles
-    if roles is None:
-      roles = _DEFAULT_TRAINED_ROLES[self.mode]
-    elif isinstance(roles, (str, int, np.integer)):
+    if isinstance(roles, (str, int, np.integer)):
       roles = (roles,)
     roles = tuple(sorted({_parse_role(r) for r in roles}))
     if not roles:
@@ -205,6 +200,19 @@ class GrpoConfig:
     for name, ok, need in checks:
       if not ok:
         raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; it must be {need}.")
+
+  @classmethod
+  def from_config(cls, config=None, **overrides) -> GrpoConfig:
+    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps``, then ``overrides`` (field: value).
+    config: a run config (``envace_jax/config/defaults.py``'s layout); None: the defaults.
+
+    Raises:
+      ValueError: an unknown key or an invalid value.
+    """
+    c = defaults.or_defaults(config)
+    fields = {**c.grpo.to_dict(), "sft_steps": c.train.sft_warmup_steps}
+    fields["trained_roles"] = choices.parse_names(fields["trained_roles"])
+    return cls.from_mapping({**fields, **overrides})
 
   @classmethod
   def from_mapping(cls, mapping: Mapping[str, Any] | Any) -> GrpoConfig:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from envace_jax.config import defaults
 from envace_jax.envs.base import ChatMessage, GoldAction, RewardInfo, Task, ToolCall, json_layout
 
 # ----------------------------------------------------------------------------------------------- rule checklist
@@ -25,9 +26,10 @@ class RewardConfigError(ValueError):
   """A reward configuration is invalid (negative weight, unknown mode, bad judge settings, missing API key)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RuleChecklistConfig:
-  """Weights and matching rules of `rule_checklist`.
+  """Weights and matching rules of `rule_checklist`. ``malformed_penalty`` and ``arg_keys`` are run settings
+  (``config.reward``, `from_config`; no defaults here); the weights are the checklist's own (1 each).
 
   Attributes:
     action_weight: weight of each gold-action item.
@@ -42,11 +44,21 @@ class RuleChecklistConfig:
       so "strict" fails only calls that τ² would accept while missing a required argument.
   """
 
+  malformed_penalty: float
+  arg_keys: Literal["strict", "tau2"]
   action_weight: float = 1.0
   communicate_weight: float = 1.0
   well_formed_weight: float = 1.0
-  malformed_penalty: float = 1.0
-  arg_keys: Literal["strict", "tau2"] = "strict"
+
+  @classmethod
+  def from_config(cls, config=None, **overrides) -> RuleChecklistConfig:
+    """``config.reward.malformed_penalty`` and ``.arg_keys``, then ``overrides``; config None: the defaults.
+
+    Raises:
+      RewardConfigError: an invalid value.
+    """
+    r = defaults.or_defaults(config).reward
+    return cls(**{"malformed_penalty": r.malformed_penalty, "arg_keys": r.arg_keys, **overrides})
 
   def __post_init__(self):
     for name in ("action_weight", "communicate_weight", "well_formed_weight", "malformed_penalty"):
@@ -169,7 +181,7 @@ def rule_checklist(
     task: the task (gold_actions, communicate_info).
     conversation: the trajectory's messages.
     malformed_outputs: how many generations of the trajectory could not be parsed (recorded during the rollout).
-    config: weights and matching rules; default `RuleChecklistConfig()`.
+    config: weights and matching rules; default `RuleChecklistConfig.from_config()` (the run defaults').
 
   Returns:
     RewardInfo with reward in [0, 1], per-item and per-group breakdown, and the matched call per action item in
@@ -178,7 +190,7 @@ def rule_checklist(
   Raises:
     ValueError: `malformed_outputs` is negative.
   """
-  config = config or RuleChecklistConfig()
+  config = config or RuleChecklistConfig.from_config()
   if malformed_outputs < 0:
     raise ValueError(f"malformed_outputs must be >= 0, got {malformed_outputs}")
   calls = [c for m in conversation if m.role == "assistant" for c in m.tool_calls]

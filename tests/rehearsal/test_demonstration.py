@@ -33,7 +33,7 @@ def _demo(tokenizer, task, env_mode="rehearse", **config):
   env = tau2.Tau2Env(task.domain) if task.benchmark == "tau2" else bfcl.BfclEnv()
   conversation = registry.get(task.benchmark).reference_conversation(task, env)
   sizes = {"group_size": 2, "act_capacity": 8192, "rehearse_capacity": 8192}
-  cfg = UnfoldConfig(**{**sizes, "env_mode": env_mode, **config})
+  cfg = UnfoldConfig.from_config(**{**sizes, "env_mode": env_mode, **config})
   real = (tau2.Tau2Env(task.domain) if task.benchmark == "tau2" else bfcl.BfclEnv()) if env_mode == "real" else None
   return demonstration.demonstration(cfg, task, conversation, tokenizer, views.ChatFormat.of(tokenizer), 3, env=real)
 

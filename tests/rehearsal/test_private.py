@@ -25,7 +25,9 @@ CALL_CREATE = tool_format.render_tool_call("create_task", {"user_id": "user_1", 
 RESPONSE = '<tool_response>\n{"task_id": "task_2", "title": "Important Meeting", "status": "pending"}\n</tool_response>'
 FIRST = "Please create a task 'Important Meeting' for user_1."
 DONE = "I created the task 'Important Meeting' for user_1."
-CONFIG = UnfoldConfig(group_size=1, max_turns=3, act_capacity=4096, rehearse_capacity=4096, user_capacity=4096)
+CONFIG = UnfoldConfig.from_config(
+  group_size=1, max_turns=3, act_capacity=4096, rehearse_capacity=4096, user_capacity=4096
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_rehearsal_never_touches_the_real_environment(tokenizer, task, monkeypat
   touched = []
   monkeypatch.setattr(tau2.Tau2Env, "execute", lambda self, call: touched.append(call))  # any real env, anywhere
   policy, user = Policy(tokenizer), User(tokenizer)
-  cfg = private.PrivateRehearsalConfig(mode="parallel", num_rehearsals=3)
+  cfg = private.PrivateRehearsalConfig.from_config(mode="parallel", num_rehearsals=3)
   heads = private.openings([task], 2, tokenizer, CONFIG, jax.random.key(0), user_sampler=user)
   prepared = [private.Prepared(task, trial, heads[trial]) for trial in range(2)]
   private.rehearse(prepared, policy, tokenizer, CONFIG, cfg, jax.random.key(1))
@@ -132,7 +134,7 @@ def test_scenario_opening_needs_no_user_for_the_first_message(tokenizer, task):
 
 def test_sequential_rehearsal_sees_earlier_rehearsals_and_assessments(tokenizer, task):
   policy = Policy(tokenizer)
-  cfg = private.PrivateRehearsalConfig(mode="sequential", num_rehearsals=3, digest_max_tokens=200)
+  cfg = private.PrivateRehearsalConfig.from_config(mode="sequential", num_rehearsals=3, digest_max_tokens=200)
   heads = private.openings([task], 1, tokenizer, CONFIG, jax.random.key(0), user_sampler=User(tokenizer))
   item = private.Prepared(task, 0, heads[0])
   private.rehearse([item], policy, tokenizer, CONFIG, cfg, jax.random.key(1))
@@ -159,7 +161,7 @@ def test_sequential_rehearsal_sees_earlier_rehearsals_and_assessments(tokenizer,
 def test_memory_respects_its_token_bound_and_reaches_the_committed_agent(tokenizer, task):
   long = "Remember: " + "ask for the user id, check the title, call create_task, confirm. " * 20
   policy, user = Policy(tokenizer, memory_text=long), User(tokenizer)
-  cfg = private.PrivateRehearsalConfig(mode="parallel", num_rehearsals=2, memory_max_tokens=12)
+  cfg = private.PrivateRehearsalConfig.from_config(mode="parallel", num_rehearsals=2, memory_max_tokens=12)
   envs = [tau2.Tau2Env("mock")]
   out = private.run([task], policy, tokenizer, CONFIG, cfg, jax.random.key(0), envs, reference_sampler=user)
   (item,) = out.prepared
@@ -177,7 +179,7 @@ def test_memory_respects_its_token_bound_and_reaches_the_committed_agent(tokeniz
 def test_mode_off_commits_from_the_same_opening_without_memory(tokenizer, task):
   runs = {}
   for mode in ("off", "parallel"):
-    cfg = private.PrivateRehearsalConfig(mode=mode, num_rehearsals=2)
+    cfg = private.PrivateRehearsalConfig.from_config(mode=mode, num_rehearsals=2)
     envs = [tau2.Tau2Env("mock")]
     runs[mode] = private.run(
       [task], Policy(tokenizer), tokenizer, CONFIG, cfg, jax.random.key(0), envs, reference_sampler=User(tokenizer)
@@ -190,11 +192,13 @@ def test_mode_off_commits_from_the_same_opening_without_memory(tokenizer, task):
 
 def test_bad_settings_are_refused():
   with pytest.raises(private.PrivateRehearsalError, match="mode='both'"):
-    private.PrivateRehearsalConfig(mode="both")
+    private.PrivateRehearsalConfig.from_config(mode="both")
   with pytest.raises(private.PrivateRehearsalError, match="num_rehearsals must be a positive int"):
-    private.PrivateRehearsalConfig(mode="parallel", num_rehearsals=0)
+    private.PrivateRehearsalConfig.from_config(mode="parallel", num_rehearsals=0)
   with pytest.raises(private.PrivateRehearsalError, match="one ToolEnv per"):
-    private.run([], None, None, CONFIG, private.PrivateRehearsalConfig(), jax.random.key(0), [object()])
+    private.run(
+      [], None, None, CONFIG, private.PrivateRehearsalConfig.from_config(mode="off"), jax.random.key(0), [object()]
+    )
 
 
 def test_a_history_ending_in_the_users_stop_marker_ends_at_once(tokenizer, task):

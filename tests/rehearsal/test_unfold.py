@@ -71,7 +71,7 @@ def _sampler(tiny_model, tokenizer) -> Sampler:
   )
 
 
-REAL = UnfoldConfig(
+REAL = UnfoldConfig.from_config(
   group_size=2,
   max_turns=3,
   act_max_new_tokens=48,
@@ -284,6 +284,9 @@ class _RecordedPool(paged.PagePool):
     super().release(row)
 
 
+_PAGES = 32  # a pool's first size: each size it doubles to compiles the sampler's programs again
+
+
 @pytest.mark.parametrize("user_mode", ["policy", "reference"])
 def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectories(
   tiny_model, tokenizer, mock_tasks, user_mode, monkeypatch
@@ -293,7 +296,7 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
   continuous batching and lockstep give the same trajectories (each generation is keyed by trajectory, role and
   index, not by step): messages, terminations, training rows (ids, roles, logprobs <= 1e-4); continuous batching
   spends fewer decode row-steps (a row that ends its generation starts the next one at once). One of the two runs
-  holds each view's own slots in pages of 16 from pools of 4 (policy user: the continuous run; reference user: the
+  holds each view's own slots in pages of 16 from pools of 32 (policy user: the continuous run; reference user: the
   lockstep run, the reference's cache paged too), the other dense rows: a pool grows when a generation finds too
   few free pages, every ended trajectory gives its pages back (none held at the end), and the pools hold fewer
   slots than a dense row per view."""
@@ -308,7 +311,7 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
               pad_id=tokenizer.pad_id)
       for _ in range(2)
     )  # fmt: skip
-    paging = dict(kv_page_size=16, kv_pages=4) if continuous == (user_mode == "policy") else dict(kv_page_size=0)
+    paging = dict(kv_page_size=16, kv_pages=_PAGES) if continuous == (user_mode == "policy") else dict(kv_page_size=0)
     rollout = dataclasses.replace(REAL, user_mode=user_mode, continuous_batching=continuous, **paging)
     outs[continuous] = unfold(tasks, policy, tokenizer, rollout, jax.random.key(5), reference_sampler=reference)
   lockstep, continuous = outs[False], outs[True]
@@ -329,13 +332,13 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
   paged_run = continuous if user_mode == "policy" else lockstep
   pools = _RecordedPool.made
   assert len(pools) == (1 if user_mode == "policy" else 2)  # the policy's cache, and the reference's
-  assert paged_run.stats["kv_pool_growths"] >= 1 and pools[0].num_pages > 4
+  assert paged_run.stats["kv_pool_growths"] >= 1 and pools[0].num_pages > _PAGES
   # A pool doubles from kv_pages (each size is another size of every sampler program, the same in every rollout
   # with as many rows), up to every row at the largest capacity (then its last size).
   # Rows: the policy's cache, views x tasks x G (ACT, REHEARSE and a policy-played USER); the reference's, USER's.
   mosts = [3 * 2 * 2 * 1024 // 16] if user_mode == "policy" else [2 * 2 * 2 * 1024 // 16, 2 * 2 * 512 // 16]
   for pool, most in zip(pools, mosts, strict=True):
-    ladder = [4 * 2**k for k in range(10) if 4 * 2**k < most] + [most]
+    ladder = [_PAGES * 2**k for k in range(10) if _PAGES * 2**k < most] + [most]
     assert pool.sizes == sorted(set(pool.sizes)) and all(size in ladder for size in pool.sizes), pool.sizes
   assert all(pool.allocated() == 0 and not pool.pages for pool in pools)  # every page given back
   assert all(pool.released > 0 for pool in pools)
@@ -347,7 +350,9 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
 # ---------------------------------------------------------------------------------------------------------------------
 # Scripted behaviour (no model).
 
-FAST = UnfoldConfig(group_size=2, max_turns=4, act_capacity=8192, rehearse_capacity=8192, user_capacity=8192)
+FAST = UnfoldConfig.from_config(
+  group_size=2, max_turns=4, act_capacity=8192, rehearse_capacity=8192, user_capacity=8192
+)
 RESPONSE = '<tool_response>\n{"task_id": "task_2", "title": "Important Meeting", "status": "pending"}\n</tool_response>'
 
 
@@ -584,19 +589,19 @@ def test_context_exhausted_before_prefill_scripted(tokenizer, mock_tasks):
 
 def test_config_validation_and_from_dict():
   with pytest.raises(UnfoldConfigError, match="group_size"):
-    UnfoldConfig(group_size=0)
+    UnfoldConfig.from_config(group_size=0)
   with pytest.raises(UnfoldConfigError, match="user_mode"):
-    UnfoldConfig(user_mode="oracle")
+    UnfoldConfig.from_config(user_mode="oracle")
   with pytest.raises(UnfoldConfigError, match="on_invalid_rehearsal"):
-    UnfoldConfig(on_invalid_rehearsal="ignore")
+    UnfoldConfig.from_config(on_invalid_rehearsal="ignore")
   with pytest.raises(UnfoldConfigError, match="continuous_batching must be True or False, got 'no'"):
-    UnfoldConfig(continuous_batching="no")
+    UnfoldConfig.from_config(continuous_batching="no")
   with pytest.raises(UnfoldConfigError, match="scenario"):
-    UnfoldConfig(user_prompt="{user}")
+    UnfoldConfig.from_config(user_prompt="{user}")
   with pytest.raises(UnfoldConfigError, match="unknown UnfoldConfig keys"):
     UnfoldConfig.from_dict({"groups": 2})
-  config = UnfoldConfig.from_dict(
-    {"group_size": 3, "act_sampling": {"temperature": 0.7, "top_p": 0.9}, "agent_stop_markers": ["###END###"]}
+  config = UnfoldConfig.from_config(
+    group_size=3, act_sampling={"temperature": 0.7, "top_p": 0.9}, agent_stop_markers=["###END###"]
   )
   assert config.act_sampling == SamplingParams(0.7, 0.9) and config.agent_stop_markers == ("###END###",)
 
@@ -607,7 +612,9 @@ def test_unfold_refuses_missing_samplers_and_envs(tokenizer, mock_tasks):
   with pytest.raises(UnfoldConfigError, match="reference_sampler"):
     unfold([task], policy, tokenizer, FAST, jax.random.key(0))
   with pytest.raises(UnfoldConfigError, match="external_user"):
-    unfold([task], policy, tokenizer, dataclasses.replace(FAST, user_mode="external"), jax.random.key(0))
+    unfold(
+      [task], policy, tokenizer, dataclasses.replace(FAST, user_mode="external", external_user=None), jax.random.key(0)
+    )
   with pytest.raises(UnfoldConfigError, match="one ToolEnv per trajectory"):
     unfold([task], policy, tokenizer, dataclasses.replace(FAST, env_mode="real", user_mode="policy"), jax.random.key(0))
 
@@ -658,7 +665,9 @@ def test_external_user_over_http(tokenizer, mock_tasks):
     base = f"http://127.0.0.1:{server.server_address[1]}/v1"
     task = _task(mock_tasks, "create_task_1")
     config = dataclasses.replace(
-      FAST, user_mode="external", external_user=ExternalUserConfig(base_url=base, model="sim", max_retries=0)
+      FAST,
+      user_mode="external",
+      external_user=ExternalUserConfig(base_url=base, model="sim", api_key_env="", max_retries=0),
     )
     out, policy, _ = _scripted(tokenizer, [task], config, {Role.ACT: ["Sure, which title?"]}, reference_sampler=None)
     assert out.stats["external_requests"] == 4 and out.policy_roles == (Role.ACT, Role.REHEARSE)
@@ -678,7 +687,12 @@ def test_external_user_over_http(tokenizer, mock_tasks):
     server.shutdown()
     server.server_close()
   with pytest.raises(UserEndpointError, match="base_url"):
-    _scripted(tokenizer, [task], dataclasses.replace(config, external_user=ExternalUserConfig()), {Role.ACT: ["x"]})
+    _scripted(
+      tokenizer,
+      [task],
+      dataclasses.replace(config, external_user=ExternalUserConfig(base_url="", model="", api_key_env="")),
+      {Role.ACT: ["x"]},
+    )
 
 
 def test_any_user_simulator_can_play_the_user(tokenizer, mock_tasks):

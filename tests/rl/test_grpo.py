@@ -94,14 +94,15 @@ def tree_bitwise_equal(a, b):
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
-    grpo.GrpoConfig(**kwargs)
+    grpo.GrpoConfig.from_config(**kwargs)
 
 
-def test_config_defaults_per_mode_and_from_mapping():
-  assert grpo.GrpoConfig().trained_roles == (ACT, REHEARSE)
-  assert grpo.GrpoConfig(mode="grpo_real_env").trained_roles == (ACT,)
-  assert grpo.GrpoConfig(trained_roles=["rehearse", "ACT", 2]).trained_roles == (ACT, REHEARSE)
-  cfg = grpo.GrpoConfig.from_mapping({"mode": "per_role", "trained_roles": ["act"], "use_kl": True})
+def test_config_roles_and_from_mapping():
+  assert grpo.GrpoConfig.from_config().trained_roles == (ACT, REHEARSE)
+  assert grpo.GrpoConfig.from_config(mode="grpo_real_env", trained_roles="act").trained_roles == (ACT,)
+  assert grpo.GrpoConfig.from_config(trained_roles=["rehearse", "ACT", 2]).trained_roles == (ACT, REHEARSE)
+  cfg = grpo.GrpoConfig.from_mapping({**grpo.GrpoConfig.from_config().__dict__, "mode": "per_role",
+                                      "trained_roles": ["act"], "use_kl": True})  # fmt: skip
   assert cfg.per_role and cfg.trained_roles == (ACT,) and cfg.kl_coef == 1e-4 and cfg.kl_estimator == "low_var_kl"
   with pytest.raises(ValueError, match="unknown keys.*clip_eps"):
     grpo.GrpoConfig.from_mapping({"clip_eps": 0.2})
@@ -226,13 +227,13 @@ def test_build_batch_from_trajectories_drops_invalid_and_frozen_rows():
   rewards, groups, gens, valid = trajectory_arrays(trajectories)
   np.testing.assert_array_equal(valid, [True, True, False])
   np.testing.assert_array_equal(gens[:, [ACT, REHEARSE, USER]], np.ones((3, 3)))
-  cfg = grpo.GrpoConfig(micro_batch_size=2, length_bucket=32)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=2, length_bucket=32)
   adv, _ = role_advantages(rewards, groups, gens, valid, trained_roles=cfg.trained_roles)
   batch = grpo.build_batch(trajectories, adv, cfg)
   assert batch.tokens.shape == (2, 2, 32)  # ACT and REHEARSE rows of trajectories 0 and 1; USER is not trained
   np.testing.assert_array_equal(batch.row_role, [[ACT, REHEARSE], [ACT, REHEARSE]])
   np.testing.assert_array_equal(batch.target_advantages[..., 0], [[0.5, 0.5], [-0.5, -0.5]])
-  per_role = grpo.build_batch(trajectories, adv, grpo.GrpoConfig(mode="per_role", micro_batch_size=2))
+  per_role = grpo.build_batch(trajectories, adv, grpo.GrpoConfig.from_config(mode="per_role", micro_batch_size=2))
   np.testing.assert_array_equal(per_role.row_role, [[ACT, ACT], [REHEARSE, REHEARSE]])
   trajectories[0].reward = None
   with pytest.raises(ValueError, match="no reward"):
@@ -340,7 +341,7 @@ def test_step0_recomputed_logprobs_equal_the_samplers(params, sampling):
         num_generations=1,
       )
     )
-  cfg = grpo.GrpoConfig(micro_batch_size=3, use_kl=True)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=3, use_kl=True)
   batch = split_micro_batches(collate(rows, [1.0, -1.0, 0.5], trained_roles=cfg.trained_roles), 3)
   recomputed = np.asarray(recompute_logprobs(CONFIG, params, batch))
   mask = batch.loss_mask
@@ -374,7 +375,7 @@ def _varied_rows(rng):
 
 def test_micro_batch_accumulation_is_exact(params):
   rng = np.random.default_rng(4)
-  cfg = grpo.GrpoConfig(use_kl=True, kl_coef=0.1)
+  cfg = grpo.GrpoConfig.from_config(use_kl=True, kl_coef=0.1)
   batch = collate(_varied_rows(rng), [1.0, -0.7, -1.5, 0.4], trained_roles=cfg.trained_roles, length_bucket=16)
   batch = batch.replace(ref_logprobs=np.where(batch.loss_mask, batch.old_logprobs + 0.3, 0.0).astype(np.float32))
   g1, m1 = loss_and_grads(cfg, params, split_micro_batches(batch, 4))
@@ -386,7 +387,9 @@ def test_micro_batch_accumulation_is_exact(params):
   assert tree_max_abs(g1) > 1e-3
   assert tree_max_diff(g1, g2) <= 1e-6
   # And remat changes nothing but memory.
-  g3, m3 = loss_and_grads(grpo.GrpoConfig(use_kl=True, kl_coef=0.1, remat=False), params, split_micro_batches(batch, 2))
+  g3, m3 = loss_and_grads(
+    grpo.GrpoConfig.from_config(use_kl=True, kl_coef=0.1, remat=False), params, split_micro_batches(batch, 2)
+  )
   assert tree_max_diff(g2, g3) <= 1e-6 and abs(float(m2["loss"] - m3["loss"])) <= 1e-6
 
 
@@ -395,7 +398,7 @@ def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program
   and metrics are the single-program update_step's on the uncut [K, M, T] batch, and a later step whose micro-batches
   have lengths met before compiles nothing, however many micro-batches it has."""
   rng = np.random.default_rng(14)
-  cfg = grpo.GrpoConfig(micro_batch_size=2, learning_rate=1e-3, use_kl=True, kl_coef=0.1)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=2, learning_rate=1e-3, use_kl=True, kl_coef=0.1)
   rows = [make_row(rng, 12, 5, ACT, old_noise=1.0), make_row(rng, 9, 3, REHEARSE, old_noise=1.0)]  # T 16, I 16
   rows += [make_row(rng, 70, 30, ACT, old_noise=1.0), make_row(rng, 40, 36, REHEARSE, old_noise=1.0)]  # T 128, I 64
   batch = collate(rows, [1.0, -0.7, -1.5, 0.4], trained_roles=cfg.trained_roles, length_bucket=64)
@@ -424,7 +427,7 @@ def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program
 
 def test_frozen_roles_contribute_exactly_zero_gradient(params):
   rng = np.random.default_rng(5)
-  cfg = grpo.GrpoConfig(mode="grpo_real_env", micro_batch_size=4)
+  cfg = grpo.GrpoConfig.from_config(mode="grpo_real_env", trained_roles="act", micro_batch_size=4)
   act_rows = [make_row(rng, 30, 10, ACT, old_noise=0.5), make_row(rng, 25, 12, ACT, old_noise=0.5)]
   rehearse_rows = [
     make_row(rng, 28, 9, REHEARSE, prompt_role=ACT, old_noise=0.5),
@@ -467,7 +470,7 @@ def test_frozen_roles_contribute_exactly_zero_gradient(params):
 
 def test_per_role_updates_only_the_rows_own_tree(params):
   rng = np.random.default_rng(6)
-  cfg = grpo.GrpoConfig(mode="per_role", micro_batch_size=2, learning_rate=1e-3)
+  cfg = grpo.GrpoConfig.from_config(mode="per_role", micro_batch_size=2, learning_rate=1e-3)
   rows = _varied_rows(rng)
   adv = [1.0, -0.7, -1.5, 0.4]
   both = collate(rows, adv, trained_roles=cfg.trained_roles, length_bucket=64)
@@ -543,7 +546,7 @@ def trained_logprobs_per_row(batch, values, rows_of):
 def test_packing_is_exact(params, prefix, suffixes, length_bucket):
   rng = np.random.default_rng(12)
   params = with_role_embeddings(params)
-  cfg = grpo.GrpoConfig(use_kl=True, kl_coef=0.1)
+  cfg = grpo.GrpoConfig.from_config(use_kl=True, kl_coef=0.1)
   rows = forked_rows(rng, prefix, suffixes) + [make_row(rng, 50, 20, REHEARSE, trajectory=9, old_noise=1.0)]
   g = len(suffixes)
   adv = [1.0, -0.7, -1.5, 0.4][:g] + [0.8]
@@ -627,7 +630,7 @@ def test_a_trained_token_inside_the_common_prefix_shortens_it(params):
   got = trained_logprobs_per_row(packed, packed_logp, [(0, 1), (0, 2), (0, 3)])
   for w, x in zip(want, got, strict=True):
     np.testing.assert_allclose(x, w, atol=1e-5, rtol=0)
-  cfg = grpo.GrpoConfig(trained_roles=("act",))
+  cfg = grpo.GrpoConfig.from_config(trained_roles=("act",))
   _, m_plain = loss_and_grads(cfg, params, split_micro_batches(plain, 1, num_micro_batches=3))
   _, m_packed = loss_and_grads(cfg, params, split_micro_batches(packed, 1, num_micro_batches=3))
   np.testing.assert_allclose(m_packed["loss"], m_plain["loss"], rtol=1e-5, atol=1e-6)
@@ -688,7 +691,7 @@ def test_packing_across_tasks_is_exact(params):
   rows.append(make_row(rng, 50, 20, REHEARSE, trajectory=0, old_noise=1.0))  # another role: never in an ACT row
   groups.append(0)
   adv = [1.0, -0.7, -1.5, 0.4, 0.9, -0.2, 0.8]
-  cfg = grpo.GrpoConfig(use_kl=True, kl_coef=0.1)
+  cfg = grpo.GrpoConfig.from_config(use_kl=True, kl_coef=0.1)
 
   def batch_of(pack, limit=0):
     batch = collate(rows, adv, trained_roles=cfg.trained_roles, length_bucket=16, pack_groups=groups if pack else None,
@@ -785,7 +788,7 @@ def test_step0_ratio_is_one_on_packed_rows_from_the_sampler(params, sampling):
     )
     trajectories.append(traj)
   rewards_n, groups, gens, valid = trajectory_arrays(trajectories)
-  cfg = grpo.GrpoConfig(micro_batch_size=2, use_kl=True)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=2, use_kl=True)
   adv, _ = role_advantages(rewards_n, groups, gens, valid, trained_roles=cfg.trained_roles)
   batch = grpo.build_batch(trajectories, adv, cfg)
   assert batch.tokens.shape[:2] == (1, 2)  # one packed row per task
@@ -807,7 +810,7 @@ def test_step0_ratio_is_one_on_packed_rows_from_the_sampler(params, sampling):
   # ratio = 1 and KL = 0: the loss is minus the token-weighted mean advantage.
   want = -sum(t.rows[ACT].num_trained_tokens * adv[i, ACT] for i, t in enumerate(trajectories)) / total
   np.testing.assert_allclose(metrics["loss"], want, atol=1e-4)
-  plain = grpo.build_batch(trajectories, adv, grpo.GrpoConfig(micro_batch_size=2, pack_shared_prefix=False))
+  plain = grpo.build_batch(trajectories, adv, grpo.GrpoConfig.from_config(micro_batch_size=2, pack_shared_prefix=False))
   assert plain.tokens.shape[:2] == (3, 2) and not plain.segments.any()
   assert batch.valid.sum() == plain.valid.sum() - (g - 1) * sum(len(o) for o in openings)
 
@@ -823,7 +826,7 @@ def test_per_role_with_packing_updates_only_each_roles_tree(params):
     traj.rows[ACT], traj.rows[REHEARSE] = act_rows[i], rehearse_rows[i]
     trajectories.append(traj)
   rewards, groups, gens, valid = trajectory_arrays(trajectories)
-  cfg = grpo.GrpoConfig(mode="per_role", micro_batch_size=1, learning_rate=1e-3)
+  cfg = grpo.GrpoConfig.from_config(mode="per_role", micro_batch_size=1, learning_rate=1e-3)
   adv, _ = role_advantages(rewards, groups, gens, valid, trained_roles=cfg.trained_roles)
   packed = grpo.build_batch(trajectories, adv, cfg)
   assert packed.tokens.shape[:2] == (2, 1) and packed.segments.max() == 3
@@ -856,7 +859,7 @@ def test_per_role_with_packing_updates_only_each_roles_tree(params):
 def test_sharded_update_equals_unsharded(params):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   rng = np.random.default_rng(8)
-  cfg = grpo.GrpoConfig(micro_batch_size=4, learning_rate=1e-3, use_kl=True)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=4, learning_rate=1e-3, use_kl=True)
   batch = collate(_varied_rows(rng), [1.0, -0.7, -1.5, 0.4], trained_roles=cfg.trained_roles, length_bucket=64)
   batch = split_micro_batches(batch, 4, num_micro_batches=2)
   plain_step = grpo.make_update_step(CONFIG, cfg, donate=False)

@@ -64,7 +64,7 @@ def test_exact_weighted_fraction():
     _calls(ToolCall("get_reservation_details", {"reservation_id": "R1"}), ToolCall("cancel_reservation", {})),
     _say("Done: a refund of 120 dollars is on its way."),
   ]
-  config = RuleChecklistConfig(action_weight=2.0, communicate_weight=1.0, well_formed_weight=0.5)
+  config = RuleChecklistConfig.from_config(action_weight=2.0, communicate_weight=1.0, well_formed_weight=0.5)
   info = rewards.rule_checklist(task, conversation, config=config)
   # 2 of 3 actions (2 each), communicate (1), well-formed (0.5): (4 + 1 + 0.5) / (6 + 1 + 0.5).
   assert info.reward == pytest.approx(5.5 / 7.5, abs=1e-15)
@@ -82,7 +82,7 @@ def test_exact_weighted_fraction():
 
   # Two malformed outputs: binary by default, graded with a smaller penalty.
   assert rewards.rule_checklist(task, conversation, 2, config).reward == pytest.approx(5.0 / 7.5, abs=1e-15)
-  graded = RuleChecklistConfig(action_weight=2.0, well_formed_weight=0.5, malformed_penalty=0.25)
+  graded = RuleChecklistConfig.from_config(action_weight=2.0, well_formed_weight=0.5, malformed_penalty=0.25)
   info = rewards.rule_checklist(task, conversation, 2, graded)
   assert info.breakdown["well_formed"] == 0.5
   assert info.reward == pytest.approx(5.25 / 7.5, abs=1e-15)
@@ -96,7 +96,7 @@ def test_tau2_arg_keys_lets_a_call_omit_gold_arguments():
   extra = ToolCall("cancel_reservation", {"reservation_id": "R1", "reason": "x"})
   assert rewards.action_matches(gold, bare, "tau2") and not rewards.action_matches(gold, bare, "strict")
   assert not rewards.action_matches(gold, extra, "tau2") and not rewards.action_matches(gold, extra, "strict")
-  info = rewards.rule_checklist(_task([gold]), [_calls(bare)], config=RuleChecklistConfig(arg_keys="tau2"))
+  info = rewards.rule_checklist(_task([gold]), [_calls(bare)], config=RuleChecklistConfig.from_config(arg_keys="tau2"))
   assert info.breakdown["action[0]:cancel_reservation"] == 1.0
 
 
@@ -166,7 +166,7 @@ def test_user_side_gold_actions_are_skipped():
 def test_task_without_items_is_scored_by_well_formedness():
   assert rewards.rule_checklist(_task(), [_say("hi")]).reward == 1.0
   assert rewards.rule_checklist(_task(), [_say("hi")], malformed_outputs=1).reward == 0.0
-  zero = RuleChecklistConfig(well_formed_weight=0.0)
+  zero = RuleChecklistConfig.from_config(well_formed_weight=0.0)
   info = rewards.rule_checklist(_task(), [_say("hi")], malformed_outputs=1, config=zero)
   assert info.reward == 1.0 and "nothing to check" in info.info["note"]
 
@@ -186,11 +186,11 @@ def test_communicate_rule():
 
 def test_config_validation():
   with pytest.raises(RewardConfigError, match="action_weight"):
-    RuleChecklistConfig(action_weight=-1.0)
+    RuleChecklistConfig.from_config(action_weight=-1.0)
   with pytest.raises(RewardConfigError, match="well_formed_weight"):
-    RuleChecklistConfig(well_formed_weight=float("nan"))
+    RuleChecklistConfig.from_config(well_formed_weight=float("nan"))
   with pytest.raises(RewardConfigError, match="arg_keys"):
-    RuleChecklistConfig(arg_keys="loose")
+    RuleChecklistConfig.from_config(arg_keys="loose")
   with pytest.raises(RewardConfigError, match="max_concurrency"):
     JudgeConfig(max_concurrency=0)
   with pytest.raises(RewardConfigError, match="max_retries"):
@@ -282,7 +282,7 @@ def test_rule_checklist_agrees_with_tau2_evaluators_on_airline_trajectories():
       GoldAction(a.name, a.arguments, None if a.compare_args is None else tuple(a.compare_args)) for a in actions
     ]
     task = _task(golds, info)
-    result = rewards.rule_checklist(task, ours, config=RuleChecklistConfig(arg_keys="tau2"))
+    result = rewards.rule_checklist(task, ours, config=RuleChecklistConfig.from_config(arg_keys="tau2"))
     action_checks = ActionEvaluator.evaluate_actions(tau_messages, actions)
     distinct = len({json.dumps([a.name, a.arguments], sort_keys=True) for a in actions}) == len(actions)
     if distinct:  # with repeated gold actions τ² lets one call pass them all; we do not

