@@ -24,11 +24,6 @@ On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
 Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns, so the caller may donate
 or update them right after, and holds that copy until the save is written: the trainer ``wait``s before its next
 update, `train.Trainer.finish_save`); ``restore``, ``latest_step``, ``wait`` and ``close`` wait for saves in flight.
-Steps count updates (step s is saved after the s-th update): a resumed run continues at ``restored.step + 1``.
-
-Restoring checks the checkpoint's array shapes, dtypes and tree structure against the target before reading any
-array, so a workdir holding a checkpoint of another model (or another mode) fails with a ``CheckpointError`` that
-names the first differing arrays and the two configs' model settings.
 """
 
 from __future__ import annotations
@@ -420,8 +415,9 @@ class Checkpointer:
 
     Raises:
       CheckpointError: no checkpoint; or the checkpoint's arrays do not match ``abstract_state`` (another model,
-        per-role vs shared parameters, another dtype). A checkpoint with stacked layers restores onto a target with
-        per-layer arrays (``layers_0 ..``), as older runs saved them.
+        per-role vs shared parameters, another dtype), checked before any array is read; the message names the first
+        differing arrays and the two configs' model settings. A checkpoint with stacked layers restores onto a
+        target with per-layer arrays (``layers_0 ..``), as older runs saved them.
       ValueError: ``abstract_state`` lacks "params" or "opt_state".
     """
     step = self._step(step)

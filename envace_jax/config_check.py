@@ -508,11 +508,9 @@ def _check_eval(ck: _Checker) -> None:
 def validate(config, *, weights: bool = True) -> None:
   """Checks a run's config (a ``ml_collections.ConfigDict`` from configs/*.py); loads no model, computes nothing.
 
-  Checks every key the training loop reads (envace_jax/config/defaults.py says what each means): enum values (modes,
-  roles, benchmark, domain/category, splits), ranges (G >= 2, lr > 0, capacities within the model's context, ...), that
-  weights, tokenizer and checklist data exist, and that the settings fit together (grpo_real_env needs
-  env_mode="real", a trained "user" role needs the policy to play the user, ...).
-
+  Checks every key the training loop reads: enum values (modes, roles, benchmark, domain/category, splits), ranges
+  (G >= 2, lr > 0, capacities within the model's context, ...), files (the module docstring), and that the settings
+  fit together (grpo_real_env needs env_mode="real", a trained "user" role needs the policy to play the user, ...).
   ``weights=False`` (``--mode=plan``, which reads only shapes): a preset needs no weights on disk.
 
   Raises:

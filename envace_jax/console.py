@@ -1,14 +1,11 @@
-"""What ``python -m envace_jax.main`` prints, and how absl's ``--verbosity`` brings the rest back.
+"""What ``python -m envace_jax.main`` prints, and how absl's ``--verbosity`` brings the rest back (README).
 
     console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)   # in main(), after absl parsed the flags
     console.config_error(error)                                            # one line per problem, exit status 2
 
-By default (no ``--verbosity`` on the command line) the job prints warnings and errors of every library, the
-progress bar and each step's line (``metrics.MetricsWriter``), and the held-out table (``train.Trainer.run``; in
-``--mode=eval``, ``evaluate.run``'s table). ``absl.app.run`` itself would turn an unset ``--verbosity`` into 0 (INFO),
-so ``setup`` sets it back to -1 (WARNING) when the flag was not given. ``--verbosity=0`` (INFO) or higher keeps
-everything: orbax's checkpoint log, TFDS's preparation log and progress bars, JAX's backend notes, τ²'s start-up
-notices; ``--verbosity=1`` (DEBUG) adds τ²'s log of every tool response.
+By default the job prints warnings and errors of every library, the progress bar and each step's line
+(``metrics.MetricsWriter``), and the held-out table. ``absl.app.run`` itself would turn an unset ``--verbosity`` into
+0 (INFO), so ``setup`` sets it back to -1 (WARNING) when the flag was not given.
 
 The libraries log three ways, and ``setup`` treats each:
   * python ``logging`` (orbax, TFDS, JAX, tensorboardX and our own ``absl.logging``): absl's handler on the root
@@ -20,12 +17,9 @@ The libraries log three ways, and ``setup`` treats each:
     progress bars are off (``tfds.disable_progress_bar``) and its two printed lines ("Downloading and preparing
     dataset Unknown size ...", "Dataset ... downloaded and prepared to ...", printed unconditionally by
     ``DatasetBuilder._log_download_bytes`` / ``_log_download_done``; nothing is downloaded) become INFO log lines.
-Below INFO a few known warnings that say nothing about the run are also dropped (``BENIGN``): tensorboardX's "NaN or
-Inf found in input tensor." (``metrics.py`` writes NaN for a metric undefined at a step, e.g. rehearsed-JSON validity
-when nothing was rehearsed), orbax's notes that a read-only checkpoint manager (``checkpoint.py``'s, when
-``--mode=eval`` restores) neither saves nor deletes, τ² airline's note at each cancellation that its simulated DB does
-not release seats, and τ²'s import-time notices about its own LLM setup ("No .env file found", "Sonnet thinking is
-disabled").
+Below INFO, warnings that say nothing about the run are also dropped: those starting with ``BENIGN`` (tensorboardX's
+NaN warning: ``metrics.py`` writes NaN for a metric undefined at a step) and τ²'s import-time notices about its own
+LLM setup ("No .env file found", "Sonnet thinking is disabled").
 
 Only the command line calls ``setup``: the library and the notebooks keep every library's own logging set-up.
 """
@@ -40,8 +34,9 @@ from absl import flags
 from absl import logging as absl_logging
 
 QUIET_VERBOSITY = -1  # absl's WARNING
-# How the warnings dropped below INFO begin (tensorboardX's x2num.py; orbax's checkpoint_manager.py; τ² airline's
-# tools.py, at every cancel_reservation call, gold or the policy's).
+# How the warnings dropped below INFO begin: tensorboardX's x2num.py; orbax's checkpoint_manager.py, that a read-only
+# manager (`--mode=eval`'s) neither saves nor deletes; τ² airline's tools.py, at every cancel_reservation call, gold
+# or the policy's, that its simulated DB does not release seats.
 BENIGN = (
   "NaN or Inf found in input tensor.",
   "CheckpointManagerOptions.read_only=True, setting ",

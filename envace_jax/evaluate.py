@@ -3,11 +3,9 @@ rehearsal mode; a table and ``DIR/eval_results.json``.
 
     python -m envace_jax.main --config=configs/tau2.py --mode=eval --workdir=DIR
 
-`run` loads the latest checkpoint in DIR (or the base weights when there is none) and evaluates ``eval.tasks`` tasks
-of ``env.eval_split``, ``eval.num_trials`` trials each, once per mode in ``eval.rehearsal`` ("off", "parallel",
-"sequential"; N = ``eval.rehearsal_n``) with `heldout.evaluate_policy`: every mode meets the same openings (one key),
-so REHEARSE on the gold calls and the reward gap are measured once. Seconds include JIT compilation, which the first
-mode pays most of (compare tokens across modes, or seconds from a second run).
+`run` evaluates ``eval.tasks`` tasks of ``env.eval_split``, ``eval.num_trials`` trials each, once per mode in
+``eval.rehearsal`` with `heldout.evaluate_policy`. Seconds include JIT compilation, which the first mode pays most of
+(compare tokens across modes, or seconds from a second run).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import jax
 from absl import logging
 
 from envace_jax import config_check, heldout, metrics, runtime, scoring
+from envace_jax import policy as policy_lib
 from envace_jax.config import choices
 from envace_jax.envs.base import Task
 from envace_jax.model import transformer
@@ -36,7 +35,7 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   them), else the model's base weights (``model.params`` itself).
 
   Returns:
-    (params: one tree, or {"act", "rehearse"} in per_role mode; the checkpoint's step or None).
+    (params in `policy.Policy`'s layout: one tree, or one per role tree; the checkpoint's step or None).
   Raises:
     checkpoint.CheckpointError: the checkpoint does not match the configured model.
   """
@@ -44,7 +43,7 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
   from envace_jax.rl import grpo
 
   cfg = grpo.GrpoConfig.from_config(config)
-  base = ({name: model.params for name in grpo.ROLE_TREES} if cfg.per_role else model.params), None
+  base = policy_lib.Policy.from_config(config).initial(model.params), None
   if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
     return base
   with checkpoint_lib.Checkpointer.from_config(workdir, config, read_only=True) as ckpt:
@@ -72,9 +71,8 @@ def eval_key(seed: int) -> jax.Array:
 
 
 def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model, dict[str, Any], int | None]:
-  """(model, samplers for `heldout.evaluate_policy`, checkpoint step or None) of the latest checkpoint in
-  ``workdir`` (else the base weights): "policy" (the ACT tree in per_role mode), "rehearse" (per_role only) and
-  "reference" (the base weights), each sized for ``n_rows`` rows.
+  """(model, samplers for `heldout.evaluate_policy` sized for ``n_rows`` rows, checkpoint step or None) of the latest
+  checkpoint in ``workdir`` (else the base weights).
 
   Raises:
     config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint.
@@ -87,10 +85,8 @@ def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model
   model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
   params, step = restore_policy(config, model, workdir)
   mesh = runtime.make_mesh(config)
-  per_role = isinstance(params, Mapping) and set(params) == {"act", "rehearse"}
-  samplers = {"policy": runtime.make_sampler(config, model, params["act"] if per_role else params, mesh, n_rows)}
-  if per_role:
-    samplers["rehearse"] = runtime.make_sampler(config, model, params["rehearse"], mesh, n_rows)
+  policy = policy_lib.Policy.from_config(config)
+  samplers = policy.samplers(params, lambda p: runtime.make_sampler(config, model, p, mesh, n_rows))
   samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, n_rows)
   return model, samplers, step
 
@@ -100,9 +96,8 @@ def run(config, workdir: str | None) -> dict[str, Any]:
 
   Returns:
     {"weights", "checkpoint_step", "domain", "benchmark", "rows": one summary per rehearsal mode (with "rehearsal"
-    and "N"), "fidelity_gold": REHEARSE on the benchmark's gold calls (``fidelity_gold/*``, once: every mode has the
-    same openings), "reward_gap": the gap summary}; also printed as a table and written to
-    ``workdir/eval_results.json``.
+    and "N"), "fidelity_gold": REHEARSE on the benchmark's gold calls (``fidelity_gold/*``, once), "reward_gap": the
+    gap summary}; also printed as a table and written to ``workdir/eval_results.json``.
   Raises:
     config_check.ConfigError: a bad config value or a scorer that cannot work (`scoring.check_scorers`), before any
       compute.

@@ -5,14 +5,10 @@ Training calls `committed_execution` (rehearsal off) at its start (``train.eval_
 ``train.eval_every`` steps and at the end; ``--mode=eval`` (``evaluate.py``) calls `evaluate_policy` once per
 test-time rehearsal mode (paper §3.4: N imagined trajectories, a rehearsal memory, one committed execution). Every
 trial's committed execution runs on a fresh ``ToolEnv`` and is scored by the benchmark's own evaluator
-(`scoring.score_committed`). Measured alongside, each a config switch:
-  * ``eval.fidelity``: for every real tool call of the committed executions, REHEARSE's prediction of the response
-    vs the real one (`rehearsal.fidelity`: JSON validity, exact match, key-set F1, value accuracy, error agreement);
-  * ``eval.fidelity_gold``: the same probe on the benchmark's gold calls, executed for real after each opening;
-  * ``eval.reward_gap``: one rehearsed trajectory per (task, trial), as training rolls them out, scored by the rule
-    checklist, vs the benchmark's reward for executing the same ACT decisions for real (`scoring.reward_gap`).
-
-Costs are wall seconds and tokens per phase; seconds include JIT compilation the first time a shape is seen.
+(`scoring.score_committed`); fidelity (`rehearsal.fidelity`) and the reward gap (`scoring.reward_gap`: one rehearsed
+trajectory per (task, trial)) are measured alongside as ``eval.fidelity``, ``eval.fidelity_gold`` and
+``eval.reward_gap`` say. Costs are wall seconds and tokens per phase; seconds include JIT compilation the first time a
+shape is seen.
 """
 
 from __future__ import annotations
@@ -28,28 +24,16 @@ import jax
 import numpy as np
 
 from envace_jax import metrics, runtime, scoring
+from envace_jax import policy as policy_lib
 from envace_jax.envs.base import Task
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal import fidelity as fidelity_lib
 from envace_jax.rehearsal import private
 from envace_jax.rehearsal.episode import UnfoldConfig
-from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rehearsal.unfold import sampler_for, unfold
 
 # Streams of an evaluation's key (values fixed: changing one changes every committed result).
 _FIDELITY_STREAM, _REWARD_GAP_STREAM, _GOLD_FIDELITY_STREAM = 7, 8, 9
-
-
-def _sampler_for(policy, role: Role):
-  return policy[role] if isinstance(policy, Mapping) else policy
-
-
-def policy_of(samplers: Mapping[str, Any]):
-  """What the rollout samples the policy with: ``samplers["policy"]``, or per role when ``"rehearse"`` has its own
-  parameters (the per_role ablation; the ACT tree plays a policy user)."""
-  if "rehearse" not in samplers:
-    return samplers["policy"]
-  act = samplers["policy"]
-  return {Role.ACT: act, Role.REHEARSE: samplers["rehearse"], Role.USER: act}
 
 
 def evaluate_policy(
@@ -68,10 +52,8 @@ def evaluate_policy(
   """One evaluation: private rehearsal (``mode``), committed execution, the benchmark's score, fidelity, reward gap.
 
   Args:
-    config: the run config (rollout settings; ``eval.*``).
-    tasks: held-out tasks.
-    samplers: {"policy": Sampler, optional "rehearse" (per_role), "reference": Sampler with the base weights (the
-      user simulator and, by default, the opening's user)}.
+    samplers: the policy's (`policy.Policy.samplers`: "policy", and "rehearse" for a REHEARSE tree of its own) and
+      "reference" (the base weights: the user simulator and, by default, the opening's user).
     key: a ``jax.random.key``; every mode uses the same openings for the same key.
     mode: "off", "parallel" or "sequential".
     num_trials: n trials per task (pass^1..pass^n).
@@ -86,7 +68,7 @@ def evaluate_policy(
   gap = config.eval.reward_gap if gap is None else gap
   gold = config.eval.fidelity_gold if gold is None else gold
   ucfg = evaluation_unfold_config(config, samplers)
-  policy = policy_of(samplers)
+  policy = policy_lib.Policy.from_config(config).by_role(samplers)
   envs = [scoring.make_env(config, task) for task in tasks for _ in range(num_trials)]
   result = private.run(
     tasks,
@@ -104,7 +86,7 @@ def evaluate_policy(
   summary.update(private.summary_costs(result.costs))
   if mode != "off":
     summary["memory_tokens"] = float(np.mean([p.memory_tokens for p in result.prepared]))
-  rehearse_sampler = _sampler_for(policy, Role.REHEARSE)
+  rehearse_sampler = sampler_for(policy, Role.REHEARSE)
   if fidelity:
     fidelity_key = jax.random.fold_in(key, _FIDELITY_STREAM)
     summary.update(_fidelity("fidelity", rehearse_sampler, tokenizer, result.committed, ucfg, fidelity_key))

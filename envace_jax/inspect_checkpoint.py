@@ -4,12 +4,10 @@
     python -m envace_jax.inspect_checkpoint WORKDIR --step 2 # one step
     python -m envace_jax.inspect_checkpoint WORKDIR --json   # the same, as JSON
 
-WORKDIR is a training ``--workdir`` (``WORKDIR/checkpoints/<step>/``, see ``checkpoint.py``); its ``checkpoints``
-folder or one step's folder work too. For each step the report gives the config the step was saved with, every
-parameter array (dtype, shape, L2 norm; per_role runs have two trees, "act" and "rehearse", shown side by side), the
-L2 norm of each role's row of ``role_embed`` (``model/roles.py`` names the rows), the optimizer's step (AdamW's
-``count``, per tree) and the scalars saved with the step; then a table of the main scalars per step from
-``WORKDIR/metrics.jsonl`` and the held-out evaluation from ``WORKDIR/eval.jsonl``.
+WORKDIR is a training ``--workdir``, its ``checkpoints`` folder or one step's folder (`resolve_workdir`). The report
+gives each step's `describe_checkpoint` (config, parameter arrays, role-embedding norms, optimizer step, the step's
+scalars; a tree per role side by side), then the main scalars per step from ``WORKDIR/metrics.jsonl`` and the
+held-out evaluation from ``WORKDIR/eval.jsonl``.
 
 The functions are the notebook's (``notebooks/inspect_checkpoint.ipynb``) too:
 
@@ -55,7 +53,7 @@ MAIN_METRICS = (
 )
 EVAL_JSONL = "eval.jsonl"  # heldout.write_summary: one line per held-out evaluation
 SHARED_TREE = "policy"  # the name of the one parameter tree of envace / grpo_real_env runs
-ROLE_TREES = tuple(grpo.ROLE_TREES)  # per_role runs' trees: ("act", "rehearse")
+ROLE_TREES = tuple(grpo.ROLE_TREES)  # the trees of a run with a tree per role (policy.Policy): ("act", "rehearse")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -138,8 +136,8 @@ def _flatten(tree: Any) -> list[tuple[str, Any]]:
 
 
 def split_trees(tree: Any) -> dict[str, Any]:
-  """{tree name: tree}: ``{"act": ..., "rehearse": ...}`` as they are for a per_role run's params or optimizer
-  state, otherwise ``{"policy": tree}``."""
+  """{tree name: tree}: ``{"act": ..., "rehearse": ...}`` as they are for the params or optimizer state of a run
+  with a tree per role, otherwise ``{"policy": tree}``."""
   if isinstance(tree, Mapping) and set(tree) == set(ROLE_TREES):
     return {name: tree[name] for name in ROLE_TREES}
   return {SHARED_TREE: tree}
@@ -156,7 +154,7 @@ def param_table(params: Any) -> dict[str, list[dict[str, Any]]]:
   shown stacked, one row per array of all layers.
 
   Args:
-    params: a parameter tree (nested dicts of arrays), or a per_role run's ``{"act": tree, "rehearse": tree}``.
+    params: a parameter tree (nested dicts of arrays), or ``{"act": tree, "rehearse": tree}`` (a tree per role).
 
   Returns:
     {tree name ("policy", or "act" and "rehearse"): [{"path": "layers/attn/q_proj", "shape": [L, D, N, H],
@@ -212,7 +210,7 @@ def role_embedding_norms(params: Any) -> dict[str, dict[str, float]]:
 
 def optimizer_steps(opt_state: Any) -> dict[str, int | None]:
   """The optimizer's update count per tree: the largest ``count`` in its state (AdamW's, after
-  ``clip_by_global_norm``), or None when the state has no count. A per_role tree that had no trained token in a
+  ``clip_by_global_norm``), or None when the state has no count. A role's own tree that had no trained token in a
   step is not stepped, so its count can be below the run's step."""
   out = {}
   for name, tree in split_trees(opt_state).items():
@@ -278,7 +276,7 @@ def describe_checkpoint(workdir: str | os.PathLike, step: int | None = None) -> 
   """Everything one checkpoint holds, as plain JSON-able values (it restores every array to compute the norms).
 
   Args:
-    workdir: a training --workdir, its ``checkpoints`` folder, or one step's folder.
+    workdir: as for ``resolve_workdir``.
     step: the step; None: the latest (or the step ``workdir`` names).
 
   Returns:

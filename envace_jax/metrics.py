@@ -8,21 +8,12 @@
     rows = read_jsonl(workdir)  # [{"step": 1, "time": 1718000000.0, "reward/mean": 0.4, ...}, ...]
 
 Steps count updates: step s is logged (and checkpointed) after the s-th update, so a run's steps are 1..N and a
-resumed run starts at the checkpoint's step + 1. Write a step once, with all its scalars (merge evaluation scalars
-into the step's dict).
+resumed run starts at the checkpoint's step + 1 (``start_step``: a resumed run never shows a step twice). Write a
+step once, with all its scalars (merge evaluation scalars into the step's dict).
 
 ``metrics.jsonl`` holds one JSON object per line: ``step`` (int), ``time`` (Unix wall time, seconds) and every
 scalar of that step. Non-finite floats are written as the strings "NaN", "Infinity" and "-Infinity" (standard JSON
 has no NaN; jq, pandas and browsers read the file as is) and ``read_jsonl`` turns them back into floats.
-
-Resume: a run that restarts from a checkpoint passes ``start_step``, the first step it will write. Lines of the
-earlier run at or after that step (written after its last checkpoint, and about to be redone) are dropped from the
-JSONL file, and TensorBoard hides its events from that step on (tensorboardX's ``purge_step``), so a resumed run
-never shows a step twice.
-
-On the console (``progress=True``): a tqdm bar on stderr (step, reward, ETA) and, on stdout, one line per step
-(``step_line``: "step 1/2: reward 0.500 ± 0.000, loss 0.0123, ..., 18.1 s"), written above the bar (``print_line``).
-``format_eval_summary`` is the training run's held-out table (``train.Trainer.run`` prints it).
 
 Only process 0 writes (multi-host runs log once).
 """
@@ -161,10 +152,8 @@ def step_line(step: int, total: int | None, values: Mapping[str, float]) -> str:
   nonzero ("reward/invalid", "reward/scoring_errors"), dynamic sampling's outcome when it drew extra batches
   ("dynamic_sampling/extra_draws", "groups", "fallback"), the warm-up's "sft/nll", the update's loss, ACT's mean
   |advantage| ("adv/act/abs_mean": 0 means GRPO had no signal), KL, entropy and gradient norm ("update/*", or a plain
-  "loss"), a skipped update ("update/skipped"), tool-call
-  validity, an in-run held-out reward ("eval/reward"), and the step's seconds ("time/step_s"), with the part spent
-  compiling when it is 0.05 s or more ("time/compile_s"). Every scalar is in
-  ``metrics.jsonl``.
+  "loss"), a skipped update ("update/skipped"), tool-call validity, an in-run held-out reward ("eval/reward"), and
+  the step's seconds ("time/step_s"), with the part spent compiling when it is 0.05 s or more ("time/compile_s").
 
     step_line(1, 2, {"reward/mean": 0.5, "reward/std": 0.0, "update/loss": 0.0123, "time/step_s": 18.1})
     # 'step 1/2: reward 0.500 ± 0.000, loss 0.0123, 18.1 s'
@@ -306,8 +295,9 @@ class MetricsWriter:
     workdir: the run's directory (created if missing). TensorBoard events go to ``workdir/tensorboard``.
     total_steps: the run's last step, for the progress bar's ETA (None: no ETA).
     start_step: the first step this run writes: 1 for a fresh run (an earlier log in ``workdir`` is then dropped),
-      the restored checkpoint's step + 1 after a resume. Earlier JSONL lines with step >= start_step are dropped,
-      and TensorBoard hides events from that step on.
+      the restored checkpoint's step + 1 after a resume. Earlier JSONL lines with step >= start_step (written after
+      the last checkpoint, about to be redone) are dropped, and TensorBoard hides events from that step on
+      (tensorboardX's ``purge_step``).
     tensorboard: write TensorBoard event files.
     progress: show a progress bar (on stderr) and each step's ``step_line`` (on stdout, above the bar).
     progress_keys: scalars shown on the bar when a step has them (the first present of "reward/mean", "reward" is

@@ -15,14 +15,12 @@ XLA's own (``memory_analysis()``: per device, after partitioning):
     each row owns the largest role capacity. One prefill chunk (``sampler.prefill_chunk`` tokens) and the decode
     loop;
   * the update step: the train state (parameters and AdamW's two moments) and one micro-batch of
-    ``grpo.micro_batch_size`` rows of the longest view, compiled as one program (`rl.grpo.update_step`; the training
-    loop runs the same arithmetic as a micro-batch program and an optimizer program, `rl.grpo.make_update_step`).
+    ``grpo.micro_batch_size`` rows of the longest view, compiled as one program (`rl.grpo.update_step`).
 
-Parts, per device, as the training loop holds them (`train.Trainer`): the reference (the initial weights), the train
-state's parameters (which the policy's samplers read) and optimizer moments, a sampler's own copy where it is placed
-unlike the train state, the KV caches, and each program's temporaries (activations, logits, the decode loop's carry).
-The rollout and the update run one after the other, so the peak is what persists plus the larger of the two phases' own
-memory.
+Parts, per device, as the training loop holds them (`train.Trainer`): what persists (the reference, the train state,
+a sampler's own copy where it is placed unlike the train state) and each phase's KV caches and program temporaries
+(activations, logits, the decode loop's carry). The rollout and the update run one after the other, so the peak is
+what persists plus the larger phase.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from envace_jax import config_check, runtime
+from envace_jax import policy as policy_lib
 from envace_jax.model import config as model_config
 from envace_jax.model import transformer
 from envace_jax.model.roles import Role
@@ -174,14 +173,15 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   state = jax.eval_shape(functools.partial(grpo.init_train_state, gcfg), sample_shapes)
   state_sh = grpo.train_state_shardings(mc, gcfg, update_mesh) if update_mesh is not None else None
   where = "sharded over the mesh" if update_mesh is not None else "on one device"
-  trees = f" × {len(grpo.ROLE_TREES)} role trees" if gcfg.per_role else ""
+  policy = policy_lib.Policy.from_config(config)
+  trees = f" × {len(policy.trees)} role trees" if policy.separate else ""
   shared = placed == (update_mesh is not None)
   parts.append(Part("train state: parameters", device_bytes(state.params, state_sh and state_sh.params),
                     "persistent", where + trees + (", read by the policy's samplers" if shared else "")))  # fmt: skip
   parts.append(Part("train state: AdamW moments", device_bytes(state.opt_state, state_sh and state_sh.opt_state),
                     "persistent", where + trees))  # fmt: skip
   if not shared:
-    for name in ["policy"] + (["rehearse (per_role)"] if gcfg.per_role else []):
+    for name in policy.sampler_names:
       parts.append(Part(f"sampler copy: {name}", device_bytes(sample_shapes, sample_sh), "persistent",
                         "the sampler is placed unlike the train state"))  # fmt: skip
   # Stop strings are matched against a stand-in byte table (16 bytes per token; a few MB at most): no tokenizer loads.
@@ -197,8 +197,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   num_new = _next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
   cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
-  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size), whose pool
-  # starts at a quarter of every row at the largest capacity and grows to what the rows need.
+  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size).
   bound = "; off a mesh, pages as the rows need them" if on_mesh is None and ucfg.kv_page_size else ""
   parts.append(Part("KV cache: policy", device_bytes(cache), "rollout",
                     f"{rows} rows ({names} × {b}×{g}) × {cache.capacity} slots" + _shared(cache, names, b)

@@ -109,16 +109,13 @@ def release_host_memory(staging: bool = False) -> None:
   """Drops JAX's tracing and lowering caches, keeping the compiled programs, and hands the C heap's free pages back
   to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
 
-  XLA's CPU runtime frees a program's temporaries into glibc's arenas, which keep them as free chunks between live
-  ones: a process that ran one main-job update (2.1 GiB of temporaries) stayed at 6.2 GiB, 3.1 GiB after the trim,
-  and the main job peaked at 12.5 GiB without it, 10.3 GiB with it (README, after the table of options). JAX also
-  keeps every program's jaxpr and lowered module after compiling it: about 15 of the 50 MiB a SmolLM2 sampler
-  program holds on CPU. `jax.clear_caches()` would drop the compiled programs too; `_clear_staging_caches` drops
-  the rest, and a later call with shapes seen before runs the program it has (jit's C++ dispatch keeps it) without
-  tracing or compiling again (``tests/test_runtime.py``). Eager operations' small programs do compile again, so the
-  caches are dropped only when a model-sized program (``_LARGE_COMPILE_S`` or more to compile) was compiled since
-  they last were, or when ``staging`` is True. Training and evaluation call this between phases (after a rollout,
-  an update, an evaluation's parts), when no large program runs; the pages come back zeroed when next used.
+  Why (README, the main job's memory): XLA's CPU runtime frees a program's temporaries into glibc's arenas, which
+  keep them (one main-job update: 6.2 GiB resident, 3.1 GiB after the trim), and JAX keeps every program's jaxpr and
+  lowered module. `jax.clear_caches()` would drop the compiled programs too; after `_clear_staging_caches` a call
+  with shapes seen before runs the program it has without tracing or compiling again (``tests/test_runtime.py``).
+  Eager operations' small programs do compile again, so the caches are dropped only when a program of
+  ``_LARGE_COMPILE_S`` or more was compiled since they last were, or when ``staging`` is True. Training and
+  evaluation call this between phases, when no large program runs; the pages come back zeroed when next used.
   """
   global _large_at_clear
   if staging or _large_compiles > _large_at_clear:
@@ -168,8 +165,7 @@ jax.monitoring.register_event_time_span_listener(_count_large_compile)  # for re
 class CompileClock:
   """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
   ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
-  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident:
-  about 35 MiB for a SmolLM2-135M sampler program on CPU, plus 15 MiB of JAX's caches until `release_host_memory`).
+  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident).
 
       with CompileClock() as clock:
         mark = clock.mark()
@@ -222,8 +218,7 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | None, rows: int) -> Sampler:
   """A Sampler over ``params``; on ``mesh`` only when it has more than one device and ``rows`` (the cache's batch)
-  splits evenly over its batch shards, else on one device (logged when the mesh is larger). Off a mesh the rollout
-  holds each view's own KV slots in pages (`rollout.kv_page_size`)."""
+  splits evenly over its batch shards, else on one device (logged when the mesh is larger)."""
   use_mesh = mesh if mesh is not None and mesh.size > 1 and rows % sharding.batch_size_multiple(mesh) == 0 else None
   if mesh is not None and use_mesh is None and mesh.size > 1:
     logging.info(
@@ -242,8 +237,7 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
 
 
 def dataset_config(config) -> str:
-  """The prepared-dataset config of ``config.env`` (`registry.Benchmark.source_config`): the τ² domain, the BFCL
-  category, the checklist data path, or "DOMAIN:PATH" for the user-supplied VitaBench and FinMCP-Bench data."""
+  """The prepared-dataset config of ``config.env`` (`registry.Benchmark.source_config`)."""
   return registry.get(config.env.benchmark).source_config(config.env.domain, config.env.data_path)
 
 

@@ -15,16 +15,11 @@ A failure is never a valid 0:
   * **a model output a scorer cannot handle** (arguments nested past the checker's recursion limit, a conversation
     the τ² evaluator cannot replay, a judge reply with no verdict, a judge request refused as too large) makes the
     trajectory invalid: ``RewardInfo(reward=nan, valid=False)``, excluded from the group baselines and the loss
-    (`rl.advantages`), a failed trial in pass^k (`score_committed`), and counted.
-
-Counts (`counts`): ``reward/scoring_errors`` (trajectories whose scorer raised or reported its own failure) and
-``reward/invalid`` (every invalid trajectory: scoring errors and, e.g., an external user that failed), in every
-training step's metrics and every evaluation's summary.
+    (`rl.advantages`), a failed trial in pass^k (`score_committed`), and counted (`counts`, in every training
+    step's metrics and every evaluation's summary).
 
 Also here, for training's and ``--mode=eval``'s evaluations alike: `score_committed` (the benchmark's reward and
-τ²-bench's pass^k over trials: per task with c successes in n trials, C(c, k) / C(n, k), averaged over tasks) and
-`reward_gap` (the rule reward of rehearsed trajectories vs the benchmark's reward for the same ACT decisions executed
-for real, `replay_for_real`).
+pass^k) and `reward_gap`.
 """
 
 from __future__ import annotations
@@ -168,9 +163,9 @@ def check_scorers(config, real_tasks: Sequence[Task] = ()) -> None:
   """Start-up check of every scorer the run will use, before any rollout.
 
   With ``reward.kind="judge"`` the judge is built and probed with one request (`ChecklistJudge.probe`). Each task of
-  ``real_tasks`` (those the benchmark's evaluator will score: the evaluation tasks, and training tasks when they run
-  on the real tools) gets a real environment and is reset on it, which is where the adapters set the benchmark up
-  (τ²: the domain's DB and the task's evaluation criteria; BFCL: its backends; VitaBench: the `vita` package).
+  ``real_tasks`` (those the benchmark's evaluator will score) gets a real environment and is reset on it, which is
+  where the adapters set the benchmark up (τ²: the domain's DB and the task's evaluation criteria; BFCL: its
+  backends; VitaBench: the `vita` package).
 
   Raises:
     config_check.ConfigError: the message names the config key (``reward.judge_*``, ``env.benchmark``).

@@ -2,20 +2,9 @@
 
     python -m envace_jax.main --config=configs/tau2.py --workdir=DIR
 
-One step, as data flows (README, "How a training step runs"; paper §3):
-  1. B tasks from the prepared dataset (``TaskStream``: a per-epoch permutation; its position is checkpointed).
-  2. ``unfold``: B×G trajectories; ACT and REHEARSE (and a policy-played USER) share the policy's decode loop,
-     continuously batched; ``rollout.env_mode="real"`` answers tool calls with the benchmark's tools instead.
-  3. Rewards: rehearsed trajectories have no real DB, so the rule checklist (or the LLM judge) scores them; real
-     ones get the benchmark's own evaluator.
-  4. Role-wise advantages, the packed batch, the update (one program per micro-batch shape, exact accumulation,
-     then global-norm clip and AdamW).
-  5. Metrics (TensorBoard + JSONL + a progress bar) and an orbax checkpoint (params, optimizer state, RNG, data
-     position, config). A workdir with a checkpoint resumes from it: the run continues bit for bit.
-The run ends with a held-out evaluation: committed execution against the real tools, scored by the benchmark.
-
-Determinism: step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored stream position, so a
-resumed run repeats exactly what the uninterrupted run would have done.
+A step is README's "How a training step runs" (paper §3). A workdir with a checkpoint resumes from it, bit for bit:
+step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored ``TaskStream`` position, so a resumed
+run repeats exactly what the uninterrupted run would have done.
 """
 
 from __future__ import annotations
@@ -35,6 +24,7 @@ from absl import logging
 
 from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import config_check, heldout, metrics, runtime, scoring
+from envace_jax import policy as policy_lib
 from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import EnvError, Task
 from envace_jax.model import transformer
@@ -101,7 +91,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
   return out
 
 
-# Folded into a step's key for its extra batches (unfold folds trajectory, role and generation indices into its key).
 _DYNAMIC_SAMPLING_STREAM = 0xD5A  # streams of a step's key (values fixed: they decide every rollout)
 _EVALUATION_STREAM = 0x5EED
 
@@ -155,6 +144,7 @@ class Trainer:
         [f"model={config.model!r} has no tokenizer; set config.tokenizer (e.g. smollm2-135m)"]
       )
     self.grpo_cfg = grpo.GrpoConfig.from_config(config)
+    self.policy = policy_lib.Policy.from_config(config)
     self.unfold_cfg = UnfoldConfig.from_config(config)
     self.mesh = runtime.make_mesh(config)
     shards = sharding.batch_size_multiple(self.mesh)
@@ -211,11 +201,8 @@ class Trainer:
   def _samplers(self, rows: int) -> dict[str, Any]:
     """The policy's samplers over the train state's own arrays, and the reference user's over the reference's (on
     a mesh the reference tree is the reference sampler's placed one: one copy)."""
-    cfg, params = self.config, self.state.params
-    per_role = self.grpo_cfg.per_role
-    out = {"policy": runtime.make_sampler(cfg, self.model, params["act"] if per_role else params, self.mesh, rows)}
-    if per_role:
-      out["rehearse"] = runtime.make_sampler(cfg, self.model, params["rehearse"], self.mesh, rows)
+    cfg = self.config
+    out = self.policy.samplers(self.state.params, lambda p: runtime.make_sampler(cfg, self.model, p, self.mesh, rows))
     if self.unfold_cfg.user_mode == "reference":
       out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, self.mesh, rows)
       self.ref_params = out["reference"].params
@@ -223,22 +210,9 @@ class Trainer:
     return out
 
   def _sync_samplers(self) -> None:
-    """Points the policy samplers at the train state's current arrays (per_role: ACT and REHEARSE trees); no copy
-    where the sampler's placement is the state's. Called after every update: the update donates the old arrays."""
-    params = self.state.params
-    if self.grpo_cfg.per_role:
-      self.samplers["policy"].params = params["act"]
-      self.samplers["rehearse"].params = params["rehearse"]
-    else:
-      self.samplers["policy"].params = params
-
-  def policy_samplers(self):
-    """What ``unfold`` samples the policy with: one sampler, or per_role a sampler per role (a policy-played user
-    uses the ACT tree)."""
-    if not self.grpo_cfg.per_role:
-      return self.samplers["policy"]
-    act = self.samplers["policy"]
-    return {Role.ACT: act, Role.REHEARSE: self.samplers["rehearse"], Role.USER: act}
+    """Points the policy samplers at the train state's current arrays (`Policy.sync`): no copy where the sampler's
+    placement is the state's. Called after every update: the update donates the old arrays."""
+    self.policy.sync(self.samplers, self.state.params)
 
   def envs_for(self, tasks: Sequence[Task], group_size: int):
     """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
@@ -256,7 +230,7 @@ class Trainer:
     envs = self.envs_for(tasks, unfold_cfg.group_size) if real else None
     out = unfold(
       tasks,
-      self.policy_samplers(),
+      self.policy.by_role(self.samplers),
       self.model.tokenizer,
       unfold_cfg,
       key,
@@ -270,10 +244,9 @@ class Trainer:
 
   def dynamic_sampling(self, groups: Sequence[Sequence[Trajectory]], key: jax.Array):
     """DAPO's dynamic sampling (``grpo.dynamic_sampling``; Yu et al. 2025, §3.2): the step's groups with signal
-    (`has_signal`), topped up from further batches of B tasks (the task stream's next batches; extra batch d samples
-    with ``fold_in(fold_in(key, 0xD5A), d)``) until B groups have signal or ``grpo.dynamic_sampling_max_draws`` extra
-    batches are spent. The first B groups with signal are kept in the order they were drawn, renumbered 0..; when no
-    group has signal, the first batch is kept as it is (its update has a zero advantage, as without dynamic
+    (`has_signal`), topped up from the task stream's next batches (extra batch d samples with
+    ``fold_in(fold_in(key, 0xD5A), d)``). The first B groups with signal are kept in the order they were drawn,
+    renumbered 0..; when no group has signal, the first batch is kept as it is (a zero advantage, as without dynamic
     sampling). The extra batches advance the task stream, which the checkpoint stores: a resumed run redraws them.
 
     Args:
@@ -322,11 +295,8 @@ class Trainer:
   # -- one step: rollout, advantages, batch, (reference logprobs), update ------------------------------------------
 
   def advantages(self, trajectories: Sequence[Trajectory]):
-    """Role-wise GRPO advantages of scored trajectories (`advantages.role_advantages` with this run's settings).
-
-    Returns:
-      (advantages as `role_advantages` returns them, its statistics).
-    """
+    """Role-wise GRPO advantages of scored trajectories: `advantages.role_advantages` (advantages, statistics) with
+    this run's settings."""
     rewards_n, groups, generations, valid = advantages_lib.trajectory_arrays(trajectories)
     return advantages_lib.role_advantages(
       rewards_n,
@@ -403,23 +373,16 @@ class Trainer:
     return out, skipped
 
   def policy_logprobs(self, batch: TrainBatch) -> np.ndarray:
-    """float32[K, M, T] logprobs of ``batch``'s trained tokens under the current parameters (per_role: each
-    micro-batch under its role's tree), in the layout of ``batch.old_logprobs``."""
-    params = self.state.params
-    if not self.grpo_cfg.per_role:
-      return np.asarray(logprobs.recompute_logprobs(self.model.config, params, batch))
-    act = np.asarray(logprobs.recompute_logprobs(self.model.config, params["act"], batch))
-    rehearse = np.asarray(logprobs.recompute_logprobs(self.model.config, params["rehearse"], batch))
-    return np.where((np.asarray(batch.row_role) == int(Role.ACT))[..., None], act, rehearse)
+    """float32[K, M, T] logprobs of ``batch``'s trained tokens under the current parameters (`Policy.logprobs`)."""
+    return self.policy.logprobs(self.model.config, self.state.params, batch)
 
   def sft_step(self, step: int) -> dict[str, float]:
-    """A supervised warm-up step: the token-mean negative log-likelihood of B demonstrations, one update.
+    """A supervised warm-up step: one update on the token-mean negative log-likelihood of B demonstrations.
 
-    The update is the GRPO update step itself: every trained token gets advantage 1 and ``old_logprobs`` = its
-    logprob under the current parameters, so the ratio is exactly 1 (no clip binds) and the gradient of the
-    surrogate -A * ratio is the gradient of -log p: supervised learning, token-mean, with the same optimizer,
-    clipping, micro-batching and (when on) KL term. Returns ``sft/*`` metrics: ``nll`` (before the update; per role
-    ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``, ``skipped_tasks`` and the time.
+    The update is the GRPO update step with advantage 1 and ``old_logprobs`` = the current logprobs, so the ratio is
+    exactly 1 and the surrogate's gradient is that of -log p (README, the supervised warm-up). Returns ``sft/*``
+    metrics: ``nll`` (before the update; per role ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``,
+    ``skipped_tasks`` and the time.
     """
     start = time.perf_counter()
     tasks = self.stream.next_batch()
@@ -493,11 +456,10 @@ class Trainer:
   def run(self) -> dict[str, Any]:
     """Trains ``config.train.steps`` steps (from the resumed step), then evaluates on held-out tasks.
 
-    Prints on process 0 (``metrics.py``): the progress bar and a line per step, then, with ``train.eval_tasks``
-    nonzero, a line as the held-out evaluation starts and its table (``metrics.format_eval_summary``) when it ends;
-    a resumed run first says from which step. With ``train.eval_at_start`` a fresh run first evaluates the initial
-    weights the same way (step 0 of ``eval.jsonl``, its table printed), and the final table is followed by the two
-    side by side (``metrics.format_eval_change``).
+    Prints on process 0 (``metrics.py``): the progress bar and a line per step (a resumed run first says from which
+    step), then with ``train.eval_tasks`` nonzero a line as the held-out evaluation starts and its table
+    (``metrics.format_eval_summary``); with ``train.eval_at_start`` a fresh run evaluates the initial weights first
+    (step 0 of ``eval.jsonl``, its table printed) and ends with the two side by side (``metrics.format_eval_change``).
 
     Returns:
       {"steps": last step, "last": its metrics, "eval": the evaluation summary or None}.

@@ -171,12 +171,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.scenario_opening = False
   # True: a finished generation's row takes its trajectory's next one while the others decode (same trajectories).
   # On a 2-core CPU it saved decode steps but cost wall time (README, "Tests and benchmarks"): lockstep by default.
+  # It applies when the policy's roles share one sampler and equal sampling settings (lockstep otherwise).
   c.rollout.continuous_batching = False
   # Each view's own KV slots in pages of this many slots: reserved for a generation, kept as its tokens fill them,
   # given back when its trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity.
   # Off a mesh only.
   c.rollout.kv_page_size = 64
-  c.rollout.kv_pages = 0  # pages a pool starts with (0: a quarter of every row at the largest capacity)
+  # Pages a pool starts with (0: a quarter of every row at the largest capacity); a pool that runs out doubles, up to
+  # every row at that capacity, and each size compiles the sampler's programs once per run.
+  c.rollout.kv_pages = 0
 
   # --- reward (rl/rewards.py, rl/judge.py) ----------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()
@@ -217,7 +220,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grpo.adam_b2 = 0.999
   c.grpo.adam_eps = 1e-8
   c.grpo.max_grad_norm = 1.0  # global-norm clip before AdamW
-  c.grpo.micro_batch_size = 1  # training rows per forward/backward; gradients accumulate exactly. full size: 4+
+  # Training rows per forward/backward (on a mesh, a multiple of its batch shards); gradients accumulate exactly.
+  # full size: 4+
+  c.grpo.micro_batch_size = 1
   c.grpo.length_bucket = 512  # rows are padded to a power of two up to this, then to multiples of it (a power of 2)
   c.grpo.remat = True  # recompute each layer in the backward (memory: one [B, T, D] per layer)
   c.grpo.head_chunk = 512  # trained positions per logits block [B, c, V] (a power of 2)
@@ -229,9 +234,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Rows of one role in several tasks share a root (a domain's ACT system prompt): packed across tasks too, the root
   # once, while a row stays within this many tokens (0: per task only). Dense attention within a row: keep it short.
   c.grpo.max_packed_length = 8192
-  # Dynamic sampling (DAPO): a group whose valid rewards are all equal (no advantage for any role) is dropped and
-  # another batch of B tasks is rolled out, until the step has B groups with signal or max_draws extra batches are
-  # spent (train.Trainer.dynamic_sampling).
+  # Dynamic sampling (DAPO, Yu et al. 2025, §3.2): a group whose valid rewards are all equal (no advantage for any
+  # role) is dropped and another batch of B tasks is rolled out, until the step has B groups with signal or max_draws
+  # extra batches are spent (train.Trainer.dynamic_sampling).
   c.grpo.dynamic_sampling = False
   c.grpo.dynamic_sampling_max_draws = 4
 

@@ -1,9 +1,7 @@
 """The protocol every benchmark adapter speaks: `Task`, `ToolEnv`, tool calls, observations, rewards.
 
-Benchmarks are model-free (README, "How a training step runs"): text and tool calls go in, observations and rewards
-come out. Nothing here knows about tokens, the sampler or RL. The rehearsal package turns sampled text into
-`ToolCall`s and `ChatMessage`s; the adapters (`tau2.py`, `bfcl.py`, `checklist.py`, ...) run them on the benchmark's
-own tools and score them with the benchmark's own evaluator.
+Benchmarks are model-free: text and tool calls go in, observations and rewards come out; the rehearsal package turns
+sampled text into `ToolCall`s and `ChatMessage`s.
 
 A conversation is a list of `ChatMessage` in the OpenAI chat layout (system / user / assistant with tool calls /
 tool), the lingua franca of every benchmark we support.

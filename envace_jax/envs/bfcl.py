@@ -4,12 +4,8 @@ Everything benchmark-specific comes from the package: the task files (`bfcl_eval
 `possible_answer/`, `multi_turn_func_doc/`) through `bfcl_eval.utils.load_dataset_entry` / `load_ground_truth_entry`,
 the executable backends (GorillaFileSystem, TwitterAPI, TradingBot, TravelAPI, MessageAPI, TicketAPI, MathAPI,
 VehicleControlAPI) and the checker (`bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker`: state + response
-checks after every turn). Nothing here re-implements a tool or a check.
-
-Install (bfcl-eval pins numpy 1.26 and pulls model-serving stacks, so it goes in without its dependencies; the
-`bfcl` extra adds the few modules the multi-turn path imports):
-
-    pip install --no-deps bfcl-eval==2026.3.23 && pip install -e ".[bfcl]"
+checks after every turn). Nothing here re-implements a tool or a check. Install: `INSTALL_HINT` (README: why
+`--no-deps`).
 
 How the BFCL harness maps onto `Task` / `ToolEnv`:
 - Categories: `CATEGORIES` (multi_turn_base, _miss_func, _miss_param, _long_context). BFCL has no train split: every
@@ -17,10 +13,9 @@ How the BFCL harness maps onto `Task` / `ToolEnv`:
 - `system_prompt`: the instructions of BFCL's prompting mode (classic style: persona, task, multi-turn behaviour)
   without its output-format paragraph (our chat template renders tool calls) and without the function list (that is
   `Task.tools`). BFCL's function-calling mode sends no system prompt at all.
-- `tools`: BFCL's function docs of the involved classes (with the package's "Python 3 syntax" hint) converted to
-  OpenAI function schemas exactly as BFCL's OpenAI-completions handler does (`convert_to_tool(..., GORILLA_TO_OPENAPI,
-  OPENAI_COMPLETIONS)`, ported in `_to_openai_tools` because its module imports tree-sitter parsers; a test checks
-  parity with the package's own function). The `response` key (the return schema) is kept, as BFCL sends it.
+- `tools`: BFCL's function docs of the involved classes (with the package's "Python 3 syntax" hint) as OpenAI
+  function schemas, converted as BFCL's OpenAI-completions handler does (`_to_openai_tools`). The `response` key (the
+  return schema) is kept, as BFCL sends it.
 - `user_turns`: one string per turn (every turn of these categories has exactly one user message; several would be
   joined with a blank line). miss_func: a function held out until turn k is absent from `Task.tools`; turn k has no
   user message in the data, and BFCL's handler injects "I have updated some more functions ..." (its prompting mode
@@ -29,14 +24,8 @@ How the BFCL harness maps onto `Task` / `ToolEnv`:
   function-calling renderer. miss_param needs no special handling (the user supplies the missing value later).
 - `gold_actions`: the possible-answer calls of all turns, in order, parsed with `ast` (positional arguments bound to
   names with the backend method's signature). Per-turn strings stay in `criteria["ground_truth"]` for the checker.
-- `BfclEnv.execute` calls the method on this trajectory's own backend instance; results are formatted like BFCL's
-  executor (str as is, dict as JSON, else `str()`), and errors read like it ("Error during execution: ...").
-- `BfclEnv.evaluate` groups the assistant's calls by user turn (one step per assistant message with tool calls),
-  renders them as BFCL call strings and runs the package's `multi_turn_checker`, which replays them on fresh backend
-  instances next to the ground truth.
 
-Out of scope: web_search_* (needs the live web) and memory_* (prerequisite conversations, and the vector backend needs
-a downloaded embedding model); the single-turn AST categories are not multi-turn.
+Out of scope: web_search_* and memory_* (`_OUT_OF_SCOPE`); the single-turn AST categories are not multi-turn.
 
 Oracle: `python -m envace_jax.envs.bfcl --category=multi_turn_base --oracle` replays the ground truth through this
 adapter and scores it with the package's checker.
@@ -99,8 +88,7 @@ def _check_category(category: str) -> None:
 
 
 def system_prompt() -> str:
-  """The agent's instructions: BFCL's prompting-mode system prompt (classic style) without the output-format paragraph
-  and the function list (see the module docstring). Source: `bfcl_eval.constants.default_prompts`."""
+  """The agent's instructions (module docstring, `system_prompt`), from `bfcl_eval.constants.default_prompts`."""
   style = _import_bfcl("bfcl_eval.constants.default_prompts").PROMPT_STYLE_TEMPLATES["classic"]
   return f"{style['persona']} {style['task']}\n\n{style['multiturn_behavior']}"
 
@@ -369,8 +357,7 @@ def load_tasks(category: str = "multi_turn_base") -> list[Task]:
     category: one of `CATEGORIES`.
 
   Returns:
-    One `Task` per entry of `bfcl_eval/data/BFCL_v4_<category>.json` (200 each), `split="test"` (BFCL has no train
-    split); see the module docstring for how each field is built.
+    One `Task` per entry of `bfcl_eval/data/BFCL_v4_<category>.json` (200 each), built as the module docstring says.
 
   Raises:
     EnvError: unknown or out-of-scope category; bfcl-eval or the `bfcl` extra not installed; data and possible
@@ -431,9 +418,8 @@ def _long_context_data_restored() -> Iterator[None]:
 class BfclEnv(ToolEnv):
   """A BFCL multi-turn environment: the task's real backend instances, and the package's multi-turn checker.
 
-  `reset(task)` builds fresh instances from `criteria["initial_config"]`; `execute` runs a call on them; `evaluate`
-  re-runs the conversation's calls with BFCL's checker on instances of its own (as BFCL scores a model), so a score
-  does not depend on this env's instances.
+  `evaluate` re-runs the conversation's calls with BFCL's checker on instances of its own (as BFCL scores a model), so
+  a score does not depend on this env's instances.
   """
 
   def __init__(self) -> None:

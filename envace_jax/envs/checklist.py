@@ -30,8 +30,6 @@ assistant's calls whose logged result is not an error -> `gold_actions` (failed 
 a result is an error when the tool message says `is_error` or its JSON has a truthy "error" or an "error_tool_call"
 key, CM2's convention); the annotations, normalised to the item layout above with defaults filled in, ->
 `criteria["checklists"]`, and the number of steps per turn -> `criteria["turn_steps"]`.
-
-There is no tool backend for this format: `ChecklistEnv.execute` replays logged results and refuses anything else.
 """
 
 from __future__ import annotations
@@ -146,7 +144,6 @@ def record_to_task(record: Any, *, where: str = "<record>", domain: str = BENCHM
   """Validates one checklist-format record and maps it to a `Task` (see the module docstring for the mapping).
 
   Args:
-    record: the decoded JSON record.
     where: its position, for error messages (e.g. `data.jsonl:12`).
     domain: `Task.domain` when the record has no "domain".
     split: `Task.split` when the record has no "split".
@@ -420,12 +417,9 @@ class ChecklistEnv(ToolEnv):
   compares arguments: 1 == 1.0, "1" != 1). A call logged several times replays its results in logged order, then
   repeats the last. Anything else is an error `Observation`.
 
-  Scoring lives in `rl/rewards.py` (envs do not import rl), so the wiring passes it
-  in: `ChecklistEnv(scorer=rewards.rule_checklist)` (offline, gold actions only) or
-  `ChecklistEnv(scorer=judge.ChecklistJudge(config))` (`rl/judge.py`) (the paper's LLM judge over the checklists).
-
   Args:
-    scorer: `(task, conversation) -> RewardInfo`; None leaves `evaluate` unavailable (it raises `EnvError`).
+    scorer: `(task, conversation) -> RewardInfo` (envs import no RL code): `rl.rewards.rule_checklist` (offline, gold
+      actions only) or `rl.judge.ChecklistJudge` (the paper's LLM judge); None: `evaluate` raises `EnvError`.
   """
 
   def __init__(self, scorer: Scorer | None = None):

@@ -2,31 +2,17 @@
 
 Training does not talk to the benchmark harnesses every step: `prepare` runs an adapter's `load_tasks` once (for τ²
 that includes replaying the gold actions for grounding) and writes the tasks as `Task.to_json()` records into a TFDS
-dataset in the array_record format. `load` opens it with `as_data_source` (what `tfds.data_source` returns): an
-indexable `TaskSource`. `TaskStream` draws batches from it in an epoch-wise permutation that is a pure function of
-(seed, epoch), so a checkpoint that stores `TaskStream.state()` resumes at exactly the same next batch.
+dataset in the array_record format (TFDS writes and reads it with numpy alone: no TensorFlow). `load` opens it with
+`as_data_source` as an indexable `TaskSource`; `TaskStream` draws resumable batches from it.
 
-TensorFlow is not needed anywhere here: TFDS writes and reads array_record with numpy alone.
-
-Benchmarks and configs (TFDS name, configs, splits):
-
-  benchmark   TFDS name          configs                                           splits
-  "tau2"      envace_tau2        airline, retail                                   train, test
-                                 mock                                              base
-  "bfcl"      envace_bfcl        multi_turn_base, multi_turn_miss_func,            test
-                                 multi_turn_miss_param, multi_turn_long_context
-  "checklist" envace_checklist   the path of a checklist-format file or folder     the tasks' own splits
-  "vitabench" envace_vitabench   "DOMAIN:PATH" (domain delivery/instore/ota/       test
-                                 cross_domain, PATH the user's VitaBench data)
-  "finmcp"    envace_finmcp      "DOMAIN:PATH" (domain all or a sample type,       test
-                                 PATH the user's FinMCP-Bench data)
+One builder per benchmark (`_BUILDERS`, TFDS names `envace_<benchmark>`), one config per τ² domain or BFCL category
+(`registry.Benchmark.packaged_splits`, whose splits it has). A checklist config is named after the file and a hash of
+its content (`mydata_3f2a9c01b7e4`), so editing the file prepares a new config instead of reading a stale one; its
+splits are the tasks' own. VitaBench and FinMCP-Bench configs are "DOMAIN:PATH" (`registry.Benchmark.source_config`),
+named after the domain and a hash of the data read, with the one split "test".
 
 On disk, under `data_dir`: `envace_tau2/retail/1.0.0/envace_tau2-train.array_record-00000-of-00001`, next to
 `dataset_info.json` and `features.json`. A prepared version is never regenerated: change the data, bump the version.
-A checklist config is named after the file and a hash of its content (`mydata_3f2a9c01b7e4`), so editing the file
-prepares a new config instead of reading a stale one. VitaBench and FinMCP-Bench configs are named after the domain
-and a hash of the data read (`registry.Benchmark.source_config` builds the "DOMAIN:PATH" argument from a run's config).
-
 Elsewhere (no envace code), the files read back with
 `tfds.builder_from_directory(data_dir / "envace_tau2/retail/1.0.0").as_data_source("train")`.
 
@@ -96,7 +82,7 @@ def _load_finmcp_tasks(path: str, domain: str) -> list[Task]:
 
 @dataclasses.dataclass(eq=False)
 class TaskConfig(tfds.core.BuilderConfig):
-  """A builder config: which tasks to load (`source`: τ² domain, BFCL category, or checklist path) and the splits.
+  """A builder config: which tasks to load, and the splits.
 
   Attributes:
     source: the argument the adapter's `load_tasks` gets (domain, category or path).
@@ -351,10 +337,7 @@ def prepare(benchmark: str, config: str | Path, data_dir: str | Path) -> _TaskBu
   """Load the tasks through the benchmark's adapter and write them as array_record; no-op when already prepared.
 
   Args:
-    benchmark: one of `registry.BENCHMARKS`.
-    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
-      and "finmcp" "DOMAIN:PATH" (`registry.Benchmark.source_config`).
-    data_dir: root folder of the prepared datasets.
+    benchmark, config, data_dir: as for `builder`.
 
   Returns:
     The prepared builder (`builder.info.splits` has the split sizes).
@@ -428,11 +411,8 @@ def load(benchmark: str, config: str | Path, split: str, data_dir: str | Path) -
   """Open one split of a prepared dataset for random access (`prepare` it first).
 
   Args:
-    benchmark: one of `registry.BENCHMARKS`.
-    config: a config of `configs(benchmark)`; for "checklist" the path of the checklist-format data; for "vitabench"
-      and "finmcp" "DOMAIN:PATH" (`registry.Benchmark.source_config`).
-    split: a split of that config ("train"/"test" for τ², "test" for BFCL, the tasks' splits for checklist).
-    data_dir: root folder of the prepared datasets, as given to `prepare`.
+    benchmark, config, data_dir: as for `builder` (and `prepare`).
+    split: a split of that config.
 
   Raises:
     EnvError: unknown benchmark, config or split; the dataset is not prepared under `data_dir`.

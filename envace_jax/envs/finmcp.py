@@ -2,7 +2,7 @@
 CC BY-NC-SA 4.0) as `Task`s, scored offline by tool precision / recall / F1 over the called tool names.
 
 613 Chinese samples over 65 financial MCP tools (Qieman's servers), of three types: single tool (145), multi-tool
-(249, sequential or parallel calls in one turn) and multi-turn (219). The data is not on PyPI: the user downloads it.
+(249, sequential or parallel calls in one turn) and multi-turn (219). The data is not on PyPI (`DOWNLOAD_HINT`).
 
 Format. The sample layout could not be read from a public source here (the dataset card names the sample types and
 says the MCP server URL and schema come from Qieman; the paper names the metrics). This module reads the OpenAI chat
@@ -17,9 +17,8 @@ layout the dataset's reference trajectories need, one record per sample::
                  "tool_call_id": "..." (optional)}, ...],
    "tools": [OpenAI function specs, or MCP tool specs {"name", "description", "inputSchema"}]}
 
-A file is JSONL, a JSON list or one JSON object; a folder is read file by file in name order. Records without "tools"
-take the shared list of a `tools.json` in the data folder (OpenAI or MCP specs), a file that is not read as samples.
-A tool message answers the pending call with its `tool_call_id`, or else the oldest pending call.
+A file is JSONL, a JSON list or one JSON object; records without "tools" take the shared list of the data folder's
+`tools.json` (`load_tasks`). A tool message answers the pending call with its `tool_call_id`, or else the oldest one.
 
 Mapping to `Task` (benchmark "finmcp", domain "all" or the sample type loaded, split "test"): the system message ->
 `system_prompt`; user messages -> `user_turns` (replayed, no user simulator); every reference call -> `gold_actions`
@@ -36,8 +35,7 @@ with `count_repeats=False`. `name_sequence_match` (1 when the called names equal
 ours, not the paper's EMR, which may compare arguments too. Arguments are not scored.
 
 Execution. The tools are Qieman's live MCP servers, which this project does not reach: `FinMcpEnv.execute` answers
-every call with an error observation that says so. Train with `rollout.env_mode="rehearse"` (the rehearsing role
-stands in for the servers, grounded on the logged results); `evaluate` needs no server.
+every call with `LIVE_EXECUTION_ERROR`, so rollouts rehearse them; `evaluate` needs no server.
 """
 
 from __future__ import annotations
@@ -201,7 +199,6 @@ def record_to_task(
   """Validates one FinMCP-Bench record and maps it to a `Task` (see the module docstring).
 
   Args:
-    record: the decoded JSON record.
     where: its position, for error messages (e.g. `data.jsonl:12`).
     shared_tools: the tool list for a record without "tools".
     domain: `Task.domain`.

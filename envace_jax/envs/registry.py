@@ -1,8 +1,6 @@
 """The benchmarks a run can name (``env.benchmark``): what each one has, and its adapter's entry points.
 
-Everything outside the adapters (``envs/tau2.py``, ``bfcl.py``, ``checklist.py``, ``vitabench.py``, ``finmcp.py``)
-that differs between benchmarks is read from here: config checks, dataset preparation, the real environment, the
-logged conversation a task starts from and the reference conversation of the supervised warm-up. A benchmark's
+Everything outside the adapters (``envs/<name>.py``) that differs between benchmarks is read from here. A benchmark's
 adapter is imported on first use (τ² and BFCL pull in their harnesses).
 
     bench = registry.get(config.env.benchmark)

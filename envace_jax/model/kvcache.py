@@ -1,9 +1,7 @@
 """The KV cache of `transformer.apply` and the pieces of a softmax split over several key sets.
 
-`KVCache` holds every layer's rotary-embedded keys and values with a static capacity and each row's filled length,
-optionally continuing shared prefix levels (cascade attention: the rows that continue one prefix store only their
-own tokens). `softmax_part` / `combine` / `merge_parts` compute attention over the union of key sets (a row's own
-slots, its prefix levels, its pages in `paged.py`) by log-sum-exp, the merge FlashAttention's online softmax uses.
+`softmax_part` / `combine` / `merge_parts` compute attention over the union of key sets (a row's own slots, its
+`KVCache` prefix levels, its pages in `paged.py`) by log-sum-exp, the merge FlashAttention's online softmax uses.
 Both `transformer.py` and `paged.py` import this module; it imports neither.
 """
 

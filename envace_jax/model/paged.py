@@ -14,10 +14,6 @@ A page that is only partly filled belongs to one row: `PagePool.fork` shares a r
 per page) and copies its last, partial page, so a fork's writes never touch another row's slots. A table's unused
 entries hold P, no page: a write there is dropped (a row never writes into pages it does not hold) and reads of it
 are masked (slots a row has not filled are never attended).
-
-`attention_part` is the reference attention over paged rows, on every backend, and the one `transformer.apply` uses.
-`attention` (eager) uses the TPU kernel where it applies (`kernel_applies`) and the reference elsewhere; calling the
-kernel from inside the model's jitted programs is not done yet.
 """
 
 from __future__ import annotations
@@ -316,15 +312,14 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
 
 
 def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
-  """The queries' share of softmax attention over their rows' pages: `kvcache.softmax_part`'s triple (running
-  max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values [B, K, G, T, H]), so it merges with other key
-  sets (shared prefix levels) by log-sum-exp.
+  """The queries' share of softmax attention over their rows' pages, on every backend (what `transformer.apply`
+  runs): `kvcache.softmax_part`'s triple (running max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values
+  [B, K, G, T, H]), so it merges with other key sets (shared prefix levels) by log-sum-exp.
 
   One page of every row at a time (an online softmax over pages, as `transformer._online_softmax` over key blocks),
   up to the last page any row of the call fills: a step reads one [B, Z, 2K, H] gather, not a copy of every row's
-  W pages, and the pages past the longest row are not read. On a 2-core CPU at 2048 own slots this was 20x faster
-  than gathering all W pages first (whose transposed operands made XLA's dots slow) and 2-3x slower than a dense
-  row read in place.
+  W pages, and the pages past the longest row are not read. On a 2-core CPU at 2048 own slots: 20x faster than
+  gathering all W pages first (XLA's dots on their transposed operands), 2-3x slower than a dense row in place.
 
   Args:
     q_bkgth: dtype[B, K, G, T, H] queries, rotary-embedded.

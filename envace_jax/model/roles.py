@@ -1,10 +1,7 @@
-"""Role ids: which hat the policy wears for each token.
+"""Role ids: which hat the policy wears for each token (paper §3.1).
 
-Every token in a rendered conversation carries the id of the role that produced it (paper §3.1). The transformer adds
-a learned, zero-initialised embedding per role to the token embedding, so generated tokens tell the model whether it
-is acting (ACT) or rehearsing the environment (REHEARSE).
-
-The ids are stable: they index the role-embedding table stored in checkpoints. Add new roles at the end.
+Each id selects a row of the transformer's learned, zero-initialised role embedding. The ids are stable: they index
+the role-embedding table stored in checkpoints. Add new roles at the end.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Tokenizer and chat rendering with a role id per token.
 
-``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (no torch, no transformers at runtime). It is built from
-
-  * a GGUF file's metadata (``from_gguf``): byte-level BPE from ``tokenizer.ggml.tokens`` / ``merges``, control tokens
-    as special tokens, and the pre-tokenizer named by ``tokenizer.ggml.pre`` as the model's ``tokenizer.json`` has it
-    (SmolLM2: ``Digits(individual_digits=True)`` then ``ByteLevel(use_regex=True)``);
-  * a Hugging Face directory (``from_hf_dir``): ``tokenizer.json`` + ``tokenizer_config.json``.
-
-``Tokenizer.render`` turns ``Message``s into token ids and role ids (``roles.Role``), using the model's own jinja2
-chat template when it ships one (rendered as ``transformers``' ``apply_chat_template`` does) and ChatML otherwise.
-Message ``i``'s tokens are the text the template adds when message ``i`` is appended, so a conversation's ids are
-exactly the concatenation of its turns' ids (``render_turn``): each role's view grows append-only and its KV cache
-can be kept. Tool schemas, calls and results follow ``tool_format`` (Hermes / Qwen2.5 convention).
+``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (no torch, no transformers at runtime), built from a GGUF file's
+metadata (``from_gguf``) or a Hugging Face directory (``from_hf_dir``). ``Tokenizer.render`` turns ``Message``s into
+token ids and role ids (``roles.Role``) with the model's own jinja2 chat template, or ChatML when it ships none;
+``render_turn`` renders only what one more message adds, so each role's view grows append-only and its KV cache can
+be kept. Tool schemas, calls and results follow ``tool_format`` (Hermes / Qwen2.5 convention).
 """
 
 from __future__ import annotations
@@ -512,11 +505,9 @@ class Tokenizer:
     system message (``tool_format.render_tools_block``); 'tool' messages become 'user' turns wrapping
     ``<tool_response>`` when the template has no 'tool' role (their author stays OBSERVATION).
 
-    The ids equal ``transformers``' ``apply_chat_template(..., tokenize=True)`` on the same (prepared) messages,
-    and the concatenation of ``render_turn`` over the messages.
+    The ids equal ``transformers``' ``apply_chat_template(..., tokenize=True)`` on the same (prepared) messages.
 
     Args:
-      messages: the conversation.
       tools: OpenAI function schemas, or None.
       add_generation_prompt: append the assistant header.
       generation_role: role id of the generation prompt's tokens (ACT for the agent's view).
@@ -526,8 +517,7 @@ class Tokenizer:
       ``(ids, roles)``, both int32[T].
 
     Raises:
-      ChatTemplateError: the template fails, is not append-only, or its message boundaries are not token
-        boundaries.
+      ChatTemplateError: the template fails, is not append-only, or its message boundaries are not token boundaries.
     """
     pieces, prefix, text = self._pieces(messages, tools, add_generation_prompt, generation_role, None, template_kwargs)
     return self._ids(pieces, text, prefix)

@@ -152,9 +152,6 @@ def parse_action(text: str, known_tools: Collection[str] | None = None) -> Actio
   Args:
     text: the generation.
     known_tools: tool names the environment offers; None accepts any name.
-
-  Returns:
-    The ``Action``; see its docstring for the three shapes.
   """
   start = text.find(TOOL_CALL_OPEN)
   if start < 0:

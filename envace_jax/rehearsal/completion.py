@@ -53,10 +53,8 @@ def complete(
   answer_prefix: str = "",
   stop_strings: Sequence[str] = (),
 ) -> tuple[list[Completion], dict[str, float]]:
-  """Generates one assistant message for each chat in ``prompts`` (one batched sampler call).
-
-  Prompts whose first message renders to the same tokens (e.g. one τ² policy as system prompt) form a group: that
-  prefix is prefilled once and the cache forked over the group.
+  """Generates one assistant message for each chat in ``prompts`` (one batched sampler call; prompts whose first
+  message renders to the same tokens share its prefill: see the module docstring).
 
   Args:
     sampler: a `Sampler` (``init_cache`` / ``prefill`` / ``fork`` / ``generate``).

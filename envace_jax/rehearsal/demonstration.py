@@ -1,12 +1,8 @@
 """Demonstrations for the supervised warm-up: a benchmark's reference conversation as training rows of both roles.
 
-The optional ``train.sft_warmup_steps`` (ACT on gold calls, REHEARSE on real responses) trains, before RL,
-on what the policy *should* have generated:
-
-  * ACT: the task's gold tool calls (τ²'s ``gold_actions``, BFCL's ground truth), then the information the task
-    requires the agent to communicate;
-  * REHEARSE: the real tools' responses to those calls (each gold call executed on a fresh real environment,
-    ``ToolEnv.answer``).
+``train.sft_warmup_steps`` trains ACT on the task's gold tool calls (τ²'s ``gold_actions``, BFCL's ground truth),
+then the information the task requires the agent to communicate, and REHEARSE on the real tools' responses to those
+calls (each gold call executed on a fresh real environment, ``ToolEnv.answer``).
 
 `demonstration` replays such a conversation through the rollout's own bookkeeping (`Episode`): the opening, the
 views, the chat template's framing, the parsing of each message are exactly those of a self-unfolded rollout, and
@@ -14,9 +10,8 @@ each demonstrated message is recorded as if the sampler had generated its tokens
 `TrainingRow`s have the same layout as a rollout's (prompt tokens with the view's roles, loss mask on the role's own
 generations) and go through the same `grpo.build_batch` and update step.
 
-Tasks without logged history or user turns (most of τ²'s) start with a simulated user. A demonstration has no user
-simulator, so the task's user scenario stands in for the user's first message (it states what the user wants; τ²'s
-user simulator is instructed from the same text).
+A demonstration has no user simulator: for a task whose user speaks first from a scenario (most of τ²'s), the
+scenario stands in for the user's first message (τ²'s user simulator is instructed from the same text).
 """
 
 from __future__ import annotations
@@ -74,7 +69,6 @@ def demonstration(
 
   Args:
     config: the rollout's `UnfoldConfig` (env_mode, capacities, greeting, parallel_calls).
-    task: the task.
     conversation: its reference conversation (`registry.Benchmark.reference_conversation`).
     tokenizer, chat_format: as the rollout uses them.
     index: the trajectory's index in the batch (``TrainingRow.trajectory``; also its group).

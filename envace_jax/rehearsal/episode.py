@@ -36,53 +36,18 @@ class UnfoldConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UnfoldConfig:
-  """How a self-unfolded rollout runs. Validated at construction (`UnfoldConfigError`). A run's settings come from
-  ``config.rollout`` and ``config.train.group_size`` (`from_config`; the defaults live there only).
+  """How a self-unfolded rollout runs. Validated at construction (`UnfoldConfigError`).
+
+  The run settings are ``config.rollout``'s keys and ``group_size`` (G, ``config.train.group_size``), each explained
+  once in ``envace_jax/config/defaults.py`` (no defaults here: `from_config` reads them); ``external_user`` is an
+  `ExternalUserConfig` or None. The rest are fixed by the protocols:
 
   Attributes:
-    group_size: G, trajectories per task (the GRPO group).
-    max_turns: ACT generations per trajectory; one more needed ends it with ``MAX_TURNS``.
-    act_max_new_tokens, rehearse_max_new_tokens, user_max_new_tokens: per generation of each role.
-    act_sampling, rehearse_sampling, user_sampling: `SamplingParams` per role (equal ones share a sampler call).
-    act_capacity, rehearse_capacity, user_capacity: token budget of each view (its KV-cache row; the cache is sized
-      for the largest view it holds, at most the model's context). A view that cannot take the next prompt plus one
-      token, or that fills up while generating, ends the trajectory with ``CONTEXT_EXHAUSTED``. Openings in SmolLM2
-      tokens (policy + schemas): τ² mock ≈ 0.5k, airline ≈ 5.0k, retail ≈ 4.9k (REHEARSE adds its grounding);
-      SmolLM2's context is 8192. Memory: the policy cache holds (views per trajectory) x B*G rows of the largest
-      budget.
-    user_mode: who plays USER for tasks without logged user turns: "reference" (the frozen initial parameters, a
-      second sampler), "policy" (the policy's sampler, a third view in its cache) or "external" (`external_user`).
-    env_mode: "rehearse" (REHEARSE imagines tool results; no real tool runs) or "real" (a `ToolEnv` runs them).
-    on_malformed: malformed ACT output (a `tool_format.ParseError`, unknown tools included): "continue" (the agent
-      gets "Error: <message>" as a tool observation) or "end" (``MALFORMED``).
-    on_invalid_rehearsal: a rehearsed response that is not ``<tool_response>`` + JSON: "as_is" (the agent sees its
-      body), "error" (the agent sees an error observation) or "end" (``MALFORMED``, after the agent is shown it).
-    accept_error_text: a rehearsed body starting with "Error" is a valid error observation (τ²'s tools answer
-      refused calls with such text), not invalid JSON.
-    grounding_max_tokens: token budget of the reference interactions in the REHEARSE view's system message.
-    parallel_calls: ACT may write several ``<tool_call>`` blocks in one message (generation then stops at the end of
-      the message, not at ``</tool_call>``); each is answered in order.
-    rehearse_sees_dialogue: the REHEARSE view shows the user/agent messages ("User: ..." / "Agent: ...").
     greeting: the agent's fixed first message (τ²'s orchestrator sends "Hi! How can I help you today?") for tasks
       with a simulated user and no logged history; "" lets the user speak first.
-    scenario_opening: for those tasks, the user's first message is the task's user scenario verbatim (as in the
-      supervised warm-up's demonstrations), not a generation of the user simulator; later user turns are simulated.
-      For a user simulator too weak to state the scenario (SmolLM2-135M's replies rarely mention the request, so
-      ACT cannot know the task): the agent is told the task the way BFCL and checklist data tell it theirs.
     agent_stop_markers: texts in an ACT reply that end the trajectory with ``AGENT_STOP``.
     rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
     user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
-    external_user: the endpoint for ``user_mode="external"`` (unless `unfold` is given a `UserSimulator`).
-    continuous_batching: a policy row whose generation ends starts its trajectory's next generation while the other
-      rows keep decoding (`sampler.Stream`), instead of waiting for the longest generation of the step (lockstep).
-      Outputs do not depend on it beyond float rounding (each generation is keyed by its trajectory, role and
-      index); it applies when every policy role has one sampler and equal sampling parameters, lockstep otherwise.
-    kv_page_size: slots per page of each view's own KV slots (`model/paged.py`: a generation reserves pages for its
-      prompt and budget, the view keeps those its tokens fill, and gives them back when its trajectory ends); 0
-      gives every view a dense row at the roomiest view's capacity. Off a mesh only: on a mesh rows stay dense.
-    kv_pages: pages a cache's pool starts with; 0: a quarter of every row of the cache at its largest view capacity.
-      A pool that runs out doubles, up to every row at that capacity; each size compiles the sampler's programs once
-      per run (the sizes do not depend on the batch).
   """
 
   group_size: int
@@ -109,7 +74,6 @@ class UnfoldConfig:
   continuous_batching: bool
   kv_page_size: int
   kv_pages: int
-  # Not run settings: fixed by the benchmarks' protocols (τ²'s greeting) and the views' prompts.
   greeting: str = "Hi! How can I help you today?"
   agent_stop_markers: tuple[str, ...] = ()
   rehearse_prompt: str = views.REHEARSE_PROMPT
@@ -155,8 +119,8 @@ class UnfoldConfig:
 
   @classmethod
   def from_config(cls, config=None, **overrides) -> UnfoldConfig:
-    """``config.rollout`` with ``group_size = config.train.group_size``, then ``overrides`` (field: value).
-    config: a run config (``envace_jax/config/defaults.py``'s layout); None: the defaults.
+    """``config.rollout`` with ``group_size = config.train.group_size``, then ``overrides`` (field: value); config
+    None: the defaults.
 
     Raises:
       UnfoldConfigError: an unknown key or an invalid value.
@@ -245,9 +209,8 @@ class Episode:
 
     Args:
       user_view: a sampler plays the user (a USER token view); otherwise an external user (``user_chat``).
-      history: messages that already happened, after the benchmark's own initial conversation (e.g. the agent's
-        greeting and the real user's first message, obtained before a private rehearsal). A history ending with a
-        user message that holds a stop marker ends the trajectory at once (``USER_STOP``).
+      history: as `unfold`'s ``histories`` for this task. A history ending with a user message that holds a stop
+        marker ends the trajectory at once (``USER_STOP``).
 
     Raises:
       UnfoldConfigError: the task has neither logged user turns nor a user scenario; a history for a task whose

@@ -1,4 +1,4 @@
-"""World-model fidelity: how well the rehearsing role predicts the real tools (issue "world-model fidelity").
+"""World-model fidelity: how well the rehearsing role predicts the real tools.
 
 During a committed execution every tool call runs for real. For each such call we also ask REHEARSE what it expects
 the response to be — its view exactly as in a rehearsed rollout, with the conversation up to the call and the real
@@ -17,10 +17,9 @@ results of the earlier calls — and compare the prediction with the real respon
 `summarize` averages each over the pairs where it is defined. The predictions are greedy: the rehearsing role's most
 likely response.
 
-The same probe runs on the benchmark's **gold calls** (`gold_trajectories`): after the opening of an evaluation, the
-task's assistant-side gold actions, executed for real in order, as if the agent had made exactly those calls. This
-measures the world model on the calls that solve the task, whatever the acting role does (a small policy that never
-calls a tool leaves the committed-run fidelity undefined; the gold-call fidelity is still measured).
+The same probe runs on the benchmark's gold calls (`gold_trajectories`), which measures the world model on the calls
+that solve the task whatever the acting role does (a policy that never calls a tool leaves the committed-run
+fidelity undefined).
 """
 
 from __future__ import annotations

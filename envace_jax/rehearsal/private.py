@@ -6,23 +6,17 @@ For each (task, trial):
   1. **Opening** (`openings`): the agent's greeting and the real user's first message, from the evaluation's user
      simulator. This is what the agent knows before it rehearses: the policy, the tools and that message.
   2. **Rehearsal** (`rehearse`): N imagined trajectories with the rollout machinery (`unfold`, ``env_mode="rehearse"``):
-     the policy acts, the policy rehearses every tool response, and the policy also imagines the user, told only the
-     first message (``IMAGINED_USER``): the hidden user scenario, gold actions and reference interactions of the task
-     are removed first (`rehearsal_task`), so nothing of the benchmark's answer leaks into the rehearsal.
-       * ``parallel``: the N rehearsals are independent, one batched rollout (G = N).
-       * ``sequential``: rehearsal n's agent sees, in its system message, an account of rehearsals 1..n-1 (their
-         transcripts, condensed to ``digest_max_tokens`` each) with their self-assessments (``ACCOUNT_HEADER``).
-     No real tool runs here: the real environment is not touched until step 4.
+     the policy acts, rehearses every tool response and imagines the user, told only the first message
+     (`rehearsal_task`: nothing of the benchmark's answer leaks in). ``parallel``: one batched rollout (G = N);
+     ``sequential``: rehearsal n's system message holds an account of rehearsals 1..n-1 (``ACCOUNT_HEADER``).
   3. **Self-assessment** after each rehearsal (``ASSESS_PROMPT``: outcome, what went wrong, which tool results
      mattered), and the **rehearsal memory** m_x (``MEMORY_PROMPT``): the rehearsals and assessments condensed by the
      policy into at most ``memory_max_tokens`` tokens.
   4. **Committed execution** (`commit`): ACT with m_x appended to its system message (``MEMORY_HEADER``), against the
      real tools and the real user simulator, continuing from the opening. The caller scores it with the benchmark.
 
-``mode="off"`` skips 2-3: the committed execution starts from the same opening without a memory, so rehearsal off /
-parallel / sequential are compared on the same first user messages (same key).
-
-Every phase's cost is recorded (`PhaseCost`: generated and prefilled tokens, seconds).
+``mode="off"`` skips 2-3: the committed execution starts from the same opening without a memory. Every phase's cost is
+recorded (`PhaseCost`).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ from envace_jax.rehearsal import views
 from envace_jax.rehearsal.completion import complete
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
-from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rehearsal.unfold import sampler_for, unfold
 from envace_jax.rehearsal.users import UserSimulator, UserSimulatorError
 from envace_jax.sampling.sampler import GREEDY, SamplingParams
 
@@ -98,19 +92,15 @@ class PrivateRehearsalError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrivateRehearsalConfig:
-  """How a task is rehearsed before the committed execution. A run's values are ``config.eval``'s (`from_config`;
-  no defaults here).
+  """How a task is rehearsed before the committed execution (paper: test-time private rehearsal).
 
   Attributes:
-    mode: "off", "parallel" or "sequential".
-    num_rehearsals: N imagined trajectories per (task, trial).
-    assessment_max_tokens: budget of each self-assessment (tokens, after the forced "Outcome:").
-    memory_max_tokens: bound on the rehearsal memory m_x (tokens of the text placed in the committed context).
-    digest_max_tokens: bound on each rehearsal transcript as the assessment, memory and sequential prompts show it
-      (head and tail kept, the middle elided).
-    user: who imagines the user in rehearsals: "policy" (the policy itself: rehearsal in its own weights) or
-      "reference" (the frozen initial weights). Either way it is told only the first message (``IMAGINED_USER``).
-    sampling: `SamplingParams` of the assessments and the memory (default greedy).
+    mode: one of ``eval.rehearsal``'s ("off", "parallel", "sequential").
+    num_rehearsals, assessment_max_tokens, memory_max_tokens, digest_max_tokens, user: ``config.eval``'s
+      ``rehearsal_n``, ``assessment_max_tokens``, ``memory_max_tokens``, ``digest_max_tokens`` and
+      ``rehearsal_user`` (explained in ``envace_jax/config/defaults.py``; `from_config` reads them). Either user is
+      told only the first message (``IMAGINED_USER``).
+    sampling: `SamplingParams` of the assessments and the memory (greedy).
   """
 
   mode: str
@@ -123,8 +113,7 @@ class PrivateRehearsalConfig:
 
   @classmethod
   def from_config(cls, config=None, *, mode: str, **overrides) -> PrivateRehearsalConfig:
-    """``config.eval``'s rehearsal settings (``rehearsal_n``, ``rehearsal_user``, the three token budgets) with
-    ``mode`` (one of ``eval.rehearsal``'s), then ``overrides``. config: a run config; None: the defaults.
+    """``config.eval``'s rehearsal settings with ``mode``, then ``overrides``; config None: the defaults.
 
     Raises:
       PrivateRehearsalError: an invalid value.
@@ -293,10 +282,6 @@ def rehearsal_task(task: Task, opening: Sequence[ChatMessage], account_text: str
 # The phases.
 
 
-def _act_sampler(policy):
-  return policy[Role.ACT] if isinstance(policy, Mapping) else policy
-
-
 def openings(
   tasks: Sequence[Task],
   num_trials: int,
@@ -368,7 +353,7 @@ def openings(
 def _reflect(policy, tokenizer, chats, max_tokens: int, cfg: PrivateRehearsalConfig, key, cost, answer_prefix=""):
   """The policy's (ACT parameters) answers to ``chats`` (self-assessments, the memory), stripped; cost added."""
   done, stats = complete(
-    _act_sampler(policy),
+    sampler_for(policy, Role.ACT),
     tokenizer,
     chats,
     key=key,
@@ -426,8 +411,7 @@ def rehearse(
     policy: the policy's `Sampler`, or {Role: Sampler} with per-role parameters.
     unfold_config: the rollout settings (capacities, budgets, sampling); env mode, group size, user mode and
       grounding are set here (rehearse, N or 1, ``config.user``, none).
-    config: a `PrivateRehearsalConfig`; mode "off" does nothing.
-    key: a ``jax.random.key``.
+    config: mode "off" does nothing.
     costs: {"rehearsal", "assessment", "memory"} -> `PhaseCost`, added to.
 
   Raises:
@@ -548,7 +532,7 @@ def run(
     raise PrivateRehearsalError(f"run needs one ToolEnv per (task, trial): {n}, got {len(envs)}")
   costs = {name: PhaseCost() for name in ("opening", "rehearsal", "assessment", "memory", "execution")}
   user_mode = unfold_config.user_mode
-  user_sampler = {"reference": reference_sampler, "policy": _act_sampler(policy)}.get(user_mode)
+  user_sampler = {"reference": reference_sampler, "policy": sampler_for(policy, Role.ACT)}.get(user_mode)
   heads = openings(
     tasks,
     num_trials,

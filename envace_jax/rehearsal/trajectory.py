@@ -4,10 +4,6 @@ A self-unfolded trajectory (paper §3; README, "How a training step runs") keeps
 **view**: the agent's (ACT), the environment's (REHEARSE) and the user simulator's (USER). Each view's sequence is
 exactly what that view's KV cache holds: prompt tokens rendered from messages, and generated tokens exactly as the
 sampler produced them. At the end each view becomes one `TrainingRow`: nothing is re-tokenised from text.
-
-Alignment: ``logprobs[t]`` is the sampler's log-probability of ``tokens[t]`` given ``tokens[:t]`` under the
-unmodified policy (temperature 1, no truncation); it is meaningful where ``loss_mask[t]`` is True (tokens the view's
-role generated) and 0 elsewhere.
 """
 
 from __future__ import annotations
@@ -54,7 +50,8 @@ class TrainingRow:
     tokens: int32[T] token ids, exactly as held by the view's KV cache.
     roles: int32[T] role id (roles.Role) of every token.
     loss_mask: bool[T] True on the tokens this view's ``role`` generated.
-    logprobs: float32[T] the sampler's logprob of each generated token (0 where ``loss_mask`` is False).
+    logprobs: float32[T] the sampler's logprob of ``tokens[t]`` given ``tokens[:t]`` under the unmodified policy
+      (temperature 1, no truncation) where ``loss_mask``, 0 elsewhere.
     role: the role that generated in this view (Role.ACT, Role.REHEARSE or Role.USER).
     trajectory: index of the trajectory in its rollout batch (B*G trajectories, task-major: b*G + g).
     num_generations: how many generations (sampler outputs) this row holds.

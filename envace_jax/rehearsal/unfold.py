@@ -1,34 +1,24 @@
 """Self-unfolded rollout: B tasks x G trajectories, ACT / REHEARSE / USER, one generation at a time each (paper
 §3.1-3.2).
 
-One policy wears two hats (three with a policy-played user). Each live trajectory needs exactly one generation at a
-time:
+Each live trajectory needs exactly one generation at a time:
 
   * ACT: the agent's next message (a reply or a tool call), parsed host side (`views.parse_act`);
   * REHEARSE: the pending tool call's response, imagined by the policy (`views.parse_rehearsal` checks its JSON);
     parallel calls of one ACT message are rehearsed one by one, in order. With ``env_mode="real"`` the calls run on
     a `ToolEnv` instead (one per trajectory, host side) and there is no REHEARSE view: the same code path serves the
     ``grpo_real_env`` baseline and evaluation's committed execution;
-  * USER: the user simulator's next message, played by the frozen reference parameters (a second sampler), the
-    policy, or an external endpoint (`users.ExternalUser`). Tasks with logged user turns (BFCL, checklist format)
-    replay them instead and end with ``USER_TURNS_DONE`` when they run out.
+  * USER: the user simulator's next message (``user_mode``; an external one is `users.ExternalUser`). Tasks with
+    logged user turns (BFCL, checklist format) replay them instead and end with ``USER_TURNS_DONE`` when they run out.
 
 The ACT, REHEARSE (and policy-USER) views of all trajectories are rows of one KV cache, with a role id per row, and
-their generations share the policy's decode loop. With ``continuous_batching`` that loop is a
-`sampler.Stream`: when a generation ends, its trajectory's next one (any role) is prefilled into that view's row and
-joins while the other rows keep decoding, so no row idles until the longest generation of a round ends. Otherwise
-(or when the policy roles have separate samplers or sampling settings) the trajectories step in lockstep: one
-``Sampler.generate`` per round and per distinct ``SamplingParams``, run to its longest generation. Either way a
+their generations share the policy's decode loop: a `sampler.Stream` with ``continuous_batching``, else lockstep
+rounds of one ``Sampler.generate`` per distinct ``SamplingParams``, each run to its longest generation. Either way a
 generation's key is fold_in(key, trajectory, role, the view's generation index), so both give the same trajectories
-(up to float rounding: the batches differ).
-A call's stop strings are the union of its roles' (ACT: ``</tool_call>``, REHEARSE: ``</tool_response>``): a row that
-writes the other role's closing tag stops there, with output that is malformed for its own role anyway. The
-reference user's generations (other weights, their own cache) run together to their end: every round in lockstep,
-else whenever the policy has nothing in flight. Views are append-only and keep their cache
-rows between turns: a generation prefills only the tokens added since the view's previous one. Group prefix sharing:
-each view's opening (everything before the first sampled token, identical across a task's G trajectories) is
-prefilled and stored once per task, and its G rows continue it (`Sampler.fork`: a ``KVCache.prefix`` level, attended
-once per step for the G rows).
+(up to float rounding: the batches differ). A call's stop strings are the union of its roles' (ACT: ``</tool_call>``,
+REHEARSE: ``</tool_response>``): a row that writes the other role's closing tag stops there, with output that is
+malformed for its own role anyway. Each view's opening is prefilled and stored once and continued by its task's G
+rows (`_Unfolder._prefill_openings`).
 
 Row layout of the policy cache, N = B*G trajectories (task-major, n = b*G + g): row ``slot * N + n`` where ``slot``
 is the view's index in ``policy_roles`` (ACT first); the reference cache has the USER view of trajectory n in row n.
@@ -79,18 +69,17 @@ class UnfoldOutput:
     trajectories: B*G trajectories, task-major (index b*G + g), each with its training rows (the views the policy
       sampled: ACT, REHEARSE in rehearse mode, USER when the policy plays the user).
     stats: numbers for metrics: ``steps`` (rounds of the loop: a lockstep step, or one decode call of the stream),
-      ``policy_calls``, ``reference_calls``, ``external_requests``,
-      ``prefill_tokens_shared`` (the openings: each role's part common to all tasks once, each task's rest once,
-      shared by its G trajectories), ``prefill_tokens_reused`` (opening tokens another task's row holds instead),
-      ``prefill_tokens`` (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer:
-      `KVCache.stored_slots`, or a paged cache's pool and levels), ``kv_slots_held`` (per cache, the most that held
-      tokens or reserved room at once, summed over the caches: a paged cache's peak pages and its levels;
-      ``kv_slots`` for a dense one),
+      ``policy_calls``, ``reference_calls``, ``external_requests``, ``prefill_tokens_shared`` (the openings: each
+      role's part common to all tasks once, each task's rest once, shared by its G trajectories),
+      ``prefill_tokens_reused`` (opening tokens another task's row holds instead), ``prefill_tokens``
+      (continuations), ``kv_slots`` (key/value slots the caches allocate, per layer: `KVCache.stored_slots`, or a
+      paged cache's pool and levels), ``kv_slots_held`` (per cache, the most that held tokens or reserved room at
+      once, summed over the caches: a paged cache's peak pages and its levels; ``kv_slots`` for a dense one),
       ``kv_slots_dense`` (what one row per view at its largest capacity would), ``kv_pool_growths`` (times a page
-      pool grew),
-      ``decode_row_steps`` (rows computed x iterations, summed over the decode loops, `sampler.Stream.row_steps`:
-      generated tokens over it is the slot utilisation), ``generated_tokens_{act,rehearse,user}``,
-      ``time_{setup,policy,reference,external,host,total}_s``, ``terminated_<reason>``.
+      pool grew), ``decode_row_steps`` (rows computed x iterations, summed over the decode loops,
+      `sampler.Stream.row_steps`: generated tokens over it is the slot utilisation),
+      ``generated_tokens_{act,rehearse,user}``, ``time_{setup,policy,reference,external,host,total}_s``,
+      ``terminated_<reason>``.
     views: per trajectory, its token views by role (`views.View`: the messages each role saw, and its tokens
       including the not-yet-cached tail), for inspection and tests.
     caches: with ``return_caches``: {"policy": KVCache, "reference": KVCache} (rows as in the module docstring).
@@ -183,8 +172,8 @@ class _Unfolder:
     rest, once for its G trajectories; each trajectory's own slots, as many as its role's capacity leaves after the
     opening (the most over the views), or with ``kv_page_size`` pages of a pool (``name``'s in ``self.pages``),
     none held yet, that a row gets as it needs them. When the roles' rows do not split over a mesh's batch shards,
-    the common part is instead copied into each task's row (``copy_rows``). With one sampler per role (per_role
-    parameters) each sampler prefills its own roles' rows.
+    the common part is instead copied into each task's row (``copy_rows``). With one sampler per role (a tree per
+    role, `policy.Policy`) each sampler prefills its own roles' rows.
     """
     b = len(openings)
     prompts, prompt_roles = [], []
@@ -194,7 +183,7 @@ class _Unfolder:
         fits = view is not None and len(view) + 1 <= self.cfg.capacity(role)
         prompts.append(list(view.tokens[:-1]) if fits else [])
         prompt_roles.append(list(view.roles[:-1]) if fits else [])
-    samplers = [_sampler_for(sampler, roles[row // b]) for row in range(len(prompts))]
+    samplers = [sampler_for(sampler, roles[row // b]) for row in range(len(prompts))]
     first = samplers[0]
     nest = len(roles) % first.batch_multiple == 0  # one row per role in the common parts' cache
     views_rows = len(prompts)
@@ -239,10 +228,9 @@ class _Unfolder:
     own = min(full, -(-max(own, 1) // eighth) * eighth)
     z = self.cfg.kv_page_size
     if z and getattr(first, "mesh", None) is None:
-      # Pages: the table spans the largest capacity and the pool starts at a quarter of every row at it (or
-      # kv_pages); it grows by doubling up to every row at it (`_reserve`). All run constants, not this batch's
-      # openings, so every rollout with as many rows compiles the same programs (a row holds only its pages;
-      # `_schedule` keeps a view within its capacity).
+      # Pages: the table spans the largest capacity and the pool's sizes (rollout.kv_pages, `_reserve`) are run
+      # constants, not this batch's openings, so every rollout with as many rows compiles the same programs (a row
+      # holds only its pages; `_schedule` keeps a view within its capacity).
       rows = len(prompts) * self.cfg.group_size
       most = rows * -(-full // z)
       pool = paged.PagePool(min(self.cfg.kv_pages or -(-most // 4), most), z)
@@ -299,7 +287,7 @@ class _Unfolder:
     by_params: dict[tuple[int, SamplingParams], list[_Job]] = {}
     samplers = {}
     for job in jobs:
-      s = _sampler_for(sampler, job.role)
+      s = sampler_for(sampler, job.role)
       samplers[id(s)] = s
       by_params.setdefault((id(s), self.cfg.sampling(job.role)), []).append(job)
     rows = int(self.caches[name].lengths.shape[0])  # len(roles) * n, and the padding rows at the end on a mesh
@@ -336,9 +324,7 @@ class _Unfolder:
   def _reserve(self, name: str, placed: list[tuple[_Job, int]], cache):
     """The cache with each placed (job, row) given the pages for its prompt and new-token budget; when the pool has
     too few free, it first doubles (`paged.PagedKVCache.extended`) until they fit, up to its most, every row at the
-    largest capacity (which holds any jobs). Each pool size is one more size of every sampler program; the sizes
-    are the same in every rollout with as many rows, so they compile once per run. A dense cache is returned as it
-    is."""
+    largest capacity (which holds any jobs). A dense cache is returned as it is."""
     if name not in self.pages or not placed:
       return cache
     pool, most = self.pages[name]
@@ -408,12 +394,12 @@ class _Unfolder:
     role), else None (lockstep)."""
     if not (self.cfg.continuous_batching and self.policy_roles):
       return None
-    samplers = {id(_sampler_for(self.policy, r)) for r in self.policy_roles}
+    samplers = {id(sampler_for(self.policy, r)) for r in self.policy_roles}
     settings = {self.cfg.sampling(r) for r in self.policy_roles}
     if len(samplers) > 1 or len(settings) > 1:
       return None
     num_new = max(self.cfg.max_new_tokens(r) for r in self.policy_roles)
-    sampler = _sampler_for(self.policy, self.policy_roles[0])
+    sampler = sampler_for(self.policy, self.policy_roles[0])
     return sampler.stream(self.caches.pop("policy"), num_new=num_new, sampling=settings.pop(), stop_strings=self.stops)
 
   def _admit(self, stream, jobs: list[_Job], key, running: dict[int, _Job]) -> None:
@@ -566,8 +552,13 @@ def _job_keys(key, rows: int, placed: Sequence[tuple[_Job, int]]) -> jax.Array:
   return _fold_keys(key, *ids)
 
 
-def _sampler_for(sampler, role: Role):
-  """The sampler generating ``role``: ``sampler`` itself, or its entry for ``role`` when it is a per-role mapping."""
+def sampler_for(sampler, role: Role):
+  """The sampler generating ``role``: ``sampler`` itself, or its entry for ``role`` when it is a mapping Role ->
+  sampler (`policy.Policy.by_role` of a policy with a tree per role).
+
+  Raises:
+    UnfoldConfigError: the mapping has no sampler for ``role``.
+  """
   if isinstance(sampler, Mapping):
     if role not in sampler:
       raise UnfoldConfigError(f"no sampler for role {ROLE_NAMES[role]}: the per-role samplers cover {list(sampler)}")
@@ -595,13 +586,12 @@ def unfold(
   """Self-unfolds ``config.group_size`` trajectories of each task (see the module docstring).
 
   Args:
-    tasks: the B tasks of the batch.
+    tasks: the B tasks.
     policy_sampler: a `Sampler` with the policy's parameters (ACT, REHEARSE and a policy-played USER), or a
-      mapping role -> `Sampler` when the roles have separate parameters (the per_role ablation): all of them share
+      mapping role -> `Sampler` when the roles have separate parameters (`policy.Policy.by_role`): all of them share
       one cache (same model shape), each generating its own roles' rows.
     tokenizer: the policy's tokenizer (chat template, eos ids); its vocabulary must be the model's.
-    config: an `UnfoldConfig`.
-    key: a ``jax.random.key``; a generation uses fold_in(key, trajectory index, role id, the view's generation index).
+    key: a ``jax.random.key`` (each generation's: `_job_keys`).
     reference_sampler: a `Sampler` with the frozen reference parameters; needed for ``user_mode="reference"`` when a
       task has no logged user turns.
     envs: B*G `ToolEnv`s (task-major), needed for ``env_mode="real"``; each is ``reset`` with its task. Ignored in
@@ -613,9 +603,8 @@ def unfold(
     return_caches: keep the final KV caches in the output (tests, inspection).
 
   Returns:
-    `UnfoldOutput`: B*G trajectories (task-major) with termination, messages, counts, events and one training row
-    per view the policy generated in (int32[T] tokens exactly as in the view's cache row, roles, loss mask on the
-    view role's generated tokens, the sampler's logprobs), and stats. A view without generations has no row.
+    `UnfoldOutput`: B*G trajectories (task-major) with termination, messages, counts, events and one `TrainingRow`
+    per view the policy generated in (none for a view without generations), and stats.
 
   Raises:
     UnfoldConfigError: no tasks, a missing reference sampler, environments or external user, a task with neither

@@ -1,9 +1,7 @@
 """User simulators outside the policy: the `UserSimulator` interface and an OpenAI-compatible chat endpoint.
 
-In a self-unfolded rollout the USER role is played by the frozen reference parameters (a second sampler), by the
-policy itself, or, here, by an external model behind ``POST {base_url}/chat/completions`` (vLLM, SGLang, a hosted
-API). An external user has no tokens and no training row: it receives the USER view's messages (system = scenario,
-the agent's replies as "user", its own earlier messages as "assistant") and returns one message.
+An external user (``rollout.user_mode="external"``: vLLM, SGLang, a hosted API) has no tokens and no training row:
+it receives the USER view's messages (`UserSimulator.reply`) and returns one message.
 """
 
 from __future__ import annotations
@@ -53,9 +51,7 @@ class ExternalUserConfig:
   ``config.rollout.external_user`` (``UnfoldConfig.from_config``); the request policy below is not a run setting.
 
   Attributes:
-    base_url: the API root; requests go to ``{base_url}/chat/completions`` (e.g. "http://127.0.0.1:30000/v1").
-    model: the model name sent with each request.
-    api_key_env: environment variable holding the API key ("" sends no Authorization header).
+    base_url, model, api_key_env: the endpoint (``envace_jax/config/defaults.py``), ``{base_url}/chat/completions``.
     timeout_s: per-request timeout, seconds.
     max_retries: further attempts after the first (transport failures, HTTP 408/409/429/5xx, replies without text).
     backoff_s: sleep before retry r (r = 0, 1, ...) is ``min(backoff_max_s, backoff_s * 2**r)``.

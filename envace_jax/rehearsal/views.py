@@ -10,13 +10,11 @@ A trajectory is seen three ways, each an append-only chat that one role continue
   * USER (the user simulator): system = `USER_PROMPT` with the task's scenario; the agent's replies as the other
     party's messages (ACT), its own messages (USER). Tool traffic is not shown to the user.
 
-`View` keeps one view's messages and the token bookkeeping of its KV-cache row: the tokens rendered from messages
-(``Tokenizer.render`` / ``render_turn``), the generated tokens exactly as sampled, and after each generation the
-template's closing tokens (`ChatFormat`). Invariant, tested: a view's ``tokens`` equal ``Tokenizer.render`` of its
-``messages`` wherever the sampler's tokenisation of a generated message is the canonical one; otherwise they differ
-only inside generated spans, which decode to the same text (``decode(tokens) == render_text(messages)``). The KV cache
-holds ``tokens[:cached]``; the rest (messages appended since the last generation, a closing trailer) is prefilled with
-the next generation's prompt.
+`View` keeps one view's messages and its KV-cache row's tokens: rendered from messages, generated exactly as sampled,
+and the template's closing tokens after each generation (`ChatFormat`). Invariant, tested: a view's ``tokens`` equal
+``Tokenizer.render`` of its ``messages`` wherever the sampler's tokenisation of a generated message is the canonical
+one; otherwise they differ only inside generated spans, which decode to the same text
+(``decode(tokens) == render_text(messages)``).
 
 Assumption (checked once by `ChatFormat.of`): the chat template writes an assistant message as ``header + content +
 trailer`` with the content verbatim (ChatML as SmolLM2 and Qwen2.5 use, Llama 3). Templates that strip or rewrite

@@ -1,8 +1,6 @@
-"""Role-wise GRPO advantages: the group of a generation is (task, role) (host numpy, outside jit).
+"""Role-wise GRPO advantages (paper §3): the group of a generation is (task, role) (host numpy, outside jit).
 
-Paper §3 (role-wise GRPO); README, "How a training step runs", step 6. ``trajectory_arrays`` reads scored trajectories
-into arrays; ``role_advantages`` gives every trajectory one advantage per role, which each of its rows of that role
-carries into the update (rl/grpo.py).
+Every trajectory gets one advantage per role, which each of its rows of that role carries into the update (rl/grpo.py).
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ def role_advantages(
 ) -> tuple[np.ndarray, dict[str, float]]:
   """Role-wise GRPO advantages A[i, r] = (R_i - baseline_{g(i), r}) [/ (std_{g(i), r} + eps)].
 
-  The group of trajectory i's role-r generations is (groups[i], r) (paper §3, role-wise GRPO).
-  Member i of that group has weight w_i = generations[i, r] ("row": every generation counts once) or
-  1[generations[i, r] > 0] ("trajectory"); invalid trajectories have weight 0. Then
+  The group of trajectory i's role-r generations is (groups[i], r). Member i of that group has weight
+  w_i = generations[i, r] ("row": every generation counts once) or 1[generations[i, r] > 0] ("trajectory"); invalid
+  trajectories have weight 0. Then
 
       baseline = sum_i w_i R_i / sum_i w_i
       std      = sqrt(sum_i w_i (R_i - baseline)^2 / (sum_i w_i - 1))      (frequency weights, Bessel-corrected

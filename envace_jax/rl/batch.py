@@ -1,18 +1,9 @@
 """Training rows padded into static-shape arrays: ``TrainBatch``, ``collate`` and micro-batches (host numpy).
 
-Every generation of a trajectory view is one ``TrainingRow`` (rehearsal/trajectory.py): one packed token sequence
-with the role of every token, a loss mask and the sampler's logprobs. ``collate`` pads B rows to a bucketed length
-T and lists each row's trained positions (I of them, bucketed) so only those reach the vocabulary head;
-``split_micro_batches`` cuts the rows into K micro-batches of exactly M rows, so the update's shapes stay static.
-Frozen roles keep their tokens as context and get loss mask 0.
-
-Shared-prefix packing (``collate(..., pack_groups=...)``, on by default in ``grpo.build_batch``): the G rows of one
-(task, role) fork one prefilled opening (the ACT system prompt alone is ~4.9k tokens on tau2 airline), so they are
-trained as one row, prefix + suffix_1 + ... + suffix_G, with a segment mask that keeps the suffixes apart. The
-logprobs, the loss and its gradient are exact; the forward and backward see P + G x S tokens instead of G x (P + S).
-Across tasks (``max_packed_length``): the rows of one role in several tasks share a root (every ACT view of a domain
-opens with the same policy and tool schemas), so up to that many tokens they are one row too, a two-level tree: the
-root once, then per task its own shared part and its rows' suffixes.
+``collate`` pads B ``TrainingRow``s (rehearsal/trajectory.py) to a bucketed length T, packing rows that share a
+prefix around it (exactly), and lists each row's trained positions (I of them, bucketed) so only those reach the
+vocabulary head; ``split_micro_batches`` cuts the rows into K micro-batches of exactly M rows, so the update's shapes
+stay static. Frozen roles keep their tokens as context and get loss mask 0.
 """
 
 from __future__ import annotations
@@ -32,11 +23,8 @@ from envace_jax.rehearsal.trajectory import TrainingRow, common_prefix_length
 class TrainBatch:
   """Padded training rows. ``collate`` gives [B, ...] arrays; ``split_micro_batches`` adds a leading K axis.
 
-  A row is either one ``TrainingRow`` or several rows of one role packed around their shared prefix (``collate``'s
-  ``pack_groups``): prefix + suffix_1 + ... + suffix_G, where suffix s attends to the prefix and to itself only, at
-  the rotary positions it has in its own row. Packed across groups (``collate``'s ``max_packed_length``) it is a tree
-  of depth two: the root shared by every group, then per group the rest of its own shared prefix (a segment whose
-  parent is the root) followed by its rows' suffixes (segments whose parent is that one).
+  A row is either one ``TrainingRow`` or several rows of one role packed around their shared prefix (``collate``):
+  prefix + suffix_1 + ... + suffix_G, or packed across groups a tree of depth two (``segments``, ``parents``).
 
   Attributes (per row; B rows, T tokens, I trained-token slots):
     tokens: int32[B, T] ids, padded with pad_id.
@@ -219,18 +207,18 @@ def collate(
   """Pads rows into a ``TrainBatch`` of host numpy arrays [B', T], packing rows that share a prefix if asked.
 
   Shared-prefix packing (``pack_groups``): rows with the same group key and the same ``role`` that have trained
-  tokens (the G rollouts of a task fork one prefilled opening, so their rows start with the same tokens) become one
-  row: the shared prefix of P tokens (``shared_prefix_length``) once, then each row's remaining tokens as its own
-  segment. Each suffix attends to the prefix and to itself at its own rotary positions, and its first token is
-  predicted from the prefix's last hidden state, so every trained token's logprob, the loss and the gradients are
-  those of the unpacked rows (up to float summation order), for G x (P + S) -> P + G x S tokens. A group of one
-  row, or with P < ``min_shared_prefix``, stays unpacked; a packed row takes the place of its group's first row.
+  tokens (the G rollouts of a task fork one prefilled opening) become one row: the shared prefix of P tokens
+  (``shared_prefix_length``) once, then each row's remaining tokens as its own segment. Each suffix attends to the
+  prefix and to itself at its own rotary positions, and its first token is predicted from the prefix's last hidden
+  state, so every trained token's logprob, the loss and the gradients are those of the unpacked rows (up to float
+  summation order), for G x (P + S) -> P + G x S tokens. A group of one row, or with P < ``min_shared_prefix``,
+  stays unpacked; a packed row takes the place of its group's first row.
 
   Across groups (``max_packed_length`` > 0): consecutive groups (packed or lone rows) of one role whose rows all
   share a root of at least ``min_shared_prefix`` tokens join one row while it stays within ``max_packed_length``
-  tokens: the root once, then per group its shared tokens past the root and its rows' suffixes (``TrainBatch``'s
-  ``parents``). Exact in the same way. A group longer than the limit is never split. The update's attention is
-  dense within a row, so the limit trades the root's tokens saved against a quadratic cost in the row's length.
+  tokens: the root once, then per group its shared tokens past the root (a segment whose parent is the root) and its
+  rows' suffixes (segments whose parent is that one). Exact in the same way; a group longer than the limit is never
+  split.
 
   T is ``bucket_length(max row length, length_bucket)`` and I (at most T) ``bucket_length(most trained tokens in a
   row, length_bucket)``.
@@ -239,7 +227,7 @@ def collate(
     rows: B training rows (``TrainingRow``: one view of one trajectory).
     advantages: float[B], each row's advantage (``advantages_nr[row.trajectory, row.role]``).
     trained_roles: role ids that are trained; a row of another role, and any token whose role id is not trained,
-      keeps its tokens (they are context) but gets loss_mask 0: frozen roles contribute nothing to the loss.
+      gets loss_mask 0.
     row_valid: bool[B]; False rows (e.g. of an invalid trajectory) are kept as fully masked rows. Default all True.
     length_bucket: see ``bucket_length``.
     pad_id: the id written into padding.
@@ -389,7 +377,8 @@ def split_micro_batches(
   Args:
     batch: from ``collate``.
     micro_batch_size: M.
-    by_role: every micro-batch holds rows of one ``row_role`` (needed by mode "per_role"); padding rows take it.
+    by_role: every micro-batch holds rows of one ``row_role`` (needed when each role trains its own tree); padding
+      rows take it.
     num_micro_batches: pad with all-padding micro-batches up to this K, so the step's shapes stay static.
   Raises:
     ValueError: micro_batch_size < 1, or the rows need more than num_micro_batches micro-batches.

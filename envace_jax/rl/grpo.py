@@ -14,15 +14,9 @@ rl/advantages.py, the padded batch in rl/batch.py, the training forward in rl/lo
     step = make_update_step(model_config, cfg, mesh=mesh)
     state, metrics = step(state, batch)
 
-Modes (one code path; ``GrpoConfig.mode``):
-  ``envace``         one shared parameter tree; ACT and REHEARSE rows both trained.
-  ``per_role``       two trees ``{"act": ..., "rehearse": ...}`` (the paper's ablation: a separate model per role).
-                     Micro-batches hold rows of one role; each row's loss runs through its role's tree, so a role's
-                     loss moves only its own tree. Each tree has its own AdamW state, global-norm clip and token
-                     denominator, as two separate models would; a tree with no trained tokens in a step is left
-                     bitwise unchanged (params and optimizer state).
-  ``grpo_real_env``  plain GRPO against the real environment: only ACT is trained (REHEARSE rows never occur or
-                     are frozen).
+Modes (``GrpoConfig.mode``) share one code path. ``per_role`` keeps two trees ``{"act": ..., "rehearse": ...}`` (the
+paper's ablation): micro-batches hold rows of one role, whose loss moves only its own tree; each tree has its own
+AdamW state, global-norm clip and token denominator, as two separate models would. ``grpo_real_env`` trains ACT only.
 
 Shapes: N trajectories, R role ids (``roles.NUM_ROLES``), K micro-batches, M rows per micro-batch, T tokens per row
 (bucketed), I trained-token slots per row (bucketed), V vocabulary. A row may pack the G rows of one (task, role)
@@ -78,51 +72,11 @@ def _parse_role(value: Any) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GrpoConfig:
-  """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument). A run's
-  values are ``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps`` (`from_config`; no defaults here).
+  """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument).
 
-  Attributes:
-    mode: "envace", "per_role" or "grpo_real_env" (see the module doc).
-    trained_roles: role ids (or names) whose generations are trained, stored as a sorted tuple of ints. Other roles
-      are frozen: their loss mask is 0.
-    weighting: how a group's baseline counts its members: "row" (each generation once: a trajectory with 5 ACT
-      generations counts 5 times in the ACT baseline, as the paper's code does) or "trajectory" (each trajectory
-      once, among those with at least one generation of the role).
-    std_normalize: divide advantages by the role's reward std within the group (off in the paper's run).
-    adv_eps: added to the std when std_normalize is on.
-    clip_eps_low, clip_eps_high: the ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high] (DAPO's
-      decoupled clip; 0.2 / 0.2 in the paper).
-    clip_ratio_c: dual-clip constant c > 1 for negative advantages (Ye et al. 2020; verl's clip_ratio_c).
-    use_kl: add a KL penalty to the reference policy (off in the paper's run); needs ``batch.ref_logprobs``.
-    kl_coef: its coefficient.
-    kl_estimator: "low_var_kl" (k3, clamped as verl does), "k1" or "k2"; see ``kl_penalty``.
-    learning_rate, weight_decay, adam_b1, adam_b2, adam_eps: optax AdamW.
-    sft_steps: the run's first updates are the supervised warm-up (``train.sft_warmup_steps``; `sft_step`).
-    sft_learning_rate: AdamW's rate during those steps (`with_learning_rate`); 0: the same ``learning_rate`` (and
-      no injected rate in the optimizer state).
-    fresh_optimizer_after_sft: the first RL update after the warm-up starts from a fresh AdamW state (moments and
-      count zeroed, the warm-up's parameters kept; `fresh_optimizer_state`), as an RL run started from the warm-up's
-      checkpoint would. False keeps the warm-up's moments: their momentum (b1 = 0.9 decays it over about ten
-      steps) then carries the supervised direction into the first RL updates.
-    max_grad_norm: ``optax.clip_by_global_norm`` before AdamW.
-    micro_batch_size: rows per micro-batch (M); on a mesh, a multiple of the batch shards.
-    length_bucket: rows are padded to a power of two up to this, then to a multiple of it (bounds compiles).
-    remat: rematerialise each layer (and each head chunk) in the backward: memory keeps one [B, T, D] per layer
-      plus one layer's working set, at the cost of a second forward. Off: every layer's attention probabilities
-      [B, N, T, T] stay alive until the backward.
-    head_chunk: trained positions per [B, c, V] logits block (a power of 2): bounds the head's memory for large V.
-    pack_shared_prefix: ``build_batch`` trains the rows of one (task, role), which share their opening, as one row
-      holding the shared prefix once (``batch.collate``'s ``pack_groups``): exact, and G x (P + S) tokens become
-      P + G x S.
-    min_shared_prefix: the shortest shared prefix (tokens) worth packing; shorter ones leave the rows unpacked.
-    max_packed_length: ``build_batch`` also packs the rows of one role across tasks (their common root, e.g. a
-      domain's ACT system prompt, once) while the packed row stays within this many tokens; 0: per task only. The
-      update attends densely within a row, so merging long rows costs more attention than the root it saves.
-    dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, §3.2), which the training loop applies
-      (`train.Trainer.dynamic_sampling`): a group whose valid rewards are all equal gives every role a zero
-      advantage, so it is dropped and further batches of tasks are rolled out until the step holds B groups with
-      signal or ``dynamic_sampling_max_draws`` extra batches are spent.
-    dynamic_sampling_max_draws: the most extra batches (of B tasks each) one step may roll out.
+  The fields are ``config.grpo``'s keys, each explained once in ``envace_jax/config/defaults.py`` (no defaults
+  here: `from_config` reads them), and ``sft_steps``, the run's supervised warm-up updates
+  (``train.sft_warmup_steps``). ``trained_roles`` is stored as a sorted tuple of role ids.
   """
 
   mode: str
@@ -203,8 +157,8 @@ class GrpoConfig:
 
   @classmethod
   def from_config(cls, config=None, **overrides) -> GrpoConfig:
-    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps``, then ``overrides`` (field: value).
-    config: a run config (``envace_jax/config/defaults.py``'s layout); None: the defaults.
+    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps``, then ``overrides`` (field: value); config
+    None: the defaults.
 
     Raises:
       ValueError: an unknown key or an invalid value.
@@ -254,15 +208,12 @@ def build_batch(
 ) -> TrainBatch:
   """The [K, M, ...] batch of one step: rows of trained roles from valid trajectories, with their advantages.
 
-  With ``cfg.pack_shared_prefix`` the rows of one task (``Trajectory.group``) and one role are packed on their
-  shared opening (``collate``'s ``pack_groups``): one packed row per (task, role) when that prefix has at least
-  ``cfg.min_shared_prefix`` tokens, and one row for several tasks of a role up to ``cfg.max_packed_length`` tokens.
+  With ``cfg.pack_shared_prefix`` the rows of one task (``Trajectory.group``) and one role are packed on their shared
+  opening (``collate``'s ``pack_groups``).
 
   Args:
     trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
     advantages: float32[N, R'] from ``role_advantages``.
-    cfg: trained_roles, length_bucket, micro_batch_size, mode (per_role splits micro-batches by role) and the
-      packing switches.
     num_micro_batches, pad_id: see ``split_micro_batches`` and ``collate``.
   Raises:
     ValueError: no trainable row (every trajectory invalid or no trained role present), or see ``collate``.
@@ -308,7 +259,6 @@ def clipped_policy_loss(
   Args:
     log_ratio: float32[...] logp_new - logp_old (callers clamp it to +-20 before).
     advantages: float32[...] broadcastable to log_ratio.
-    eps_low, eps_high, clip_c: see GrpoConfig.
   Returns:
     (loss float32[...], clip_low, clip_high, clip_dual bool[...]): where the lower clip binds (A < 0 and
     r < 1 - eps_low), the upper clip binds (A > 0 and r > 1 + eps_high), the dual clip binds (A < 0 and
@@ -363,7 +313,6 @@ def micro_batch_sums(
     (objective, sums): objective float32[] = sum over trained tokens of the policy loss (+ kl_coef * KL when
     use_kl), the value to differentiate; sums (no gradient) over trained tokens: ``objective``, ``pg_loss``, ``kl``,
     ``tokens``, ``clip_low``, ``clip_high``, ``clip_dual``, ``entropy``, ``approx_kl`` and ``tokens/<role>``.
-    The step's loss is sum(objective) / sum(tokens) over all its micro-batches.
   """
   logp, entropy = target_logprobs(config, params, batch, cfg.remat, cfg.head_chunk)
   mask = batch.target_mask
@@ -448,14 +397,12 @@ def loss_and_grads(
 ) -> tuple[Any, dict[str, jax.Array]]:
   """Gradient of the token-mean loss over all K micro-batches, accumulated exactly.
 
-  A ``lax.scan`` over the micro-batches sums each one's gradient of ``micro_batch_sums``' objective
-  (`micro_batch_grads`) and its token count; the result is (sum of gradients) / (sum of counts), the gradient of
-  sum(objective) / sum(tokens), however the rows are split. In per_role mode params is ``{"act": tree, "rehearse":
-  tree}``, micro-batch k runs through the tree of its role and each tree's gradient is divided by its own token count.
+  A ``lax.scan`` over the micro-batches sums each one's gradient (`micro_batch_grads`) and token count; the result
+  is (sum of gradients) / (sum of counts), the gradient of sum(objective) / sum(tokens), however the rows are split
+  (per_role: per tree, `normalize`).
 
   Args:
     config: model config (``scan_layers=True`` is the training layout; either works).
-    cfg: the GRPO config.
     params: a tree, or the per_role dict.
     batch: TrainBatch with [K, M, ...] fields.
   Returns:
@@ -582,7 +529,6 @@ def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
   """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state.
 
   Args:
-    cfg: the GRPO config.
     params: one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
       as the paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
   """
@@ -642,19 +588,15 @@ def update_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One GRPO update as one pure function: accumulated gradient (`loss_and_grads`), then `apply_gradients`.
 
-  ``make_update_step`` runs the same arithmetic as one program per micro-batch shape plus one optimizer program;
-  this single-program form is the reference its tests compare with, and what ``--mode=plan`` compiles.
+  The single-program form of ``make_update_step``: the reference its tests compare with, and what ``--mode=plan``
+  compiles.
 
   Args:
     config: model config of the params' layout (``scan_layers=True`` for training).
-    cfg: the GRPO config.
-    state: the TrainState.
     batch: TrainBatch with [K, M, ...] fields.
   Returns:
     (the new state, metrics): those of ``loss_and_grads`` and ``apply_gradients``.
   """
-  # The scanned forward wants the layers stacked: one copy, a temporary of this step; the gradient comes back
-  # per layer, as the state holds them.
   grads, metrics = loss_and_grads(config, cfg, transformer.stack_tree(state.params), batch)
   return apply_gradients(cfg, state, transformer.unstack_tree(grads), metrics)
 
@@ -731,10 +673,8 @@ def make_update_step(
 
   Args:
     config: model config of the params' layout.
-    cfg: the GRPO config.
     mesh: optional mesh: the state is laid out per ``train_state_shardings`` (place it with ``shard_train_state``),
       the batch per ``train_batch_shardings``, metrics replicated.
-    rules: logical-axis rules.
     donate: donate the state's buffers (the old state is unusable after the call).
   Returns:
     ``step(state, batch) -> (state, metrics)`` with ``batch`` [K, M, ...]; ``step.compiled_shapes()`` lists the

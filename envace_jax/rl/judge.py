@@ -1,10 +1,8 @@
 """The paper's LLM checklist judge over an OpenAI-compatible chat-completions endpoint.
 
 EnvACE (arXiv 2608.06197), following CM2's checklist rewards (github.com/namezhenzhang/CM2-RLCR-Tool-Agent
-`verl/utils/reward_score/checklist_reward.py`): one request per checklist item and user turn, a JSON verdict back; a
-turn scores the weighted sum of its passed items, the episode the mean over turns. An item the judge gives no verdict
-on (transport failure, unparseable reply, refused request) makes the trajectory invalid (`RewardInfo.valid=False`):
-excluded from the update, never scored 0 (`ChecklistJudge`).
+`verl/utils/reward_score/checklist_reward.py`): one request per checklist item and user turn, a JSON verdict back
+(`ChecklistJudge`).
 """
 
 from __future__ import annotations
@@ -271,8 +269,7 @@ class ChecklistJudge:
   Either makes the whole trajectory invalid: `RewardInfo(reward=nan, valid=False)` with the reason in
   `info["scoring_error"]` (and the failed items in `info["judge_failures"]`), excluded from the update and counted
   as a scoring error (`envace_jax/scoring.py`). HTTP 3xx/401/403/404 raise `RewardConfigError`: retrying cannot fix
-  a wrong URL, model or key. `probe` sends one request at start-up, so a misconfigured judge stops a run before its
-  first rollout.
+  a wrong URL, model or key.
 
   Usable as a `ChecklistEnv` scorer: `judge(task, conversation) -> RewardInfo`. Thread-safe (trajectories may be
   scored from several threads at once); close it (or use it as a context manager) to release connections and threads.

@@ -1,8 +1,7 @@
 """The training forward: logprobs of the trained tokens, with per-layer rematerialisation.
 
 ``target_logprobs`` runs the decoder and the vocabulary head only at the positions that predict trained tokens
-(``TrainBatch.target_index``); ``recompute_logprobs`` lays them out like the sampler's logprobs (the step-0 check,
-and the reference policy for the KL penalty).
+(``TrainBatch.target_index``); ``recompute_logprobs`` lays them out like the sampler's logprobs.
 
 Memory (compiled on CPU, SmolLM2-135M, float32, one row, loss and gradient): 4096 tokens with 2000 trained need
 0.60 GiB of temporaries with remat and 7.5 GiB without; 6144 tokens with 6000 trained, 0.90 GiB vs 11.7 GiB. The
@@ -47,7 +46,6 @@ def training_hidden(
   ``tests/rl/test_grpo.py`` checks the parity with ``transformer.apply`` for every family switch and both layouts.
 
   Args:
-    config: the model config.
     params: one tree, layers stacked (``layers``) or not (``layers_0 ..``: stacked here, one copy).
     tokens, roles: int32[B, T]; valid: bool[B, T].
     index: int32[B, I] positions whose hidden states are wanted.
@@ -124,12 +122,10 @@ def target_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
   """Logprobs and policy entropies at the trained tokens of a [B, ...] batch.
 
-  Only the I target positions reach the vocabulary head: the hidden state at ``source_index`` (t - 1, or a packed
-  prefix's last token for the first token of a suffix) predicts token t = ``target_index``. Logits and their
-  logsumexp are float32.
+  Only the I target positions reach the vocabulary head (the hidden state at ``source_index`` predicts the token at
+  ``target_index``). Logits and their logsumexp are float32.
 
   Args:
-    config: the model config.
     params: one parameter tree (either layer layout).
     batch: a TrainBatch with [B, ...] fields.
     remat: per-layer and per-head-chunk rematerialisation (only matters under differentiation).
@@ -177,7 +173,7 @@ def recompute_logprobs(config: ModelConfig, params: Any, batch: TrainBatch) -> j
 
   Args:
     config: the model config (either layer layout of params works).
-    params: one parameter tree (in per_role mode pass one role's tree).
+    params: one parameter tree (with a tree per role, pass that role's).
     batch: [B, ...] or [K, M, ...] TrainBatch.
   Returns:
     float32[..., T] with the same leading shape as ``batch.tokens``: logp of token t given what it attends to

@@ -1,11 +1,8 @@
 """Checklist rewards for a trajectory, rule-based (the offline default).
 
-Scores a `Task` and a conversation (`base.ChatMessage`s) and returns a `base.RewardInfo`; benchmark-free (reads the
-task's fields, never a benchmark's code). The paper's LLM checklist judge lives in `rl/judge.py`.
-
-**Rule checklist** (`rule_checklist`): for rehearsed trajectories, which have no real DB to compare. Items: every
-assistant-side gold action (matched by name and arguments, τ²'s comparison), every `communicate_info` string (τ²'s
-substring rule) and one well-formedness item. The reward is the weighted fraction of items passed.
+`rule_checklist` scores a `Task` and a conversation (`base.ChatMessage`s) into a `base.RewardInfo`, for rehearsed
+trajectories, which have no real DB to compare; benchmark-free (reads the task's fields, never a benchmark's code).
+The paper's LLM checklist judge lives in `rl/judge.py`.
 """
 
 from __future__ import annotations
@@ -81,10 +78,7 @@ def action_matches(gold: GoldAction, call: ToolCall, arg_keys: Literal["strict",
   restricted dicts differ. The only addition here is `base.json_layout` (tuples -> lists, mappings -> dicts), so a
   `Mapping` or tuple built in Python compares as its JSON would.
 
-  Args:
-    gold: the gold action (its `requestor` is not looked at, as in τ²).
-    call: the predicted call.
-    arg_keys: "strict" or "tau2".
+  The gold action's `requestor` is not looked at, as in τ².
   """
   if gold.name != call.name or not isinstance(call.arguments, Mapping):
     return False  # a call whose arguments are not an object matches no gold action
@@ -178,8 +172,6 @@ def rule_checklist(
   here (their count is in `info["unscored_checklist_items"]`).
 
   Args:
-    task: the task (gold_actions, communicate_info).
-    conversation: the trajectory's messages.
     malformed_outputs: how many generations of the trajectory could not be parsed (recorded during the rollout).
     config: weights and matching rules; default `RuleChecklistConfig.from_config()` (the run defaults').
 

@@ -8,9 +8,8 @@
     out, cache = sampler.generate(cache, next_prompts, next_roles, role=Role.ACT, key=jax.random.key(1), ...)
 
 The cache is the state of each sequence (its own tokens live in slots 0..lengths-1, after its prefix levels'), so a
-caller keeps one cache per role view and appends to it. ``fork`` continues each row in G rows that share its storage:
-G samples of one prompt prefill and store it once. ``stream`` batches continuously: a row whose generation ends is
-admitted with its next prompt while the other rows keep decoding (``generate`` is a stream run to its end):
+caller keeps one cache per role view and appends to it. ``fork`` continues each row in G rows that share its storage.
+``stream`` batches continuously (``generate`` is a stream run to its end):
 
     stream = sampler.stream(cache, num_new=256, sampling=params, stop_strings=stops)
     stream.admit(prompts, prompt_roles, role=roles, keys=row_keys, max_new_tokens=budgets)
@@ -158,7 +157,6 @@ class Sampler:
   """Prefill and decode for one model; holds its jitted functions and their compile counts.
 
   Args:
-    config: the model config.
     params: the parameter tree (assign ``sampler.params`` to use new weights; no recompilation), or None for a
       sampler whose programs are only lowered with abstract parameters (``envace_jax/plan.py``).
     eos_ids: ids that end a sequence (finish reason STOP), e.g. ``Tokenizer.eos_ids``.
@@ -542,8 +540,7 @@ class Sampler:
       size = _next_pow2(min(self.prefill_chunk, total - start), self.min_bucket)
       writing = lengths > start
       attend = self.attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
-      # Unless the batch is split over devices, a chunk that writes few rows runs on those rows alone (a
-      # power-of-two bucket of them): the others would cost as much compute for nothing.
+      # A chunk that writes few rows runs on those rows alone when `_gathers` allows (module docstring, invariants).
       some = np.flatnonzero(writing)
       compact = self._gathers(cache, len(some), min(attend, cache.capacity))
       rows = np.concatenate([some, np.full(_next_pow2(len(some), 1) - len(some), b)]) if compact else np.arange(b)
@@ -652,13 +649,11 @@ class Stream:
   """Continuous batching over one cache (vLLM's and levanter's scheduling, our own code): a free row is admitted
   with its next prompt (`admit`: prefilled, then live), `advance` decodes every live row until some of them finish
   and hands those back, free again, while the others keep their state (logits, tokens so far, stop-string bytes)
-  for the next call. A row's output depends only on its own history and its key (keyed by row and token index), so
-  it is the same whatever else is in the batch and whenever it was admitted.
+  for the next call.
 
   Built by `Sampler.stream`. Attributes: ``num_new`` (N, the decode state's width); counters since creation:
-  ``prefill_tokens``, ``decode_steps`` (loop iterations), ``row_steps`` (rows computed x iterations: the loop runs on
-  a power-of-two bucket of the live rows, gathered and put back, unless the batch is split over devices: then on all
-  B) and ``generated_tokens``; ``live``: bool[B], rows admitted and not yet handed back.
+  ``prefill_tokens``, ``decode_steps`` (loop iterations), ``row_steps`` (as `SampleOutput.decode_row_steps`) and
+  ``generated_tokens``; ``live``: bool[B], rows admitted and not yet handed back.
   """
 
   def __init__(self, sampler: Sampler, cache: KVCache, num_new: int, sampling: SamplingParams, stops):

@@ -10,11 +10,9 @@ here turns (logical names, shape, mesh, rules) into a ``NamedSharding``:
     forward = sharded_apply(config, mesh)
     logits, cache = forward(params, tokens, roles, positions, cache, valid)
 
-Two rules keep any model placeable on any mesh:
-  * A dimension whose size is not divisible by the product of its mesh axes' sizes is replicated instead (logged
-    once at INFO). SmolLM2's 9 query / 3 KV heads on tensor=2 therefore replicate the heads and still shard the rest.
-  * A mesh axis is used at most once per array: a later dimension whose rule asks for an axis already taken is
-    replicated (e.g. activations [batch, T, embed]: batch takes fsdp, so embed stays whole).
+Any model places on any mesh (`logical_to_spec`): a dimension its mesh axes do not divide, or whose axes an earlier
+dimension took, is replicated. SmolLM2's 9 query / 3 KV heads on tensor=2 replicate the heads and still shard the
+rest; activations [batch, T, embed] shard batch over fsdp, so embed stays whole.
 
 GSPMD (``jax.jit`` with explicit in/out shardings) propagates these placements through the scanned layers and
 inserts the collectives; the mesh's axes are ``AxisType.Auto`` so no sharding is written into the array types.
@@ -157,8 +155,6 @@ def logical_to_spec(
 
   Args:
     spec_or_names: a PartitionSpec or sequence of logical names (None: replicated), one per leading dimension.
-    shape: the array's shape.
-    mesh: the mesh to place on.
     rules: (logical name, mesh axis | tuple of mesh axes | None) pairs; see ``LOGICAL_RULES``.
   Raises:
     ValueError: more names than dimensions, a name with no rule (map it to None to replicate), or a rule that
@@ -344,11 +340,10 @@ def sharded_apply(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULES)
 
   Returns:
     ``f(params, tokens, roles=None, positions=None, cache=None, valid=None) -> (logits, cache)`` with the shapes of
-    ``transformer.apply``: tokens/roles/positions int32[B, T], valid bool[B, T], cache a KVCache laid out for
-    ``config.scan_layers``, logits float32[B, T, V]. Params are expected laid out per ``param_shardings(config, mesh,
-    rules)`` (use ``shard_params``; uncommitted host arrays are also accepted); the inputs and logits are split on
-    the batch, the cache per ``cache_shardings``. One compiled function per (input shapes, which optional inputs
-    are given), as with any ``jax.jit``.
+    ``transformer.apply`` (the cache laid out for ``config.scan_layers``). Params are expected laid out per
+    ``param_shardings(config, mesh, rules)`` (use ``shard_params``; uncommitted host arrays are also accepted); the
+    inputs and logits are split on the batch, the cache per ``cache_shardings``. One compiled function per (input
+    shapes, which optional inputs are given), as with any ``jax.jit``.
   Raises (when f is called):
     ValueError: B is not a multiple of the number of batch shards (pad the batch).
   """
