@@ -32,16 +32,11 @@ from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal import demonstration, views
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
-from envace_jax.rehearsal.unfold import unfold
+from envace_jax.rehearsal.unfold import generated_tokens, unfold
 from envace_jax.rl import advantages as advantages_lib
 from envace_jax.rl import grpo, logprobs
 from envace_jax.rl.batch import TrainBatch
 from envace_jax.sampling import sharding
-
-
-def generated_tokens(stats: dict[str, float]) -> int:
-  """Tokens an ``unfold`` call sampled, all roles together (its ``generated_tokens_{act,rehearse,user}`` stats)."""
-  return sum(stats.get(f"generated_tokens_{n}", 0) for n in ("act", "rehearse", "user"))
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float]) -> dict[str, float]:

@@ -61,7 +61,7 @@ def _signature(trajectories) -> list:
 
 def run(trainer, rounds: int, clock, modes: Sequence[str] = ("lockstep", "continuous")) -> dict[str, list[dict]]:
   """Per mode, one record per timed rollout: seconds, compile seconds, generated / prefilled tokens, row-steps."""
-  from envace_jax import train
+  from envace_jax.rehearsal import unfold
 
   tasks = trainer.stream.next_batch()  # the first step's B tasks
   base = trainer.unfold_cfg
@@ -78,7 +78,7 @@ def run(trainer, rounds: int, clock, modes: Sequence[str] = ("lockstep", "contin
       if seen is not None and signature != seen:
         raise SystemExit(f"round {r}: mode {mode} changed the trajectories (a scheduling or KV-layout bug)")
       seen = signature
-      generated = train.generated_tokens(stats)
+      generated = unfold.generated_tokens(stats)
       record = {
         "seconds": seconds - compiling,
         "compile_s": compiling,

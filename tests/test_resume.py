@@ -2,8 +2,8 @@
 
 Interrupted in-process (the first Trainer raises where a kill would have stopped it, a fresh Trainer resumes on the
 same workdir) in the warm-up, per_role, dynamic sampling, grpo_real_env and eval_every configurations; SIGKILLed in a
-subprocess while orbax commits a checkpoint; and the loop on a 2x2x2 mesh of 8 fake devices against the same loop on
-one device.
+subprocess while orbax commits a checkpoint; from a checkpoint an earlier version of the code wrote; and the loop on a
+2x2x2 mesh of 8 fake devices against the same loop on one device.
 
 The tiny random model never calls a tool, so every rollout of a task gets the same checklist reward, every advantage
 is 0 and an RL update moves nothing (AdamW's weight decay at lr 1e-6 is below float32's resolution): parameters
@@ -19,10 +19,12 @@ restored arrays are committed to a device, a fresh run's are not, and that chang
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,7 +329,53 @@ def test_killed_during_a_checkpoint_save_resumes_bit_for_bit(tmp_path, data_dir,
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 3. The training loop on a mesh
+# 3. A checkpoint written by an earlier version of the code
+
+# Step 1 of configs/tiny.py's two-step run (no held-out evaluation) as commit fa2e314 wrote it, the last commit before
+# the settings' defaults moved to envace_jax/config/defaults.py and the parameter trees to envace_jax/policy.py:
+#   python -m envace_jax.main --config=configs/tiny.py --workdir=W --config.train.steps=2 --config.train.eval_tasks=0
+# config.json and meta.json are W/checkpoints/1/{config,meta}/metadata verbatim; arrays.json is
+# Checkpointer(W).saved_arrays(1) (the arrays themselves, 23 MB, are not committed).
+EARLIER = ROOT / "tests" / "data" / "checkpoint_fa2e314"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_an_earlier_version_resumes(tiny_run, tmp_path):
+  """fa2e314's step-1 checkpoint of the run that tests/conftest.py's ``tiny_run`` makes today: the same config (the
+  data directory aside), RNG key and data position, and the same arrays (tree, shapes, dtypes). With its config and
+  meta items verbatim and today's step-1 arrays in place of its own, a new Trainer resumes it at step 1 and ends as
+  ``tiny_run`` ends: the step-2 metrics row and checkpoint, parameters and optimizer state bitwise."""
+  source, config = tiny_run
+  earlier = {name: json.loads((EARLIER / f"{name}.json").read_text()) for name in ("config", "meta", "arrays")}
+  today = checkpoint_lib.Checkpointer(source, read_only=True)
+  arrays = {name: [list(shape), str(dtype)] for name, (shape, dtype) in today.saved_arrays(1).items()}
+  assert arrays == earlier["arrays"]
+  stored = today.read_config(1).to_dict()
+  stored["env"]["data_dir"] = earlier["config"]["env"]["data_dir"]
+  assert stored == earlier["config"]
+  meta = today.read_meta(1)
+  assert (meta["step"], meta["rng"], meta["data_state"]) == (1, earlier["meta"]["rng"], earlier["meta"]["data_state"])
+
+  workdir = tmp_path / "run"
+  step = workdir / checkpoint_lib.CHECKPOINT_SUBDIR / "1"
+  shutil.copytree(pathlib.Path(source) / checkpoint_lib.CHECKPOINT_SUBDIR / "1", step)
+  for item in ("config", "meta"):
+    (step / item / "metadata").write_text(json.dumps(earlier[item]))
+  assert checkpoint_lib.Checkpointer(workdir, read_only=True).read_config(1).env.data_dir != config.env.data_dir
+
+  resumed = train.Trainer(config, str(workdir))
+  assert resumed.start_step == 1
+  resumed.run()
+  assert_same_rows(metrics.read_jsonl(workdir), metrics.read_jsonl(source)[1:])
+  want = today.restore(2)
+  for name, tree in (("params", resumed.state.params), ("opt_state", resumed.state.opt_state)):
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(getattr(want, name)), strict=True)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs), name
+  assert int(resumed.state.step) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. The training loop on a mesh
 
 _MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}  # batch shards: data x fsdp = 4
 # B x G = 4 rollout rows and micro-batches of 4 rows divide the 4 batch shards; the B = 2 openings, prefilled once per

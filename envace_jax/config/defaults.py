@@ -18,6 +18,8 @@ import os
 
 import ml_collections
 
+from envace_jax.config import choices
+
 DEMO_TOOLS = [
   {
     "type": "function",
@@ -136,7 +138,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Sampling of each role (sampler.SamplingParams). temperature 1, top_p 1, top_k 0 samples the policy itself, so
   # the sampler's logprobs are the "old" logprobs of the clipped ratio; other values make the update off-policy.
   # ACT and REHEARSE need temperature > 0 (G greedy rollouts would be copies); equal settings share a sampler call.
-  for role in ("act", "rehearse", "user"):
+  for role in choices.VIEWS:
     c.rollout[f"{role}_sampling"] = ml_collections.ConfigDict({"temperature": 1.0, "top_p": 1.0, "top_k": 0})
   # Who plays the user in tasks without logged user turns (τ²; BFCL and checklist data replay theirs):
   # "reference" (the frozen initial weights in a second sampler: a user that does not drift with training; the

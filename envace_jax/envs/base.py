@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import hashlib
 import json
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -57,6 +58,10 @@ class ToolCall:
     return cls(name=d["name"], arguments=dict(d.get("arguments") or {}), id=d.get("id", ""))
 
 
+ChatRole = Literal["system", "user", "assistant", "tool"]
+CHAT_ROLES = typing.get_args(ChatRole)
+
+
 @dataclasses.dataclass(frozen=True)
 class Observation:
   """A tool's response as the agent sees it.
@@ -83,7 +88,7 @@ class ChatMessage:
     is_error: for role "tool": the observation was an error.
   """
 
-  role: Literal["system", "user", "assistant", "tool"]
+  role: ChatRole
   content: str = ""
   tool_calls: tuple[ToolCall, ...] = ()
   tool_call_id: str = ""

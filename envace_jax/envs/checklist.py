@@ -43,6 +43,7 @@ from typing import Any
 from absl import logging
 
 from envace_jax.envs.base import (
+  CHAT_ROLES,
   ChatMessage,
   EnvError,
   GoldAction,
@@ -57,7 +58,6 @@ from envace_jax.envs.base import (
 
 BENCHMARK = "checklist"
 WEIGHT_TOLERANCE = 1e-6  # |sum of a turn's weights - 1| allowed
-_ROLES = ("system", "user", "assistant", "tool")
 _REQUIRED_RECORD_KEYS = ("uuid", "messages", "tools", "checklists")
 _REQUIRED_ITEM_KEYS = ("id", "question", "focus_on", "pass_condition", "weight")
 
@@ -249,9 +249,9 @@ def _parse_messages(
 
   for i, msg in enumerate(messages):
     where = f"messages[{i}]"
-    if not isinstance(msg, Mapping) or msg.get("role") not in _ROLES:
+    if not isinstance(msg, Mapping) or msg.get("role") not in CHAT_ROLES:
       role = msg.get("role") if isinstance(msg, Mapping) else msg
-      raise fail(f"{where}: role must be one of {_ROLES}, got {role!r}")
+      raise fail(f"{where}: role must be one of {CHAT_ROLES}, got {role!r}")
     content = msg.get("content")
     if content is None:
       content = ""

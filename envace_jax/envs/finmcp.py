@@ -50,6 +50,7 @@ from typing import Any
 from absl import logging
 
 from envace_jax.envs.base import (
+  CHAT_ROLES,
   ChatMessage,
   EnvError,
   GoldAction,
@@ -74,7 +75,6 @@ LIVE_EXECUTION_ERROR = (
   "Error: FinMCP-Bench's tools are live MCP servers (Qieman), which are not reachable here; live execution needs "
   "them. Run with rollout.env_mode='rehearse': the rehearsing role stands in for the servers."
 )
-_ROLES = ("system", "user", "assistant", "tool")
 
 
 def load_tasks(path: str | Path, domain: str = "all", *, skip_invalid: bool = False) -> list[Task]:
@@ -287,8 +287,8 @@ def _parse_messages(
   for i, msg in enumerate(messages):
     where = f"messages[{i}]"
     role = msg.get("role") if isinstance(msg, Mapping) else None
-    if role not in _ROLES:
-      raise fail(f"{where}: role must be one of {_ROLES}, got {role!r}")
+    if role not in CHAT_ROLES:
+      raise fail(f"{where}: role must be one of {CHAT_ROLES}, got {role!r}")
     content = msg.get("content")
     content = "" if content is None else content
     if not isinstance(content, str):

@@ -40,7 +40,7 @@ from envace_jax.rehearsal import views
 from envace_jax.rehearsal.completion import complete
 from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rehearsal.trajectory import Trajectory
-from envace_jax.rehearsal.unfold import sampler_for, unfold
+from envace_jax.rehearsal.unfold import generated_tokens, sampler_for, unfold
 from envace_jax.rehearsal.users import UserSimulator, UserSimulatorError
 from envace_jax.sampling.sampler import GREEDY, SamplingParams
 
@@ -153,7 +153,7 @@ class PhaseCost:
     self.seconds += seconds
 
   def add_unfold(self, stats: Mapping[str, float]) -> None:
-    generated = sum(stats.get(f"generated_tokens_{r}", 0.0) for r in ("act", "rehearse", "user"))
+    generated = generated_tokens(stats)
     prefill = stats.get("prefill_tokens", 0.0) + stats.get("prefill_tokens_shared", 0.0)
     self.add(generated, prefill, stats.get("time_total_s", 0.0))
 

@@ -566,6 +566,11 @@ def sampler_for(sampler, role: Role):
   return sampler
 
 
+def generated_tokens(stats: Mapping[str, float]) -> float:
+  """Tokens an ``unfold`` call sampled, all roles together (the sum of its ``generated_tokens_<role>`` stats)."""
+  return sum(stats.get(f"generated_tokens_{name}", 0) for name in ROLE_NAMES.values())
+
+
 def _chat(messages: Sequence[Message]) -> list[dict[str, str]]:
   return [{"role": m.role, "content": m.content} for m in messages]
 
