@@ -7,6 +7,10 @@ turn on real weights; ``plan`` prints each device's memory for the run from its 
 loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX reports no limit for, ``--opening_tokens``
 for the openings a task's rollouts share).
 
+Across processes (JAX's multi-controller runtime, ``distributed.py``): start the same command on every host with
+``--coordinator=HOST:PORT --num_processes=N --process_id=I`` (or ``--distributed`` to take them from the cluster:
+Cloud TPU, SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); the processes join before any device is touched.
+
 Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
 ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
 line per problem (the key, its value, the valid values) and exits with status 2, before anything loads.
@@ -28,13 +32,33 @@ _DEVICE_GB = flags.DEFINE_float(
 _OPENING = flags.DEFINE_integer(
   "opening_tokens", 0, "--mode=plan: tokens of each view's opening, stored once for a task's G rollouts (0: none)."
 )
+_COORDINATOR = flags.DEFINE_string("coordinator", "", "Multi-process: HOST:PORT of process 0's coordination service.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Multi-process: the number of processes (0: single).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "Multi-process: this process's index, 0 .. num_processes-1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+  "distributed", False, "Multi-process with the coordinator, count and index jax.distributed detects (TPU, SLURM)."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+  "heartbeat_timeout_s", 100, "Multi-process: seconds without a peer's heartbeat before every process ends."
+)
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from envace_jax import config_check, console
+  from envace_jax import config_check, console, distributed
+
+  try:  # first: nothing may touch a device before the processes join
+    joined = distributed.initialize(
+      _COORDINATOR.value,
+      _NUM_PROCESSES.value,
+      _PROCESS_ID.value,
+      auto=_DISTRIBUTED.value,
+      heartbeat_timeout_s=_HEARTBEAT.value,
+    )
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
 
   console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)
   try:
@@ -60,6 +84,10 @@ def main(argv: list[str]) -> None:
       plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value)
   except config_check.ConfigError as e:
     console.config_error(e)
+  if joined:
+    import jax
+
+    jax.distributed.shutdown()  # waits for every process to get here (shutdown_timeout_seconds)
 
 
 if __name__ == "__main__":

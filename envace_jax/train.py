@@ -4,7 +4,8 @@
 
 A step is README's "How a training step runs" (paper §3). A workdir with a checkpoint resumes from it, bit for bit:
 step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored ``TaskStream`` position, so a resumed
-run repeats exactly what the uninterrupted run would have done.
+run repeats exactly what the uninterrupted run would have done. Across processes (``--coordinator``, ...) each rolls
+out its share of the step's tasks and the update runs over the global mesh (``distributed.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, heldout, metrics, runtime, scoring
+from envace_jax import config_check, distributed, heldout, metrics, runtime, scoring
 from envace_jax import policy as policy_lib
 from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import EnvError, Task
@@ -144,6 +145,10 @@ class Trainer:
     self.mesh = runtime.make_mesh(config)
     shards = sharding.batch_size_multiple(self.mesh)
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
+    self.processes = jax.process_count()
+    if self.processes > 1:
+      self._check_processes(update_mesh, shards)
+    self.sample_mesh = distributed.process_mesh(self.mesh)  # the mesh itself in a single-process run
     self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
     self.update_mesh = update_mesh
     # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree besides
@@ -152,7 +157,8 @@ class Trainer:
     self.ref_params = self.model.params
     state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
     if update_mesh is not None:
-      state = grpo.shard_train_state(state, grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh))
+      shardings = grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh)
+      state = grpo.shard_train_state(state, shardings) if self.processes == 1 else distributed.place(state, shardings)
     else:  # committed to the device, as every update's output is: the samplers' programs compile once for both
       state = jax.device_put(state, jax.devices()[0])
     self.state = state
@@ -172,10 +178,32 @@ class Trainer:
         self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
       self.start_step = restored.step
       logging.info("resumed from step %d in %s", latest, self.ckpt.directory)
-    rows = config.train.tasks_per_step * config.train.group_size
+    rows = config.train.tasks_per_step * config.train.group_size // self.processes  # this process's share
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
+
+  def _check_processes(self, update_mesh, shards: int) -> None:
+    """What a multi-process run needs of the config (`distributed`).
+
+    Raises:
+      config_check.ConfigError: one message per problem, naming the key and what to set.
+    """
+    cfg, n, problems = self.config, self.processes, []
+    if cfg.train.tasks_per_step % n:
+      problems.append(f"train.tasks_per_step={cfg.train.tasks_per_step} must be a multiple of the {n} processes")
+    if update_mesh is None:
+      problems.append(
+        f"grpo.micro_batch_size={self.grpo_cfg.micro_batch_size} must be a multiple of the mesh's {shards} batch "
+        f"shards (data x fsdp) in a {n}-process run: the update runs over the global mesh"
+      )
+    if problems:
+      raise config_check.ConfigError(problems)
+
+  def _sampling(self, params):
+    """``params`` as the samplers take them: this process's copy on its own devices (`distributed.process_local`;
+    the arrays themselves in a single-process run)."""
+    return distributed.process_local(params, self.sample_mesh)
 
   def _scored_tasks(self) -> list[Task]:
     """The tasks the benchmark's evaluator will score: every training task when rollouts run on the real tools
@@ -197,9 +225,10 @@ class Trainer:
     """The policy's samplers over the train state's own arrays, and the reference user's over the reference's (on
     a mesh the reference tree is the reference sampler's placed one: one copy)."""
     cfg = self.config
-    out = self.policy.samplers(self.state.params, lambda p: runtime.make_sampler(cfg, self.model, p, self.mesh, rows))
+    mesh, params = self.sample_mesh, self._sampling(self.state.params)
+    out = self.policy.samplers(params, lambda p: runtime.make_sampler(cfg, self.model, p, mesh, rows))
     if self.unfold_cfg.user_mode == "reference":
-      out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, self.mesh, rows)
+      out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, mesh, rows)
       self.ref_params = out["reference"].params
       self.model = dataclasses.replace(self.model, params=self.ref_params)
     return out
@@ -207,7 +236,7 @@ class Trainer:
   def _sync_samplers(self) -> None:
     """Points the policy samplers at the train state's current arrays (`Policy.sync`): no copy where the sampler's
     placement is the state's. Called after every update: the update donates the old arrays."""
-    self.policy.sync(self.samplers, self.state.params)
+    self.policy.sync(self.samplers, self._sampling(self.state.params))
 
   def envs_for(self, tasks: Sequence[Task], group_size: int):
     """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
@@ -216,11 +245,18 @@ class Trainer:
   def rollout(
     self, tasks: Sequence[Task], key: jax.Array, group_size: int | None = None
   ) -> tuple[list[Trajectory], dict[str, float]]:
-    """B×G scored trajectories of ``tasks`` with the current policy (G = ``group_size``, default the run's)."""
+    """B×G scored trajectories of ``tasks`` with the current policy (G = ``group_size``, default the run's).
+
+    In a multi-process run this process unfolds and scores its share of ``tasks`` (`distributed.share`), then every
+    process gets all B×G trajectories (`distributed.allgather_objects`), in task order, with each process's stats
+    added up (``time_total_s``: the slowest process's).
+    """
     self._sync_samplers()
     unfold_cfg = self.unfold_cfg
     if group_size is not None and group_size != unfold_cfg.group_size:
       unfold_cfg = dataclasses.replace(unfold_cfg, group_size=group_size)
+    mine = distributed.share(len(tasks), self.processes)
+    tasks = list(tasks)[mine.start : mine.stop]
     real = unfold_cfg.env_mode == "real"
     envs = self.envs_for(tasks, unfold_cfg.group_size) if real else None
     out = unfold(
@@ -231,11 +267,19 @@ class Trainer:
       key,
       reference_sampler=self.samplers.get("reference"),
       envs=envs,
+      first_trajectory=mine.start * unfold_cfg.group_size,
     )
     for i, traj in enumerate(out.trajectories):
       traj.reward = scoring.score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)
     runtime.release_host_memory()
-    return out.trajectories, out.stats
+    if self.processes == 1:
+      return out.trajectories, out.stats
+    parts = distributed.allgather_objects((out.trajectories, out.stats))
+    stats = collections.Counter()
+    for _, part in parts:
+      stats.update(part)
+    stats["time_total_s"] = max(part.get("time_total_s", 0.0) for _, part in parts)
+    return [t for trajectories, _ in parts for t in trajectories], dict(stats)
 
   def dynamic_sampling(self, groups: Sequence[Sequence[Trajectory]], key: jax.Array):
     """DAPO's dynamic sampling (``grpo.dynamic_sampling``; Yu et al. 2025, §3.2): the step's groups with signal
@@ -315,7 +359,7 @@ class Trainer:
   def with_reference(self, batch: TrainBatch) -> TrainBatch:
     """``batch`` with the reference policy's logprobs, for the loss's KL term (`apply_update` calls it when
     ``grpo.use_kl`` is on)."""
-    return logprobs.with_ref_logprobs(self.model.config, self.ref_params, batch)
+    return logprobs.with_ref_logprobs(self.model.config, self._sampling(self.ref_params), batch)
 
   def finish_save(self) -> None:
     """Waits for the previous step's checkpoint save and hands the host memory it freed back to the system.
@@ -368,8 +412,9 @@ class Trainer:
     return out, skipped
 
   def policy_logprobs(self, batch: TrainBatch) -> np.ndarray:
-    """float32[K, M, T] logprobs of ``batch``'s trained tokens under the current parameters (`Policy.logprobs`)."""
-    return self.policy.logprobs(self.model.config, self.state.params, batch)
+    """float32[K, M, T] logprobs of ``batch``'s trained tokens under the current parameters (`Policy.logprobs`; in
+    a multi-process run each process computes them all, on its own devices)."""
+    return self.policy.logprobs(self.model.config, self._sampling(self.state.params), batch)
 
   def sft_step(self, step: int) -> dict[str, float]:
     """A supervised warm-up step: one update on the token-mean negative log-likelihood of B demonstrations.
@@ -462,7 +507,8 @@ class Trainer:
     cfg = self.config
     total = cfg.train.steps
     last: dict[str, float] = {}
-    say = metrics.print_line if jax.process_index() == 0 else lambda text: None
+    primary = jax.process_index() == 0  # writes eval.jsonl and prints; MetricsWriter and orbax decide for themselves
+    say = metrics.print_line if primary else lambda text: None
     if self.start_step:
       say(f"resumed from step {self.start_step} in {self.ckpt.directory}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
@@ -471,7 +517,8 @@ class Trainer:
       if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
         say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
         initial = self.evaluate(0)
-        heldout.write_summary(self.workdir, 0, initial)
+        if primary:
+          heldout.write_summary(self.workdir, 0, initial)
         say(metrics.format_eval_summary(initial, 0))
       for step in range(self.start_step + 1, total + 1):
         mark = clock.mark()
@@ -496,9 +543,10 @@ class Trainer:
       if cfg.train.eval_tasks != 0:
         say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
-        heldout.write_summary(self.workdir, total, summary)
+        if primary:
+          heldout.write_summary(self.workdir, total, summary)
         say(metrics.format_eval_summary(summary, total))
-        initial = [r for r in metrics.read_jsonl(self.workdir, "eval.jsonl") if r["step"] == 0]
+        initial = [r for r in metrics.read_jsonl(self.workdir, "eval.jsonl") if r["step"] == 0] if primary else []
         if initial and total:
           say(metrics.format_eval_change(initial[-1], summary, total))
     finally:

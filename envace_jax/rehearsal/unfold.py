@@ -107,13 +107,16 @@ class _Job:
 class _Unfolder:
   """The rollout loop's state: samplers, caches, trajectories in flight, statistics."""
 
-  def __init__(self, tasks, policy, tokenizer, config, reference, envs, user, histories=None, keep_pages=False):
+  def __init__(
+    self, tasks, policy, tokenizer, config, reference, envs, user, histories=None, keep_pages=False, first_trajectory=0
+  ):
     self.tasks, self.policy, self.tokenizer, self.cfg = list(tasks), policy, tokenizer, config
     self.histories = [tuple(h) for h in histories] if histories is not None else [()] * len(self.tasks)
     self.reference, self.envs, self.user = reference, envs, user
     self.format = views.ChatFormat.of(tokenizer)
     self.eos = tuple(tokenizer.eos_ids)
     self.n = len(self.tasks) * config.group_size
+    self.first = first_trajectory  # trajectory n's index in the whole batch: first + n (its generations' keys)
     simulated = any(not t.user_turns for t in self.tasks)
     roles = [Role.ACT] + ([Role.REHEARSE] if config.env_mode == "rehearse" else [])
     self.user_on = {"policy": "policy", "reference": "reference"}.get(config.user_mode) if simulated else None
@@ -303,7 +306,7 @@ class _Unfolder:
         prompts,
         prompt_roles,
         role=gen_roles,
-        key=_job_keys(key, rows, placed),
+        key=_job_keys(key, rows, placed, self.first),
         max_new_tokens=max_new,
         sampling=sampling,
         stop_strings=self.stops if name == "policy" else self.cfg.stop_strings(Role.USER),
@@ -411,7 +414,7 @@ class _Unfolder:
     stream.set_cache(self._reserve("policy", placed, stream.cache))
     prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
     start = time.perf_counter()
-    keys = _job_keys(key, rows, placed)
+    keys = _job_keys(key, rows, placed, self.first)
     stream.admit(prompts, prompt_roles, role=gen_roles, keys=keys, max_new_tokens=max_new, active=active)
     self.stats["time_policy_s"] += time.perf_counter() - start
     running.update((row, job) for job, row in placed)
@@ -543,12 +546,13 @@ def _fold_keys(key, trajectory, role, generation):
   return jax.vmap(fold, (None, 0, 0, 0))(key, trajectory, role, generation)
 
 
-def _job_keys(key, rows: int, placed: Sequence[tuple[_Job, int]]) -> jax.Array:
+def _job_keys(key, rows: int, placed: Sequence[tuple[_Job, int]], first: int = 0) -> jax.Array:
   """key[rows]: the key of each placed job's generation in its row, fold_in(key, trajectory, role, the view's
-  generation index): a generation's sample depends on what it is, not on the step or the batch it runs in."""
+  generation index), the trajectory counted in the whole batch (``first`` + its index in this call): a generation's
+  sample depends on what it is, not on the step, the batch or the process it runs in."""
   ids = np.zeros((3, rows), np.uint32)
   for job, row in placed:
-    ids[:, row] = job.episode.index, int(job.role), job.episode.views[job.role].generations
+    ids[:, row] = first + job.episode.index, int(job.role), job.episode.views[job.role].generations
   return _fold_keys(key, *ids)
 
 
@@ -587,6 +591,7 @@ def unfold(
   user_simulator: UserSimulator | None = None,
   histories: Sequence[Sequence[ChatMessage]] | None = None,
   return_caches: bool = False,
+  first_trajectory: int = 0,
 ) -> UnfoldOutput:
   """Self-unfolds ``config.group_size`` trajectories of each task (see the module docstring).
 
@@ -606,6 +611,9 @@ def unfold(
       G trajectories; e.g. the greeting and the real user's first message before a committed execution
       (`rehearsal.private`). Tasks with logged user turns take none.
     return_caches: keep the final KV caches in the output (tests, inspection).
+    first_trajectory: where these B*G trajectories start in a batch split across processes (a multiple of G;
+      `distributed.share`): trajectory n is counted ``first_trajectory + n`` in its generations' keys and its rows'
+      ``trajectory``, and its ``group`` is ``first_trajectory // G + b``, so the rows equal the whole batch's.
 
   Returns:
     `UnfoldOutput`: B*G trajectories (task-major) with termination, messages, counts, events and one `TrainingRow`
@@ -613,7 +621,8 @@ def unfold(
 
   Raises:
     UnfoldConfigError: no tasks, a missing reference sampler, environments or external user, a task with neither
-      user turns nor a user scenario, ``histories`` not one per task (or given to a task with logged user turns).
+      user turns nor a user scenario, ``histories`` not one per task (or given to a task with logged user turns),
+      ``first_trajectory`` not a multiple of G.
     users.UserEndpointError: the external user's endpoint is misconfigured.
     tokenizer.ChatTemplateError: the chat template cannot keep views append-only.
   """
@@ -642,8 +651,21 @@ def unfold(
     user_simulator = owned = ExternalUser(config.external_user)
   user = user_simulator if simulated and config.user_mode == "external" else None
   start = time.perf_counter()
+  if first_trajectory % config.group_size or first_trajectory < 0:
+    raise UnfoldConfigError(
+      f"first_trajectory={first_trajectory} must be a non-negative multiple of group_size={config.group_size}"
+    )
   runner = _Unfolder(
-    tasks, policy_sampler, tokenizer, config, reference_sampler, envs, user, histories, keep_pages=return_caches
+    tasks,
+    policy_sampler,
+    tokenizer,
+    config,
+    reference_sampler,
+    envs,
+    user,
+    histories,
+    keep_pages=return_caches,
+    first_trajectory=first_trajectory,
   )
   try:
     episodes = runner.run(key)
@@ -655,7 +677,8 @@ def unfold(
     traj = ep.traj
     traj.counts["turns"] = ep.views[Role.ACT].generations
     sampled = [role for role in runner.policy_roles if role in ep.views and ep.views[role].generations]
-    traj.rows = {int(role): ep.views[role].training_row(ep.index) for role in sampled}
+    traj.rows = {int(role): ep.views[role].training_row(first_trajectory + ep.index) for role in sampled}
+    traj.group += first_trajectory // config.group_size
     trajectories.append(traj)
     runner.stats[f"terminated_{traj.termination.value}"] += 1
   runner.stats["time_total_s"] = time.perf_counter() - start

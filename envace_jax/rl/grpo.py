@@ -37,6 +37,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from envace_jax import distributed
 from envace_jax.config import choices, defaults
 from envace_jax.config.choices import GRPO_MODES as MODES
 from envace_jax.config.choices import KL_ESTIMATORS, WEIGHTINGS
@@ -669,7 +670,8 @@ def make_update_step(
   and a micro-batch without a trained token is skipped (its gradient and sums are exactly zero). So a step compiles
   only the micro-batch shapes it has not met before, whatever its number of micro-batches or its longest row, and
   short micro-batches cost what their own rows cost. A batch of device arrays (a multi-host caller's global arrays)
-  runs every micro-batch at the batch's own T and I.
+  runs every micro-batch at the batch's own T and I. In a multi-process run a host batch is the whole batch, the same
+  in every process (`distributed`): each micro-batch is cut as above, then placed as a global array.
 
   Args:
     config: model config of the params' layout.
@@ -725,8 +727,10 @@ def make_update_step(
     if not all(isinstance(x, np.ndarray | np.generic) for x in leaves):
       return [take_jit(batch, np.int32(i)) for i in range(k)]
     mbs = [trimmed(jax.tree.map(lambda x, i=i: x[i], batch), cfg.length_bucket) for i in range(k)]
-    kept = [mb for mb in mbs if mb.target_mask.any()]
-    return kept or mbs[:1]  # nothing to train: one micro-batch still gives the (zero) gradient's structure
+    kept = [mb for mb in mbs if mb.target_mask.any()] or mbs[:1]  # none: one still gives the gradient's structure
+    if mesh is not None and jax.process_count() > 1:  # every process holds the batch; each places its devices' rows
+      kept = [distributed.place(mb, mb_sh) for mb in kept]
+    return kept
 
   def step(state: TrainState, batch: TrainBatch):
     _check_step_batch(batch, cfg, shards)

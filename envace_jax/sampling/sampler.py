@@ -153,6 +153,21 @@ def _next_pow2(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def _placing(jitted, in_shardings):
+  """``jitted`` with its positional host arrays (numpy) put on their ``in_shardings`` first: in a multi-process run
+  jit refuses a host array for a sharded input, even on this process's own devices (`distributed.process_mesh`)."""
+
+  def call(*args, **kwargs):
+    placed = [
+      jax.device_put(a, s) if isinstance(a, np.ndarray | np.generic) else a
+      for a, s in zip(args, in_shardings, strict=False)
+    ]
+    return jitted(*placed, *args[len(placed) :], **kwargs)
+
+  call.lower = jitted.lower  # plan.py lowers the programs itself
+  return call
+
+
 class Sampler:
   """Prefill and decode for one model; holds its jitted functions and their compile counts.
 
@@ -258,8 +273,11 @@ class Sampler:
       else:  # state without its cache, last_logits, admitted, fitted
         state = state.replace(cache=None)
         kwargs = dict(in_shardings=(state, rows2, rows1, rows1), out_shardings=state)
-    self._jitted[key] = jax.jit(fn, static_argnames=static, donate_argnames=donate, **kwargs)
-    return self._jitted[key]
+    jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate, **kwargs)
+    if kwargs and jax.process_count() > 1:  # jit takes no host array for a sharded input there: place them first
+      jitted = _placing(jitted, kwargs["in_shardings"])
+    self._jitted[key] = jitted
+    return jitted
 
   # ------------------------------------------------------------------------------------------------ caches
 
