@@ -1,13 +1,18 @@
-"""Multi-host path: two processes (jax.distributed over 127.0.0.1, 4 CPU devices each) vs one process with 8."""
+"""Multi-host path: two processes (jax.distributed over 127.0.0.1, 4 CPU devices each) vs one process with 8: the
+update step alone (tests/multihost_worker.py), and the whole main job through ``python -m envace_jax.main``."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -66,3 +71,130 @@ def test_two_processes_equal_one(tmp_path):
   assert float(a["__moved__"]) > 1e-4  # the two updates changed the parameters (lr 1e-3)
   for name in a.files:
     np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The whole main job: python -m envace_jax.main in 1 process x 8 devices and in 2 processes x 4 devices
+
+# envace_jax.main with the shaped rewards of tests/test_resume.py (every step has a gradient: see its docstring).
+_MAIN = """
+import runpy, sys
+from envace_jax import train
+from tests.test_resume import shaped_rollout
+
+train.Trainer.rollout = shaped_rollout(train.Trainer.rollout)
+sys.argv[0] = "envace_jax.main"
+runpy.run_module("envace_jax.main", run_name="__main__", alter_sys=True)
+"""
+# B x G = 2 x 2 rollouts, one task per process; micro-batches of 4 rows over the 2x2x2 mesh's 4 batch shards (data
+# spans the processes); one ACT generation per rollout. lr 1e-4: the parameters move ~1e-4 while the two layouts'
+# rollout logprobs differ by float rounding (one process prefills the two tasks' shared opening once), which AdamW's
+# first steps (g / (|g| + eps)) turn into parameter differences of about lr x 2e-3.
+_JOB = {
+  "train.steps": 2,
+  "train.eval_tasks": 0,
+  "train.tasks_per_step": 2,
+  "train.group_size": 2,
+  "grpo.micro_batch_size": 4,
+  "grpo.learning_rate": 1e-4,
+  "rollout.max_turns": 1,
+  "mesh.data": 2,
+  "mesh.fsdp": 2,
+  "mesh.tensor": 2,
+}
+
+
+def _launch(workdir, data_dir, processes: int, log_dir, *extra: str) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+  """Starts the main job in ``processes`` processes with 8 / ``processes`` CPU devices each; (process, its log)."""
+  env = _env()
+  others = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
+  env["XLA_FLAGS"] = " ".join([*others, f"--xla_force_host_platform_device_count={8 // processes}"])
+  cmd = [
+    sys.executable,
+    "-c",
+    _MAIN,
+    f"--config={ROOT / 'configs' / 'tiny.py'}",
+    f"--workdir={workdir}",
+    f"--config.env.data_dir={data_dir}",
+    *(f"--config.{k}={v}" for k, v in _JOB.items()),
+    *extra,
+  ]
+  if processes > 1:
+    cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num_processes={processes}"]
+  out = []
+  for i in range(processes):
+    log = pathlib.Path(log_dir) / f"{pathlib.Path(workdir).name}.{i}.log"
+    with open(log, "wb") as f:
+      rank = [f"--process_id={i}"] if processes > 1 else []
+      out.append((subprocess.Popen([*cmd, *rank], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT), log))
+  return out
+
+
+def _finish(procs, timeout: float = 600) -> None:
+  """Waits for every process of a `_launch`; fails with their logs' tails unless all exit 0."""
+  try:
+    for p, _ in procs:
+      p.wait(timeout=timeout)
+  finally:
+    for p, _ in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  tails = "\n---\n".join(
+    f"{log.name} (rc {p.returncode}):\n{log.read_text(errors='replace')[-3000:]}" for p, log in procs
+  )
+  assert all(p.returncode == 0 for p, _ in procs), tails
+
+
+@pytest.mark.slow
+def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
+  """Two steps of ``python -m envace_jax.main`` (tiny config, shaped rewards) on 2 processes x 4 CPU devices (gloo)
+  sample the rewards of 1 process x 8 devices and end with its parameters to 1e-6 (each moved > 1e-5); metrics are
+  written once. Then a 2-process run is SIGKILLed in one process after step 1's checkpoint: the other exits with an
+  error within the heartbeat timeout, and a new 2-process run resumes from step 1 and ends bit for bit where the
+  uninterrupted one did (parameters, AdamW state, metrics rows)."""
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import metrics
+  from tests.test_resume import assert_same_rows, assert_same_trees
+
+  _finish(_launch(tmp_path / "one", data_dir, 1, tmp_path))  # also prepares data_dir before two processes read it
+  _finish(_launch(tmp_path / "two", data_dir, 2, tmp_path))
+  one, two = (checkpoint_lib.Checkpointer(tmp_path / d, read_only=True) for d in ("one", "two"))
+  assert one.all_steps() == two.all_steps() == [1, 2]
+  single, multi = one.restore(2), two.restore(2)
+  rows_one, rows_two = metrics.read_jsonl(tmp_path / "one"), metrics.read_jsonl(tmp_path / "two")
+  assert [r["step"] for r in rows_two] == [1, 2]  # process 0 alone wrote them
+  for a, b in zip(rows_one, rows_two, strict=True):  # the same rows were sampled: the same shaped rewards
+    assert (a["reward/mean"], a["reward/std"], a["update/grad_norm"] > 0) == (b["reward/mean"], b["reward/std"], True)
+  flat_one, flat_two = jax.tree.leaves(single.params), jax.tree.leaves(multi.params)
+  for a, b in zip(flat_two, flat_one, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+  step_1 = jax.tree.leaves(two.restore(1).params)
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(flat_two, step_1, strict=True))
+  assert moved > 1e-5, moved  # step 2's update, by more than the tolerance
+
+  # Killed after step 1's checkpoint, resumed by a new pair of processes.
+  killed = tmp_path / "killed"
+  procs = _launch(killed, data_dir, 2, tmp_path, "--heartbeat_timeout_s=10")
+  try:
+    deadline = time.time() + 600
+    while not (killed / checkpoint_lib.CHECKPOINT_SUBDIR / "1").is_dir():
+      assert all(p.poll() is None for p, _ in procs) and time.time() < deadline, procs[0][1].read_text()[-3000:]
+      time.sleep(0.2)
+    procs[1][0].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    procs[0][0].wait(timeout=120)
+    waited = time.time() - killed_at
+  finally:
+    for p, _ in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  log = procs[0][1].read_text(errors="replace")
+  assert procs[0][0].returncode != 0 and waited < 60, (procs[0][0].returncode, waited, log[-3000:])
+  assert checkpoint_lib.Checkpointer(killed, read_only=True).all_steps() == [1]
+  _finish(_launch(killed, data_dir, 2, tmp_path))
+  resumed = checkpoint_lib.Checkpointer(killed, read_only=True).restore(2)
+  assert_same_trees(resumed.params, multi.params, "params")
+  assert_same_trees(resumed.opt_state, multi.opt_state, "opt_state")
+  assert_same_rows(metrics.read_jsonl(killed), rows_two)
