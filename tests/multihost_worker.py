@@ -2,6 +2,9 @@
 
     python tests/multihost_worker.py --out=FILE [--process_id=i --num_processes=n --coordinator=127.0.0.1:PORT]
 
+With ``--peer_dies`` it only joins and waits in `distributed.allgather_objects`, which process 1 never joins (the
+test kills it).
+
 Every process builds the same batch and the same initial parameters from fixed seeds and places them on the global
 mesh with ``jax.make_array_from_callback`` (each process fills only its addressable shards). Process 0 writes the
 final parameters to ``--out`` (.npz). Used by tests/test_multihost.py; not collected by pytest.
@@ -13,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+import time
 
 
 def build_rows(vocab: int, seed: int = 0):
@@ -82,15 +86,27 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--num_processes", type=int, default=1)
   parser.add_argument("--coordinator", default="")
   parser.add_argument("--local_devices", type=int, default=8)
+  parser.add_argument("--peer_dies", action="store_true", help="process 0 waits in a gather that process 1 never joins")
+  parser.add_argument("--heartbeat_timeout_s", type=int, default=100)
   args = parser.parse_args(argv)
   # The caller's other XLA flags stay (the suite's backend optimisation level, tests/conftest.py).
   others = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
   os.environ["XLA_FLAGS"] = " ".join([*others, f"--xla_force_host_platform_device_count={args.local_devices}"])
   import jax
 
+  from envace_jax import distributed
+
   if args.num_processes > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(
+      args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=args.heartbeat_timeout_s
+    )
+  if args.peer_dies:
+    print("joined", jax.device_count(), flush=True)
+    if args.process_id == 1:
+      time.sleep(600)  # until killed
+    distributed.allgather_objects("never gathered")
+    print("gather returned", flush=True)
+    return
   assert jax.device_count() == 8, jax.devices()
   run(args.out)
   if args.num_processes > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,10 +150,10 @@ def _finish(procs, timeout: float = 600) -> None:
 @pytest.mark.slow
 def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
   """Two steps of ``python -m envace_jax.main`` (tiny config, shaped rewards) on 2 processes x 4 CPU devices (gloo)
-  sample the rewards of 1 process x 8 devices and end with its parameters to 1e-6 (each moved > 1e-5); metrics are
-  written once. Then a 2-process run is SIGKILLed in one process after step 1's checkpoint: the other exits with an
-  error within the heartbeat timeout, and a new 2-process run resumes from step 1 and ends bit for bit where the
-  uninterrupted one did (parameters, AdamW state, metrics rows)."""
+  sample the rewards of 1 process x 8 devices and end with its parameters to 1e-6 (step 2 alone moved them by more
+  than 1e-5); process 0 alone writes the metrics. The run's workdir as a kill right after step 1's checkpoint leaves
+  it (step 2's checkpoint gone, its metrics row written), resumed by 2 new processes, ends bit for bit where the
+  uninterrupted run did: parameters, AdamW state, metrics rows."""
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax import metrics
   from tests.test_resume import assert_same_rows, assert_same_trees
@@ -163,7 +164,7 @@ def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
   assert one.all_steps() == two.all_steps() == [1, 2]
   single, multi = one.restore(2), two.restore(2)
   rows_one, rows_two = metrics.read_jsonl(tmp_path / "one"), metrics.read_jsonl(tmp_path / "two")
-  assert [r["step"] for r in rows_two] == [1, 2]  # process 0 alone wrote them
+  assert [r["step"] for r in rows_two] == [1, 2]  # once each: process 0 wrote them
   for a, b in zip(rows_one, rows_two, strict=True):  # the same rows were sampled: the same shaped rewards
     assert (a["reward/mean"], a["reward/std"], a["update/grad_norm"] > 0) == (b["reward/mean"], b["reward/std"], True)
   flat_one, flat_two = jax.tree.leaves(single.params), jax.tree.leaves(multi.params)
@@ -173,28 +174,46 @@ def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
   moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(flat_two, step_1, strict=True))
   assert moved > 1e-5, moved  # step 2's update, by more than the tolerance
 
-  # Killed after step 1's checkpoint, resumed by a new pair of processes.
-  killed = tmp_path / "killed"
-  procs = _launch(killed, data_dir, 2, tmp_path, "--heartbeat_timeout_s=10")
+  resumed = tmp_path / "resumed"
+  shutil.copytree(tmp_path / "two", resumed)
+  shutil.rmtree(resumed / checkpoint_lib.CHECKPOINT_SUBDIR / "2")
+  assert checkpoint_lib.Checkpointer(resumed, read_only=True).all_steps() == [1]
+  _finish(_launch(resumed, data_dir, 2, tmp_path))
+  again = checkpoint_lib.Checkpointer(resumed, read_only=True).restore(2)
+  assert_same_trees(again.params, multi.params, "params")
+  assert_same_trees(again.opt_state, multi.opt_state, "opt_state")
+  rows = metrics.read_jsonl(resumed)
+  assert_same_rows(rows, rows_two)
+  assert rows[0]["time"] == rows_two[0]["time"] != rows[1]["time"]  # step 2 was redone by the resumed run
+
+
+def test_a_dead_process_ends_its_peer(tmp_path):
+  """Process 1 of 2 is SIGKILLed while process 0 waits for it in `distributed.allgather_objects` (where a training
+  step waits for its peers' rollouts): process 0 ends within seconds of the heartbeat timeout (5 s here), with JAX's
+  error naming the task that stopped sending heartbeats, instead of hanging."""
+  coordinator = f"127.0.0.1:{_free_port()}"
+  logs = [tmp_path / f"{i}.log" for i in range(2)]
+  procs = []
+  for i, log in enumerate(logs):
+    args = [f"--out={tmp_path / 'unused'}", f"--process_id={i}", "--num_processes=2", f"--coordinator={coordinator}"]
+    with open(log, "wb") as f:
+      cmd = [sys.executable, str(WORKER), *args, "--local_devices=1", "--peer_dies", "--heartbeat_timeout_s=5"]
+      procs.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
   try:
-    deadline = time.time() + 600
-    while not (killed / checkpoint_lib.CHECKPOINT_SUBDIR / "1").is_dir():
-      assert all(p.poll() is None for p, _ in procs) and time.time() < deadline, procs[0][1].read_text()[-3000:]
+    deadline = time.time() + 300
+    while not all("joined" in log.read_text(errors="replace") for log in logs):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), [x.read_text() for x in logs]
       time.sleep(0.2)
-    procs[1][0].send_signal(signal.SIGKILL)
+    time.sleep(1)  # process 0 is in the gather
+    procs[1].send_signal(signal.SIGKILL)
     killed_at = time.time()
-    procs[0][0].wait(timeout=120)
+    procs[0].wait(timeout=120)
     waited = time.time() - killed_at
   finally:
-    for p, _ in procs:
+    for p in procs:
       if p.poll() is None:
         p.kill()
       p.wait()
-  log = procs[0][1].read_text(errors="replace")
-  assert procs[0][0].returncode != 0 and waited < 60, (procs[0][0].returncode, waited, log[-3000:])
-  assert checkpoint_lib.Checkpointer(killed, read_only=True).all_steps() == [1]
-  _finish(_launch(killed, data_dir, 2, tmp_path))
-  resumed = checkpoint_lib.Checkpointer(killed, read_only=True).restore(2)
-  assert_same_trees(resumed.params, multi.params, "params")
-  assert_same_trees(resumed.opt_state, multi.opt_state, "opt_state")
-  assert_same_rows(metrics.read_jsonl(killed), rows_two)
+  log = logs[0].read_text(errors="replace")
+  assert procs[0].returncode != 0 and "gather returned" not in log, log[-3000:]
+  assert "stopped sending heartbeats" in log and waited < 30, (waited, log[-3000:])
