@@ -30,7 +30,7 @@ the connection close first, sooner).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -111,6 +111,21 @@ def allgather_objects(obj: T) -> list[T]:
   padded[: data.size] = data
   gathered = np.asarray(multihost_utils.process_allgather(padded))
   return [pickle.loads(gathered[i, : int(size)].tobytes()) for i, size in enumerate(sizes)]
+
+
+def primary_first(name: str, fn: Callable[[], T]) -> T:
+  """``fn()`` on process 0, then (after a barrier named ``name``) on the others: one writer for what a shared disk
+  caches, e.g. a dataset prepared into a ``data_dir`` every host mounts, which the others then find ready."""
+  if jax.process_count() == 1:
+    return fn()
+  from jax.experimental import multihost_utils
+
+  if jax.process_index() == 0:
+    out = fn()
+    multihost_utils.sync_global_devices(name)
+    return out
+  multihost_utils.sync_global_devices(name)
+  return fn()
 
 
 def process_mesh(mesh: Mesh) -> Mesh:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from envace_jax import config_check
+from envace_jax import config_check, distributed
 from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import Task
 from envace_jax.model import config as config_lib
@@ -242,9 +242,11 @@ def dataset_config(config) -> str:
 
 
 def load_split(config, split: str) -> datasets.TaskSource:
-  """Prepares (once, cached under ``config.env.data_dir``) and opens one split of the configured benchmark."""
+  """Prepares (once, cached under ``config.env.data_dir``; process 0 first in a multi-process run) and opens one
+  split of the configured benchmark."""
   name = dataset_config(config)
-  datasets.prepare(config.env.benchmark, name, config.env.data_dir)
+  benchmark, data_dir = config.env.benchmark, config.env.data_dir
+  distributed.primary_first(f"prepare {benchmark} {name}", lambda: datasets.prepare(benchmark, name, data_dir))
   return datasets.load(config.env.benchmark, name, split, config.env.data_dir)
 
 

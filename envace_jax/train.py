@@ -298,8 +298,8 @@ class Trainer:
       batch is trained), ``generated_tokens`` (the extra batches'); ``time/dynamic_sampling_s``, their rollout
       seconds). ``reward/*`` and ``rollout/*`` describe the first batch only.
 
-    Multi-process runs need every process to score the same rewards (a deterministic scorer), so that they agree on
-    which groups have signal and roll out the same number of batches.
+    In a multi-process run every process decides on the same gathered trajectories (`rollout`), so all of them roll
+    out the same extra batches, each its share.
     """
     want, extra = len(groups), jax.random.fold_in(key, _DYNAMIC_SAMPLING_STREAM)
     kept = [g for g in groups if has_signal(g)]
