@@ -631,6 +631,10 @@ def unfold(
   if not isinstance(config, UnfoldConfig):
     raise UnfoldConfigError(f"config must be an UnfoldConfig, got {type(config).__name__}")
   n = len(tasks) * config.group_size
+  if first_trajectory % config.group_size or first_trajectory < 0:
+    raise UnfoldConfigError(
+      f"first_trajectory={first_trajectory} must be a non-negative multiple of group_size={config.group_size}"
+    )
   if histories is not None and len(histories) != len(tasks):
     raise UnfoldConfigError(f"histories must have one entry per task: {len(tasks)}, got {len(histories)}")
   simulated = any(not t.user_turns for t in tasks)
@@ -651,10 +655,6 @@ def unfold(
     user_simulator = owned = ExternalUser(config.external_user)
   user = user_simulator if simulated and config.user_mode == "external" else None
   start = time.perf_counter()
-  if first_trajectory % config.group_size or first_trajectory < 0:
-    raise UnfoldConfigError(
-      f"first_trajectory={first_trajectory} must be a non-negative multiple of group_size={config.group_size}"
-    )
   runner = _Unfolder(
     tasks,
     policy_sampler,

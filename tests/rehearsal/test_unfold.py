@@ -131,6 +131,38 @@ def test_training_rows_are_exactly_the_kv_cache_rows(real_run, tiny_model):
   assert all(Role.USER not in t.rows for t in out.trajectories)  # the reference plays the user: no policy row
 
 
+def test_a_share_of_the_batch_samples_the_whole_batchs_rows(real_run, tiny_model, tokenizer):
+  """The second task alone with ``first_trajectory=G`` (a second process's share, `distributed.share`) gives the
+  whole run's trajectories G..2G-1: the same group, row indices and tokens (the sampled REHEARSE rows included: their
+  keys fold in the global index); its logprobs to float rounding (another batch). From index 0 it samples others."""
+  out, _, _, tasks = real_run
+  g = REAL.group_size
+
+  def alone(first):
+    policy = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: _act_script(i, k), g)
+    reference = ForcingSampler(_sampler(tiny_model, tokenizer), tokenizer, lambda role, i, k: None, g)
+    return unfold(tasks[1:], policy, tokenizer, REAL, jax.random.key(0), reference_sampler=reference,
+                  first_trajectory=first).trajectories  # fmt: skip
+
+  share, whole = alone(g), out.trajectories[g:]
+  assert [t.group for t in share] == [1] * g and [t.sample for t in share] == list(range(g))
+  for ours, theirs in zip(share, whole, strict=True):
+    assert ours.rows.keys() == theirs.rows.keys() and int(Role.REHEARSE) in ours.rows
+    for role, row in ours.rows.items():
+      want = theirs.rows[role]
+      assert row.trajectory == want.trajectory and row.trajectory >= g
+      for field in ("tokens", "roles", "loss_mask"):
+        np.testing.assert_array_equal(getattr(row, field), getattr(want, field), err_msg=field)
+      np.testing.assert_allclose(row.logprobs, want.logprobs, atol=1e-5)
+  local = alone(0)
+  assert any(
+    not np.array_equal(a.rows[int(Role.REHEARSE)].tokens, b.rows[int(Role.REHEARSE)].tokens)
+    for a, b in zip(local, whole, strict=True)
+  )
+  with pytest.raises(UnfoldConfigError, match="first_trajectory=1 must be a non-negative multiple of group_size=2"):
+    unfold(tasks[1:], None, tokenizer, REAL, jax.random.key(0), first_trajectory=1)
+
+
 def test_loss_mask_roles_and_logprobs_are_the_samplers(real_run):
   out, policy, _, _ = real_run
   n = len(out.trajectories)
