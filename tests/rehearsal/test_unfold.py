@@ -131,6 +131,7 @@ def test_training_rows_are_exactly_the_kv_cache_rows(real_run, tiny_model):
   assert all(Role.USER not in t.rows for t in out.trajectories)  # the reference plays the user: no policy row
 
 
+@pytest.mark.slow
 def test_a_share_of_the_batch_samples_the_whole_batchs_rows(real_run, tiny_model, tokenizer):
   """The second task alone with ``first_trajectory=G`` (a second process's share, `distributed.share`) gives the
   whole run's trajectories G..2G-1: the same group, row indices and tokens (the sampled REHEARSE rows included: their
