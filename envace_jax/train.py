@@ -146,9 +146,7 @@ class Trainer:
     shards = sharding.batch_size_multiple(self.mesh)
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
     self.processes = jax.process_count()
-    if self.processes > 1:
-      self._check_processes(update_mesh, shards)
-    self.sample_mesh = distributed.process_mesh(self.mesh)  # the mesh itself in a single-process run
+    self.sample_mesh = self._process_mesh(update_mesh, shards)  # the mesh itself in a single-process run
     self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
     self.update_mesh = update_mesh
     # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree besides
@@ -183,12 +181,15 @@ class Trainer:
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
 
-  def _check_processes(self, update_mesh, shards: int) -> None:
-    """What a multi-process run needs of the config (`distributed`).
+  def _process_mesh(self, update_mesh, shards: int):
+    """This process's block of the mesh, where its samplers run (`distributed.process_mesh`), after checking what a
+    multi-process run needs of the config.
 
     Raises:
       config_check.ConfigError: one message per problem, naming the key and what to set.
     """
+    if self.processes == 1:
+      return self.mesh
     cfg, n, problems = self.config, self.processes, []
     if cfg.train.tasks_per_step % n:
       problems.append(f"train.tasks_per_step={cfg.train.tasks_per_step} must be a multiple of the {n} processes")
@@ -197,8 +198,13 @@ class Trainer:
         f"grpo.micro_batch_size={self.grpo_cfg.micro_batch_size} must be a multiple of the mesh's {shards} batch "
         f"shards (data x fsdp) in a {n}-process run: the update runs over the global mesh"
       )
+    try:
+      local = distributed.process_mesh(self.mesh)
+    except ValueError as e:
+      problems.append(str(e))
     if problems:
       raise config_check.ConfigError(problems)
+    return local
 
   def _sampling(self, params):
     """``params`` as the samplers take them: this process's copy on its own devices (`distributed.process_local`;
