@@ -9,7 +9,8 @@ for the openings a task's rollouts share).
 
 Across processes (JAX's multi-controller runtime, ``distributed.py``): start the same command on every host with
 ``--coordinator=HOST:PORT --num_processes=N --process_id=I`` (or ``--distributed`` to take them from the cluster:
-Cloud TPU, SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); the processes join before any device is touched.
+Cloud TPU, SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); the processes join before any device is touched. Training
+only: the other modes run in one process.
 
 Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
 ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
@@ -49,6 +50,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   from envace_jax import config_check, console, distributed
 
+  multi = _DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value >= 0
+  if multi and _MODE.value != "train":
+    raise app.UsageError(f"--mode={_MODE.value} runs in one process; only --mode=train runs across processes")
   try:  # first: nothing may touch a device before the processes join
     joined = distributed.initialize(
       _COORDINATOR.value,

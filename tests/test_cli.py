@@ -128,3 +128,14 @@ def test_bad_config_values_print_one_line_each_and_exit_2(tmp_path, mode):
     f"invalid config: rollout.env_mode='imagined' is not valid; choose one of {env_modes}",
   ]
   assert "Traceback" not in out and not workdir.exists() and not data_dir.exists()
+
+
+def test_multi_process_flags_are_checked_before_anything_joins(tmp_path):
+  """Part of --coordinator / --num_processes / --process_id, or a mode other than train across processes: a usage
+  error naming what to give, exit status 1, nothing joined, prepared or written."""
+  workdir = tmp_path / "run"
+  code, out = _main(f"--workdir={workdir}", "--num_processes=2", timeout=300)
+  assert code == 1 and "--coordinator, --process_id missing" in out and "Traceback" not in out, out
+  code, out = _main("--mode=eval", "--coordinator=127.0.0.1:1", "--num_processes=2", "--process_id=0", timeout=300)
+  assert code == 1 and "--mode=eval runs in one process; only --mode=train runs across processes" in out, out
+  assert not workdir.exists()
