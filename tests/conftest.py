@@ -27,7 +27,7 @@ import pytest
 # the collection and the rest is stolen from its end: these (the quickstart notebook, ≈3.5 of the suite's ≈35
 # worker-minutes on 2 cores, and the two longest loop tests, ≈2.5 and ≈1.5) sat near the end and could run last
 # while the other workers idled. The two-process main job (five main-job processes, three runs one after another:
-# 6:52 alone on the 2 cores under a load average of 8) goes first.
+# 2:20 alone on the 2 cores, 6:52 under a load average of 8) goes first.
 FIRST = (
   "tests/test_multihost.py::test_main_job_on_two_processes_equals_one",
   "tests/test_notebooks.py::test_notebook_runs_and_shows_what_it_computes[quickstart]",
