@@ -26,8 +26,9 @@ Where a kernel applies (everything else stays on the reference, on every backend
     are stored [B, K, H, S] (the layout `transformer._attend` reads in place) and cuDNN reads [B, S, K, H]: XLA
     transposes every layer's key slots for the call (``experiments/device_check.py`` measures decode both ways).
   * Not routed: a multi-token chunk over a cache (prefill: its [B, 1, T, S] bias grows with the cache's capacity),
-    shared prefixes (``KVCache.prefix``) and paged caches (`paged.py`), whose parts merge by log-sum-exp. JAX's TPU
-    paged-attention kernel reads a different page layout from `paged.PagedKVCache`'s.
+    shared prefixes (``KVCache.prefix``) and paged caches, whose parts merge by log-sum-exp (neither kernel returns
+    the log-sum-exp through the call used here). Paged rows have their own per-backend choice, `paged.attention`
+    (JAX's TPU ragged paged attention; eager only, so the jitted model runs `paged.attention_part`).
 
 A query that sees no key (padding) gets the mean of the values from the reference's `_attend` and from the ``xla``
 and ``cudnn`` implementations (every logit equally masked), zeros from the reference's tiled paths; both are
@@ -35,6 +36,8 @@ meaningless and never read.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -128,20 +131,23 @@ def dot_product(q_btnh, k_bskh, v_bskh, mask_bts, implementation: str, causal: b
   )
 
 
-def tpu_flash(q_btnh, k_btkh, v_btkh, valid_bt) -> jax.Array:
-  """Causal self-attention over the valid keys by the Pallas TPU kernel (TPU only; T a multiple of `TPU_BLOCK`).
+def tpu_flash(q_btnh, k_btkh, v_btkh, valid_bt, kernel: Callable | None = None) -> jax.Array:
+  """Causal self-attention over the valid keys by the Pallas TPU kernel (T a multiple of `TPU_BLOCK`).
 
   Args:
     q_btnh: dtype[B, T, N, H]; k_btkh, v_btkh: dtype[B, T, K, H]; valid_bt: bool[B, T] (`CausalMask.valid`).
+    kernel: the kernel (default: ``jax.experimental.pallas.ops.tpu.flash_attention.flash_attention``, TPU only);
+      tests pass the same module's pure-JAX ``mha_reference``, which runs anywhere.
   Returns:
     dtype[B, T, N, H].
   """
   from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 
+  kernel = kernel or pallas_flash.flash_attention
   n, k, h = q_btnh.shape[2], k_btkh.shape[2], q_btnh.shape[3]
-  heads = lambda x: jnp.repeat(x, n // k, axis=2).transpose(0, 2, 1, 3)  # noqa: E731  [B, N, T, H]
+  heads = lambda x: jnp.repeat(x, n // k, axis=2).transpose(0, 2, 1, 3)  # noqa: E731  [B, N, T, H], head n reads n // G
   segments = pallas_flash.SegmentIds(q=jnp.ones(valid_bt.shape, jnp.int32), kv=valid_bt.astype(jnp.int32))
-  out = pallas_flash.flash_attention(
-    q_btnh.transpose(0, 2, 1, 3), heads(k_btkh), heads(v_btkh), segment_ids=segments, causal=True, sm_scale=h**-0.5
+  out = kernel(
+    q_btnh.transpose(0, 2, 1, 3), heads(k_btkh), heads(v_btkh), None, segments, causal=True, sm_scale=h**-0.5
   )
   return out.transpose(0, 2, 1, 3)
