@@ -10,14 +10,14 @@ script, not the machine. Printed per model (and written to ``--out``):
   * decode: one token per row for B rows over a cache of S slots (``transformer.apply`` with a `kvcache.KVCache`,
     the sampler's per-layer layout, every slot attended), best of ``--repeats`` runs of ``--steps`` steps after a
     compiled warm-up. tok/s = B * steps / seconds. HBM fraction = bytes read per step / step seconds / the device's
-    peak bandwidth, bytes per step = the parameters a step reads (all but an untied input embedding, of which it reads
-    B rows) + the keys and values of every slot (2 * L * B * K * H * S elements). Below 1 by what the step does
-    besides reading (the head's argmax, launches, the attention's own arithmetic). Decode runs once per attention
-    implementation in ``variants`` (on an accelerator the backend's pick, "auto", and the reference), so the cost of
-    transposing the cached keys for cuDNN (model/attention.py) shows up here;
+    peak bandwidth, bytes per step = the parameters a step reads (all but the role embeddings and an untied input
+    embedding, row lookups) + the keys and values of every slot (2 * L * B * K * H * S elements). Below 1 by what
+    the step does besides reading (the head's argmax, launches, the attention's own arithmetic). Decode runs once
+    per attention implementation (on an accelerator the backend's pick, "auto", and the reference; on CPU "auto" and
+    "xla"), so the cost of transposing the cached keys for cuDNN (model/attention.py) shows up here;
   * update: loss and gradient of one training row of T tokens, half of them trained, as ``bench_update.py`` builds it
     (``rl.logprobs.target_logprobs``, per-layer remat), best of ``--repeats``. MFU = 6 * N * T / seconds / the
-    device's peak dense bfloat16 FLOP/s, N = the parameters that multiply (all but an untied input embedding): the
+    device's peak dense bfloat16 FLOP/s, N = the parameters that multiply (all but the lookup tables): the
     model-FLOPs convention (Kaplan et al. 2020; PaLM's MFU, Chowdhery et al. 2022), which counts neither attention's
     score FLOPs nor remat's recomputation.
 
@@ -83,8 +83,10 @@ def _best(fn, repeats: int, prepare=lambda: ()) -> float:
 
 
 def multiplying_params(config: model_config.ModelConfig, params) -> int:
-  """Parameters a token's forward multiplies by: all but an untied input embedding (a row lookup)."""
-  return transformer.param_count(params) - (0 if config.tie_embeddings else config.vocab_size * config.d_model)
+  """Parameters a token's forward multiplies by: all but the role embeddings and an untied input embedding (row
+  lookups)."""
+  lookups = config.num_roles * config.d_model + (0 if config.tie_embeddings else config.vocab_size * config.d_model)
+  return transformer.param_count(params) - lookups
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
