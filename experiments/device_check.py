@@ -13,8 +13,9 @@ script, not the machine. Printed per model (and written to ``--out``):
     peak bandwidth, bytes per step = the parameters a step reads (all but the role embeddings and an untied input
     embedding, row lookups) + the keys and values of every slot (2 * L * B * K * H * S elements). Below 1 by what
     the step does besides reading (the head's argmax, launches, the attention's own arithmetic). Decode runs once
-    per attention implementation (on an accelerator the backend's pick, "auto", and the reference; on CPU "auto" and
-    "xla"), so the cost of transposing the cached keys for cuDNN (model/attention.py) shows up here;
+    per attention implementation for the first model (on an accelerator the backend's pick, "auto", and the
+    reference; on CPU "auto" and "xla"), so the cost of transposing the cached keys for cuDNN (model/attention.py)
+    shows up here;
   * update: loss and gradient of one training row of T tokens, half of them trained, as ``bench_update.py`` builds it
     (``rl.logprobs.target_logprobs``, per-layer remat), best of ``--repeats``. MFU = 6 * N * T / seconds / the
     device's peak dense bfloat16 FLOP/s, N = the parameters that multiply (all but the lookup tables): the
@@ -143,14 +144,14 @@ def check(dry: bool, steps: int, repeats: int) -> dict:
   dtype = "float32" if dry else "bfloat16"
   variants = ("auto", "xla") if jax.default_backend() == "cpu" else ("auto", "reference")
   report = {"device": device.device_kind, "backend": jax.default_backend(), "peaks": peak, "models": []}
-  for name, batch, slots, t in SHAPES["dry" if dry else "accelerator"]:
+  for i, (name, batch, slots, t) in enumerate(SHAPES["dry" if dry else "accelerator"]):
     config = model_config.get_model_config(name, dtype=dtype, param_dtype=dtype)
     params = jax.jit(transformer.init_params, static_argnums=0)(config, jax.random.key(0))
     entry = {"model": name, "params": transformer.param_count(params), "decode": {}}
     entry["update"] = update(config, params, t, repeats)
     per_layer = transformer.unstack_layers(params)
     del params
-    for variant in variants:
+    for variant in variants if i == 0 else variants[:1]:  # the comparison once: each decode program compiles apart
       layered = config.replace(scan_layers=False, attention=variant)
       entry["decode"][variant] = decode(layered, per_layer, batch, slots, steps, repeats)
     del per_layer
