@@ -9,8 +9,8 @@
                   forced (``ModelConfig.attention="xla"``): the CPU tests check `dot_product` through it.
   ``pallas_tpu``  ``jax.experimental.pallas.ops.tpu.flash_attention``, the Pallas TPU kernel JAX ships.
 
-``ModelConfig.attention="auto"`` picks by ``jax.default_backend()``; any other value forces that implementation
-wherever it can express the call (below), and the reference elsewhere.
+``ModelConfig.attention="auto"`` (the run config's ``attention``) picks by ``jax.default_backend()``; any other
+value forces that implementation wherever it can express the call (below), and the reference elsewhere.
 
 Where a kernel applies (everything else stays on the reference, on every backend):
   * Self-attention without a cache (training rows, a whole-prompt forward): the mask is lower-triangular (a query
