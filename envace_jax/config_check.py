@@ -20,6 +20,7 @@ from typing import Any
 
 from envace_jax.config.choices import (
   ARG_KEYS,
+  ATTENTION,
   CHAT_TEMPLATES,
   DTYPES,
   ENV_MODES,
@@ -163,6 +164,7 @@ def _check_model(ck: _Checker, weights: bool = True) -> int | None:
   for key in ("dtype", "param_dtype"):
     ck.one_of(key, DTYPES)
   ck.one_of("chat_template", CHAT_TEMPLATES, why=' ("": the tokenizer\'s own template)')
+  ck.one_of("attention", ATTENTION)
   if model is _MISSING or path is _MISSING:
     return None
   presets = tuple(model_config.PRESETS)

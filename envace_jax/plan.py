@@ -138,7 +138,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   config_check.validate(config, weights=False)
   source = config_check.weights_source(config)
   mc = model_config.get_model_config(source if source is not None else config.model, dtype=config.dtype)
-  mc = mc.replace(param_dtype=jnp.dtype(config.get("param_dtype", "float32")).name)
+  mc = mc.replace(param_dtype=jnp.dtype(config.get("param_dtype", "float32")).name, attention=config.attention)
   ucfg = UnfoldConfig.from_config(config)
   gcfg = grpo.GrpoConfig.from_config(config)
   mesh = runtime.make_mesh(config)

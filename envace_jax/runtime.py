@@ -63,6 +63,7 @@ def load_model(config) -> Model:
     tokenizer = Tokenizer.from_hf_dir(weights.resolve(tok_source)) if tok_source != source else None
   if source is None:
     overrides = {"dtype": config.dtype, "param_dtype": config.get("param_dtype", "float32"), "scan_layers": True}
+    overrides["attention"] = config.attention
     if tokenizer is not None:
       overrides["vocab_size"] = tokenizer.vocab_size
     model_config = config_lib.get_model_config(config.model, **overrides)
@@ -72,7 +73,8 @@ def load_model(config) -> Model:
   if tokenizer is None:
     tokenizer = Tokenizer.from_hf_dir(pretrained.path)
   tokenizer = _chat_template(config, tokenizer)
-  return Model(pretrained.config.replace(scan_layers=True), pretrained.params, tokenizer, str(pretrained.path))
+  model_config = pretrained.config.replace(scan_layers=True, attention=config.attention)
+  return Model(model_config, pretrained.params, tokenizer, str(pretrained.path))
 
 
 def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:

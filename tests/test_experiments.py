@@ -1,9 +1,14 @@
-"""The shared experiment helpers (experiments/common.py) and a smoke run of experiments/learning_check.py on the tiny
-model (experiments/evidence.py has its own tests: tests/test_evidence.py)."""
+"""The shared experiment helpers (experiments/common.py), a smoke run of experiments/learning_check.py on the tiny
+model and the dry run of experiments/device_check.sh (experiments/evidence.py has its own tests:
+tests/test_evidence.py)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import ml_collections
 import pytest
@@ -71,3 +76,43 @@ def test_learning_check_smoke_run(tmp_path, data_dir, capsys, monkeypatch):
   )
   assert code == 1 and lines[fixed + 4] == "learning check: FAILED"
   assert out_png.stat().st_size > 0
+
+
+def test_device_check_peaks_by_device_kind():
+  """experiments/device_check.py's datasheet table: the specific names win over the family's."""
+  from experiments import device_check
+
+  assert device_check.peaks("NVIDIA H200") == (4.8e12, 989e12)
+  assert device_check.peaks("NVIDIA H100 PCIe") == (2.0e12, 756e12)
+  assert device_check.peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
+  assert device_check.peaks("TPU v5 lite") == (0.819e12, 197e12)
+  assert device_check.peaks("TPU v5") == (2.765e12, 459e12)
+  assert device_check.peaks("cpu") is None
+
+
+@pytest.mark.slow
+def test_device_check_dry_run(tmp_path, data_dir):
+  """experiments/device_check.sh on a machine without an accelerator: the same three steps with tiny shapes (decode
+  with the reference and through jax.nn, the update, a tiny plan, a one-step main job)."""
+  from envace_jax import metrics
+  from experiments import device_check
+  from tests.test_train import ROOT
+
+  env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(data_dir)}
+  script = str(ROOT / "experiments" / "device_check.sh")
+  run = subprocess.run(["bash", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  assert run.stdout.startswith("no accelerator: dry run")
+  report = json.loads((tmp_path / "device_check.json").read_text())
+  (model,) = report["models"]
+  name, batch, slots, t = device_check.SHAPES["dry"][0]
+  assert model["model"] == name and report["peaks"] is None
+  assert sorted(model["decode"]) == ["auto", "xla"]
+  for row in model["decode"].values():
+    assert row["batch"] == batch and row["tok_s"] > 0 and "hbm_fraction" not in row
+  # The tiny preset's multiplying parameters: 2 layers of q, o (4 heads x 16 x 64), k, v (2 heads), the MLP
+  # (3 x 64 x 128) and two norms (64), the final norm, the untied 64 x 512 head; not the embedding tables.
+  layer = 2 * 4 * 16 * 64 + 2 * 2 * 16 * 64 + 3 * 64 * 128 + 2 * 64
+  assert model["update"]["flops"] == 6 * t * (2 * layer + 64 + 64 * 512)
+  assert "Memory plan per device: tiny" in run.stdout and "KV cache: policy" in run.stdout
+  assert [row["step"] for row in metrics.read_jsonl(tmp_path / "tiny_run")] == [1]

@@ -54,6 +54,7 @@ def _params(workdir, step):
     ),
     ({"train.sft_warmup_steps": 3}, "train.sft_warmup_steps=3 must be <= train.steps=2"),
     ({"chat_template": "qwen3"}, r"chat_template='qwen3' is not valid .*; choose one of '', 'chatml'"),
+    ({"attention": "flash"}, r"attention='flash' is not valid; choose one of 'auto', 'reference', 'xla', 'cudnn', "),
     ({"train.eval_tasks": -2}, r"train.eval_tasks=-2 must be >= -1 \(-1: every task of eval_split, 0: no evaluation\)"),
     (
       {"env.train_task_ids": "create_task_1, no_such_task"},

@@ -12,6 +12,7 @@ INVALID_REHEARSAL_POLICIES = ("as_is", "error", "end")  # rollout.on_invalid_reh
 REHEARSAL_MODES = ("off", "parallel", "sequential")  # eval.rehearsal (rehearsal/private.py)
 REHEARSAL_USERS = ("policy", "reference")  # eval.rehearsal_user
 DTYPES = ("float32", "bfloat16", "float16")  # dtype, param_dtype (model/config.py)
+ATTENTION = ("auto", "reference", "xla", "cudnn", "pallas_tpu")  # ModelConfig.attention (model/attention.py)
 MESH_AXES = ("data", "fsdp", "tensor")  # mesh.* (sampling/sharding.py)
 VIEWS = ("act", "rehearse", "user")  # rollout.<view>_capacity, rollout.<view>_sampling
 ROLES = VIEWS  # grpo.trained_roles: a role is trained on its view's rows

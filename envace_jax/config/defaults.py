@@ -69,6 +69,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.chat_template = ""
   c.dtype = "float32"  # compute dtype: float32 on CPU (bfloat16 is 2-4x slower there), bfloat16 on accelerators
   c.param_dtype = "float32"  # parameter (and AdamW moment) storage; bfloat16 halves memory on accelerators
+  # Attention kernel (envace_jax/model/attention.py): "auto" picks by backend (cuDNN on GPU, Pallas on TPU, where they
+  # express the call; the reference paths elsewhere); "reference", "xla", "cudnn" or "pallas_tpu" force one.
+  c.attention = "auto"
   # Device mesh (data, fsdp, tensor); -1 takes every remaining device. paper-scale: e.g. data=-1, fsdp=8.
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from envace_jax.config.choices import DTYPES
+from envace_jax.config.choices import ATTENTION, DTYPES
 from envace_jax.model.roles import NUM_ROLES
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -51,6 +51,9 @@ class ModelConfig:
       training and checkpoints), or as L separate layers ``layers_0 .. layers_{L-1}`` (fast to run on CPU and GPU,
       where slicing a layer out of a stacked array copies it: the sampler uses this). ``transformer.unstack_layers``
       and ``stack_layers`` convert the parameter trees.
+    attention: the attention kernel: "auto" (by ``jax.default_backend()``: cuDNN on GPU, Pallas on TPU, the
+      reference on CPU, each where it can express the call) or one implementation forced where it can
+      ("reference", "xla", "cudnn", "pallas_tpu"); see model/attention.py.
   """
 
   family: str
@@ -72,6 +75,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_layers: bool = True
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -86,6 +90,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ConfigError(f"{name}={getattr(self, name)!r}; use one of {DTYPES}.")
+    if self.attention not in ATTENTION:
+      raise ConfigError(f"attention={self.attention!r}; use one of {ATTENTION}.")
     if self.rope_scaling is not None:
       kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
       if kind not in ("llama3", "linear", "default"):

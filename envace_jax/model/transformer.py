@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from envace_jax.model import kvcache, paged
+from envace_jax.model import attention, kvcache, paged
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.kvcache import KVCache, gather_levels, init_cache  # noqa: F401  (re-exported: transformer.KVCache)
 
@@ -250,7 +250,12 @@ def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
 
 
 class Attention(nn.Module):
-  """Grouped-query self-attention with optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+  """Grouped-query self-attention with optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+
+  ``mask``: bool[B, T, S], or an `attention.CausalMask` for self-attention without a cache. `attention.select` picks
+  the kernel per call (cuDNN on GPU, Pallas on TPU where they express it; model/attention.py); the branches below
+  are the reference.
+  """
 
   config: ModelConfig
 
@@ -278,6 +283,20 @@ class Attention(nn.Module):
     k_btkh = apply_rope(k_btkh, positions, inv_freq)
 
     b, t = x_btd.shape[:2]
+    impl = attention.REFERENCE
+    if pages is None and not prefixes:
+      impl = attention.select(
+        cfg.attention,
+        jax.default_backend(),
+        jnp.dtype(dtype).name,
+        h,
+        t,
+        attention.dense(mask).shape[-1],
+        cached=cache is not None,
+        causal_mask=isinstance(mask, attention.CausalMask),
+      )
+    causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
+    mask = attention.dense(mask) if mask is not None else None
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
       table, kv_lens, q_slots = pages
@@ -306,6 +325,15 @@ class Attention(nn.Module):
         k_bkhs, v_bksh = k_bkhs[..., :attend], v_bksh[:, :, :attend]
     else:
       k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
+
+    if impl == attention.PALLAS_TPU:
+      out_btnh = attention.tpu_flash(q_btnh, k_btkh, v_btkh, causal_valid)
+    elif impl != attention.REFERENCE and cache is None:
+      out_btnh = attention.dot_product(q_btnh, k_btkh, v_btkh, mask, impl, causal=True)
+    elif impl != attention.REFERENCE:  # one token per row over the cache: keys to cuDNN's [B, S, K, H]
+      out_btnh = attention.dot_product(q_btnh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2), mask, impl, False)
+    if impl != attention.REFERENCE:
+      return out_btnh.reshape(b, t, n * h) @ o_weight_nhd.reshape(n * h, d).astype(dtype), cache
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
@@ -412,8 +440,7 @@ class Transformer(nn.Module):
       layer_cache = (cache.k, cache.v)
     else:
       write_slots, levels = None, []
-      idx = jnp.arange(t)
-      mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]
+      mask = attention.CausalMask.of(valid)
       default_positions = rank
       layer_cache = None
     if positions is None:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envace_jax.model import transformer
+from envace_jax.model import attention, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.rl.batch import TrainBatch
 
@@ -58,17 +58,15 @@ def training_hidden(
     dtype[B, I, D] (``config.dtype``).
   """
   dtype = jnp.dtype(config.dtype)
-  t = tokens.shape[1]
   valid = valid.astype(bool)
   if positions is None:
     positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
-  idx = jnp.arange(t)
-  mask = (idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]  # [B, T(query), T(key)]
+  mask = attention.CausalMask.of(valid)  # [B, T(query), T(key)]; the Pallas TPU kernel reads its structure
   if segments is not None:
     seen = (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])
     if parents is not None:
       seen = seen | (segments[:, None, :] == parents[:, :, None])
-    mask = mask & seen
+    mask = mask.dense & seen
   x_btd = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
   x_btd = x_btd + jnp.take(params["role_embed"], roles, axis=0).astype(dtype)
   layer = transformer.DecoderLayer(config)

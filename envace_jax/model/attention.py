@@ -1,0 +1,153 @@
+"""Which kernel computes a layer's attention, per backend, and the wrappers of the accelerator kernels.
+
+`transformer.Attention` asks `select` once per call (at trace time, so the choice is static) and runs one of:
+
+  ``reference``   the transformer's own paths (`transformer._attend`, `_tiled_attention`, `_attend_key_blocks`, the
+                  log-sum-exp merges of shared prefixes and pages): the CPU's only path, every backend's fallback.
+  ``cudnn``       ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused flash attention (GPU).
+  ``xla``         the same call with ``implementation="xla"``: JAX's own einsums, the same on every backend. Only when
+                  forced (``ModelConfig.attention="xla"``): the CPU tests check `dot_product` through it.
+  ``pallas_tpu``  ``jax.experimental.pallas.ops.tpu.flash_attention``, the Pallas TPU kernel JAX ships.
+
+``ModelConfig.attention="auto"`` (the run config's ``attention``) picks by ``jax.default_backend()``; any other
+value forces that implementation wherever it can express the call (below), and the reference elsewhere.
+
+Where a kernel applies (everything else stays on the reference, on every backend):
+  * Self-attention without a cache (training rows, a whole-prompt forward): the mask is lower-triangular (a query
+    sees no later key; `transformer.Transformer` and `rl.logprobs.training_hidden` build it so), so the kernels run
+    causal (cuDNN skips the tiles above the diagonal) and the mask restricts that further. cuDNN takes any bool mask
+    (``jax.nn.dot_product_attention`` turns it into an additive bias dtype[B, 1, T, S], a full [T, S] per row: memory
+    that the reference's tiled path does not hold) and needs T and S even (its backward with a bias) and a
+    half-precision dtype. The Pallas TPU kernel expresses only causal & valid keys (`CausalMask`: its segment ids are
+    1 for every query and valid[k] for key k), not the segments of packed training rows (a suffix also sees its
+    parent's segment, ``rl/batch.py``), and needs T a multiple of its 128-token blocks; it has no grouped-query
+    layout, so each KV head is repeated G times (keys and values G times larger while the kernel runs).
+  * One new token per row over a contiguous cache (decode): cuDNN, mask as a bias dtype[B, 1, 1, S]. The cache's keys
+    are stored [B, K, H, S] (the layout `transformer._attend` reads in place) and cuDNN reads [B, S, K, H]: XLA
+    transposes every layer's key slots for the call (``experiments/device_check.py`` measures decode both ways).
+  * Not routed: a multi-token chunk over a cache (prefill: its [B, 1, T, S] bias grows with the cache's capacity),
+    shared prefixes (``KVCache.prefix``) and paged caches, whose parts merge by log-sum-exp (neither kernel returns
+    the log-sum-exp through the call used here). Paged rows have their own per-backend choice, `paged.attention`
+    (JAX's TPU ragged paged attention; eager only, so the jitted model runs `paged.attention_part`).
+
+A query that sees no key (padding) gets the mean of the values from the reference's `_attend` and from the ``xla``
+and ``cudnn`` implementations (every logit equally masked), zeros from the reference's tiled paths; both are
+meaningless and never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from envace_jax.config.choices import ATTENTION
+
+REFERENCE, XLA, CUDNN, PALLAS_TPU = ATTENTION[1:]
+# cuDNN's flash attention takes head dims that are multiples of 8 up to 128 on every supported GPU (256 from Hopper
+# on: jax/_src/cudnn/fused_attention_stablehlo.py, check_is_flash_attention).
+_CUDNN_MAX_HEAD_DIM = 128
+_HALF = ("bfloat16", "float16")
+# The Pallas TPU kernel's default blocks (jax.experimental.pallas.ops.tpu.flash_attention.BlockSizes.get_default).
+TPU_BLOCK = 128
+
+
+@struct.dataclass
+class CausalMask:
+  """A self-attention mask with its structure: query i sees key j iff j <= i and valid[j].
+
+  Attributes:
+    dense: bool[B, T, T], that mask (what the reference paths read).
+    valid: bool[B, T], the keys that may be seen.
+  """
+
+  dense: jax.Array
+  valid: jax.Array
+
+  @classmethod
+  def of(cls, valid: jax.Array) -> CausalMask:
+    t = valid.shape[1]
+    idx = jnp.arange(t)
+    return cls(dense=(idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :], valid=valid)
+
+
+def dense(mask) -> jax.Array:
+  """bool[B, T, S] of a bool array or a `CausalMask`."""
+  return mask.dense if isinstance(mask, CausalMask) else mask
+
+
+def _cudnn_fits(dtype: str, head_dim: int, q_len: int, kv_len: int, cached: bool) -> bool:
+  if dtype not in _HALF or head_dim % 8 or head_dim > _CUDNN_MAX_HEAD_DIM:
+    return False
+  return cached or (q_len % 2 == 0 and kv_len % 2 == 0)
+
+
+def select(
+  setting: str, backend: str, dtype: str, head_dim: int, q_len: int, kv_len: int, *, cached: bool, causal_mask: bool
+) -> str:
+  """The implementation of one attention call (see the module docstring).
+
+  Args:
+    setting: ``ModelConfig.attention``: "auto" or an implementation to force where it can express the call.
+    backend: ``jax.default_backend()``: "cpu", "gpu" (or "cuda") or "tpu".
+    dtype: the compute dtype's name.
+    head_dim: H. q_len, kv_len: T and S of the call (S: the attended slots with a cache).
+    cached: the call attends over a KV cache without prefixes or pages (False: self-attention without a cache).
+    causal_mask: the mask is a `CausalMask` (causal & valid keys), which the Pallas TPU kernel can express.
+  Returns:
+    One of "reference", "xla", "cudnn", "pallas_tpu".
+  Raises:
+    ValueError: an unknown ``setting``.
+  """
+  if setting not in ATTENTION:
+    raise ValueError(f"attention={setting!r}; use one of {ATTENTION}.")
+  if setting == REFERENCE or (cached and q_len != 1):
+    return REFERENCE
+  if setting == "auto":
+    setting = {"gpu": CUDNN, "cuda": CUDNN, "tpu": PALLAS_TPU}.get(backend, REFERENCE)
+  if setting == CUDNN and not _cudnn_fits(dtype, head_dim, q_len, kv_len, cached):
+    return REFERENCE
+  if setting == PALLAS_TPU and (cached or not causal_mask or q_len % TPU_BLOCK or kv_len % TPU_BLOCK):
+    return REFERENCE
+  return setting
+
+
+def dot_product(q_btnh, k_bskh, v_bskh, mask_bts, implementation: str, causal: bool) -> jax.Array:
+  """``jax.nn.dot_product_attention`` with our grouped-query layout and mask.
+
+  Args:
+    q_btnh: dtype[B, T, N, H] queries, query head n = k * G + g reading KV head k (as ``jax.nn`` groups them).
+    k_bskh, v_bskh: dtype[B, S, K, H].
+    mask_bts: bool[B, T, S], True where a query sees a key.
+    implementation: "xla" or "cudnn".
+    causal: the mask is lower-triangular (T == S): tell the kernel, which may then skip the tiles above the diagonal.
+  Returns:
+    dtype[B, T, N, H].
+  """
+  return jax.nn.dot_product_attention(
+    q_btnh, k_bskh, v_bskh, mask=mask_bts[:, None], is_causal=causal, implementation=implementation
+  )
+
+
+def tpu_flash(q_btnh, k_btkh, v_btkh, valid_bt, kernel: Callable | None = None) -> jax.Array:
+  """Causal self-attention over the valid keys by the Pallas TPU kernel (T a multiple of `TPU_BLOCK`).
+
+  Args:
+    q_btnh: dtype[B, T, N, H]; k_btkh, v_btkh: dtype[B, T, K, H]; valid_bt: bool[B, T] (`CausalMask.valid`).
+    kernel: the kernel (default: ``jax.experimental.pallas.ops.tpu.flash_attention.flash_attention``, TPU only);
+      tests pass the same module's pure-JAX ``mha_reference``, which runs anywhere.
+  Returns:
+    dtype[B, T, N, H].
+  """
+  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+  kernel = kernel or pallas_flash.flash_attention
+  n, k, h = q_btnh.shape[2], k_btkh.shape[2], q_btnh.shape[3]
+  heads = lambda x: jnp.repeat(x, n // k, axis=2).transpose(0, 2, 1, 3)  # noqa: E731  [B, N, T, H], head n reads n // G
+  segments = pallas_flash.SegmentIds(q=jnp.ones(valid_bt.shape, jnp.int32), kv=valid_bt.astype(jnp.int32))
+  out = kernel(
+    q_btnh.transpose(0, 2, 1, 3), heads(k_btkh), heads(v_btkh), None, segments, causal=True, sm_scale=h**-0.5
+  )
+  return out.transpose(0, 2, 1, 3)

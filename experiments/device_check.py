@@ -1,0 +1,208 @@
+"""Decode and update speed of random-init Qwen3-shaped models on one accelerator, against the device's peaks.
+
+    python experiments/device_check.py [--dry] [--out FILE.json]
+
+Run by ``experiments/device_check.sh`` (which adds ``--mode=plan`` and the tiny main job). On an accelerator:
+Qwen3-1.7B and Qwen3-8B shapes (``model/config.py`` presets) in bfloat16, weights random (the cost does not depend on
+their values). ``--dry`` (automatic on a CPU backend): the ``tiny`` preset in float32 with small shapes, to check the
+script, not the machine. Printed per model (and written to ``--out``):
+
+  * decode: one token per row for B rows over a cache of S slots (``transformer.apply`` with a `kvcache.KVCache`,
+    the sampler's per-layer layout, every slot attended), best of ``--repeats`` runs of ``--steps`` steps after a
+    compiled warm-up. tok/s = B * steps / seconds. HBM fraction = bytes read per step / step seconds / the device's
+    peak bandwidth, bytes per step = the parameters a step reads (all but the role embeddings and an untied input
+    embedding, row lookups) + the keys and values of every slot (2 * L * B * K * H * S elements). Below 1 by what
+    the step does besides reading (the head's argmax, launches, the attention's own arithmetic). Decode runs once
+    per attention implementation for the first model (on an accelerator the backend's pick, "auto", and the
+    reference; on CPU "auto" and "xla"), so the cost of transposing the cached keys for cuDNN (model/attention.py)
+    shows up here;
+  * update: loss and gradient of one training row of T tokens, half of them trained, as ``bench_update.py`` builds it
+    (``rl.logprobs.target_logprobs``, per-layer remat), best of ``--repeats``. MFU = 6 * N * T / seconds / the
+    device's peak dense bfloat16 FLOP/s, N = the parameters that multiply (all but the lookup tables): the
+    model-FLOPs convention (Kaplan et al. 2020; PaLM's MFU, Chowdhery et al. 2022), which counts neither attention's
+    score FLOPs nor remat's recomputation.
+
+Peaks (vendor datasheets, dense bfloat16 without sparsity; `PEAKS`) are looked up by a substring of
+``jax.devices()[0].device_kind``; an unknown device prints its rates without fractions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from envace_jax.model import config as model_config  # noqa: E402
+from envace_jax.model import transformer  # noqa: E402
+from envace_jax.rl import logprobs  # noqa: E402
+from experiments import bench_update  # noqa: E402
+
+# (substring of device_kind, HBM bytes/s, dense bfloat16 FLOP/s); first match wins, so the specific names come first.
+PEAKS = (
+  ("H200", 4.8e12, 989e12),
+  ("H100 PCIe", 2.0e12, 756e12),
+  ("H100", 3.35e12, 989e12),  # SXM
+  ("A100-SXM4-40GB", 1.555e12, 312e12),
+  ("A100", 2.039e12, 312e12),  # 80 GB SXM
+  ("B200", 8.0e12, 2250e12),
+  ("TPU v6 lite", 1.64e12, 918e12),  # v6e
+  ("TPU v5 lite", 0.819e12, 197e12),  # v5e
+  ("TPU v5", 2.765e12, 459e12),  # v5p
+  ("TPU v4", 1.2e12, 275e12),
+)
+
+# (preset, batch B, cache slots S, training row T) per mode.
+SHAPES = {
+  "accelerator": (("qwen3-1.7b", 16, 4096, 4096), ("qwen3-8b", 16, 4096, 4096)),
+  "dry": (("tiny", 2, 64, 512),),
+}
+
+
+def peaks(kind: str) -> tuple[float, float] | None:
+  """(HBM bytes/s, bfloat16 FLOP/s) of a ``device_kind``, or None when `PEAKS` does not know it."""
+  return next(((bw, flops) for name, bw, flops in PEAKS if name in kind), None)
+
+
+def _best(fn, repeats: int, prepare=lambda: ()) -> float:
+  """Least wall seconds of ``repeats`` calls of fn(*prepare()) (prepared outside the timed region; each call blocks
+  until its results are ready)."""
+  best = float("inf")
+  for _ in range(repeats):
+    args = jax.block_until_ready(prepare())
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def multiplying_params(config: model_config.ModelConfig, params) -> int:
+  """Parameters a token's forward multiplies by: all but the role embeddings and an untied input embedding (row
+  lookups)."""
+  lookups = config.num_roles * config.d_model + (0 if config.tie_embeddings else config.vocab_size * config.d_model)
+  return transformer.param_count(params) - lookups
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode(config, params, cache, tokens):
+  """``steps`` = tokens.shape[1] greedy single-token forwards over the cache; returns the last ids and the cache."""
+
+  def body(carry, _):
+    ids, cache = carry
+    logits, cache = transformer.apply(config, params, ids, cache=cache)
+    return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache), None
+
+  (ids, cache), _ = jax.lax.scan(body, (tokens[:, :1], cache), None, length=tokens.shape[1])
+  return ids, cache
+
+
+def decode(config, params, batch: int, slots: int, steps: int, repeats: int) -> dict:
+  """Decode seconds per step with rows filled to ``slots - steps - 1`` (zeros: the cost does not depend on them)."""
+  fill = slots - steps - 1
+  empty = transformer.init_cache(config, batch, slots)
+  tokens = jnp.ones((batch, steps), jnp.int32)
+
+  def fresh():  # _decode donates its cache
+    return (jax.tree.map(jnp.copy, empty.replace(lengths=jnp.full((batch,), fill, jnp.int32))),)
+
+  run = lambda cache: _decode(config, params, cache, tokens)[0]  # noqa: E731
+  compile_s = _best(run, 1, fresh)  # the first call compiles
+  step_s = _best(run, repeats, fresh) / steps
+  itemsize = jnp.dtype(config.dtype).itemsize
+  weight_bytes = multiplying_params(config, params) * jnp.dtype(config.param_dtype).itemsize
+  kv_bytes = 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim * slots * itemsize
+  return {
+    "batch": batch,
+    "slots": slots,
+    "step_ms": step_s * 1e3,
+    "tok_s": batch / step_s,
+    "bytes_per_step": weight_bytes + kv_bytes,
+    "compile_s": compile_s,
+  }
+
+
+def update(config, params, t: int, repeats: int) -> dict:
+  """Seconds of one training row's loss and gradient (`bench_update.row`, remat per layer)."""
+  batch = bench_update.row(t)
+  grad = jax.jit(jax.grad(lambda p: jnp.sum(logprobs.target_logprobs(config, p, batch, remat=True)[0])))
+  compile_s = _best(lambda: grad(params), 1)  # the first call compiles
+  seconds = _best(lambda: grad(params), repeats)
+  return {"tokens": t, "seconds": seconds, "flops": 6 * multiplying_params(config, params) * t, "compile_s": compile_s}
+
+
+def check(dry: bool, steps: int, repeats: int) -> dict:
+  """Every model of the mode's `SHAPES`: decode per attention variant and the update, with fractions of the peaks."""
+  device = jax.devices()[0]
+  peak = peaks(device.device_kind)
+  dtype = "float32" if dry else "bfloat16"
+  variants = ("auto", "xla") if jax.default_backend() == "cpu" else ("auto", "reference")
+  report = {"device": device.device_kind, "backend": jax.default_backend(), "peaks": peak, "models": []}
+  for i, (name, batch, slots, t) in enumerate(SHAPES["dry" if dry else "accelerator"]):
+    config = model_config.get_model_config(name, dtype=dtype, param_dtype=dtype)
+    params = jax.jit(transformer.init_params, static_argnums=0)(config, jax.random.key(0))
+    entry = {"model": name, "params": transformer.param_count(params), "decode": {}}
+    entry["update"] = update(config, params, t, repeats)
+    per_layer = transformer.unstack_layers(params)
+    del params
+    for variant in variants if i == 0 else variants[:1]:  # the comparison once: each decode program compiles apart
+      layered = config.replace(scan_layers=False, attention=variant)
+      entry["decode"][variant] = decode(layered, per_layer, batch, slots, steps, repeats)
+    del per_layer
+    if peak:
+      for row in entry["decode"].values():
+        row["hbm_fraction"] = row["bytes_per_step"] / (row["step_ms"] / 1e3) / peak[0]
+      entry["update"]["mfu"] = entry["update"]["flops"] / entry["update"]["seconds"] / peak[1]
+    report["models"].append(entry)
+    print_model(entry)
+  return report
+
+
+def print_model(entry: dict) -> None:
+  fraction = lambda row, key: f"{row[key]:.2f}" if key in row else "–"  # noqa: E731
+  print(f"\n{entry['model']}: {entry['params'] / 1e9:.2f}B parameters")
+  print("| decode attention | B | S | ms/step | tok/s | GB read/step | HBM fraction | compile s |")
+  print("|---|---|---|---|---|---|---|---|")
+  for variant, row in entry["decode"].items():
+    print(
+      f"| {variant} | {row['batch']} | {row['slots']} | {row['step_ms']:.2f} | {row['tok_s']:.0f} | "
+      f"{row['bytes_per_step'] / 1e9:.2f} | {fraction(row, 'hbm_fraction')} | {row['compile_s']:.0f} |"
+    )
+  u = entry["update"]
+  print(
+    f"update: T={u['tokens']} in {u['seconds']:.3f} s ({u['tokens'] / u['seconds']:.0f} tok/s), "
+    f"{u['flops'] / u['seconds'] / 1e12:.1f} model TFLOP/s, MFU {fraction(u, 'mfu')} (compile {u['compile_s']:.0f} s)",
+    flush=True,
+  )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--dry", action="store_true", help="tiny shapes (automatic on a CPU backend)")
+  parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default 32; dry 4)")
+  parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 3; dry 1)")
+  parser.add_argument("--out", default="", help="write the report as JSON here")
+  args = parser.parse_args()
+  dry = args.dry or jax.default_backend() == "cpu"
+  steps = args.steps or (4 if dry else 32)
+  repeats = args.repeats or (1 if dry else 3)
+  device = jax.devices()[0]
+  print(f"device check: {len(jax.devices())} × {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  print("dry run: tiny shapes, the script's plumbing only" if dry else "Qwen3-1.7B and Qwen3-8B shapes, bfloat16")
+  peak = peaks(device.device_kind)
+  if peak:
+    print(f"peaks: {peak[0] / 1e12:.2f} TB/s HBM, {peak[1] / 1e12:.0f} TFLOP/s dense bfloat16 (datasheet)")
+  report = check(dry, steps, repeats)
+  if args.out:
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+  main()

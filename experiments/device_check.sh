@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One machine with one accelerator, at most 8 minutes: what the code reaches there.
+#
+#   experiments/device_check.sh [--dry] [OUTDIR]        # default OUTDIR: /tmp/envace_device_check
+#
+#   1. experiments/device_check.py: random-init Qwen3-1.7B- and Qwen3-8B-shaped models in bfloat16, decode tok/s and
+#      its fraction of HBM bandwidth (with the backend's attention and with the reference), update MFU;
+#   2. `python -m envace_jax.main --mode=plan`: the memory table of a Qwen3-8B run sized for this one device;
+#   3. the tiny main job (configs/tiny.py).
+# Each step has its own time limit (3.5 + 2 + 2.5 minutes); the output and OUTDIR/device_check.json hold the figures.
+# --dry (automatic when JAX finds no accelerator) runs the same steps with tiny shapes, a tiny plan and a one-step
+# main job without evaluation, to check the script (tests/test_experiments.py runs it). $PYTHON picks the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+if [[ "${1:-}" == "--dry" ]]; then
+  DRY=1
+  shift
+fi
+OUTDIR=${1:-/tmp/envace_device_check}
+PYTHON=${PYTHON:-python}
+export LITELLM_LOCAL_MODEL_COST_MAP=True PYTHONUNBUFFERED=1
+mkdir -p "$OUTDIR"
+if [[ $DRY == 0 && $("$PYTHON" -c 'import jax; print(jax.default_backend())') == cpu ]]; then
+  echo "no accelerator: dry run"
+  DRY=1
+fi
+
+step() {  # step SECONDS NAME COMMAND...: runs and times one step; a failed or timed-out step fails the script
+  local limit=$1 name=$2 start=$SECONDS
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@"
+  echo "== $name: $((SECONDS - start)) s"
+}
+
+DATA="--config.env.data_dir=${DATA_DIR:-$OUTDIR/tfds}"  # DATA_DIR: TFDS datasets prepared before
+if [[ $DRY == 1 ]]; then
+  step 120 "decode and update" "$PYTHON" experiments/device_check.py --dry --out "$OUTDIR/device_check.json"
+  step 90 "plan" "$PYTHON" -m envace_jax.main --config=configs/tiny.py --mode=plan "$DATA"
+  step 150 "tiny main job" "$PYTHON" -m envace_jax.main --config=configs/tiny.py --workdir="$OUTDIR/tiny_run" "$DATA" \
+    --config.train.steps=1 --config.train.eval_tasks=0
+else
+  step 210 "decode and update" "$PYTHON" experiments/device_check.py --out "$OUTDIR/device_check.json"
+  # Qwen3-8B, bfloat16, 2 tasks x 4 rollouts, 12k slots per view with a shared 5k-token opening, on this device.
+  step 120 "plan" "$PYTHON" -m envace_jax.main --config=configs/tau2.py:mock --mode=plan "$DATA" \
+    --config.model=qwen3-8b --config.dtype=bfloat16 --config.param_dtype=bfloat16 \
+    --config.train.tasks_per_step=2 --config.train.group_size=4 --config.grpo.micro_batch_size=1 \
+    --config.rollout.act_capacity=12288 --config.rollout.rehearse_capacity=12288 \
+    --config.rollout.user_capacity=12288 --opening_tokens=5000
+  step 150 "tiny main job" "$PYTHON" -m envace_jax.main --config=configs/tiny.py --workdir="$OUTDIR/tiny_run" "$DATA"
+fi
