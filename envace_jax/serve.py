@@ -51,8 +51,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import fastapi
 import jax
 import numpy as np
+from fastapi import responses
 
 from envace_jax import policy as policy_lib
 from envace_jax.config.choices import REHEARSAL_MODES
@@ -537,9 +539,6 @@ def _stream_events(body: Mapping[str, Any]):
 def make_app(engine: Engine, name: str, api_key: str = ""):
   """The FastAPI app serving ``engine`` as model ``name``; every request must carry ``Bearer api_key`` when it is
   set."""
-  import fastapi
-  from fastapi import responses
-
   app = fastapi.FastAPI(title="envace-jax", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
 
