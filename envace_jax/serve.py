@@ -68,6 +68,7 @@ from envace_jax.sampling.sampler import SamplingParams
 from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MIN_CAPACITY = 512  # a batch's cache slots per row: a power of two >= its longest prompt + budget, at least this
 
 
 class ApiError(Exception):
@@ -417,7 +418,7 @@ class Engine:
       mult = self.sampler.batch_multiple
       b = -(-_pow2(len(rows)) // mult) * mult
       longest = max(len(j.prompt) + j.max_tokens for j in jobs)
-      capacity = min(_pow2(longest), self.context)
+      capacity = min(max(_pow2(longest), MIN_CAPACITY), self.context)
       prompts = [j.prompt for j, _ in rows] + [[]] * (b - len(rows))
       roles = [j.roles for j, _ in rows] + [[]] * (b - len(rows))
       budgets = [j.max_tokens for j, _ in rows] + [1] * (b - len(rows))
