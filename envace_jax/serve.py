@@ -7,8 +7,9 @@ runner, BFCL's, VitaBench's: all speak the OpenAI chat API through LiteLLM) eval
 Routes (FastAPI on uvicorn): ``GET /v1/models`` lists the one served model; ``POST /v1/chat/completions`` takes
 ``model``, ``messages`` (system / developer / user / assistant with ``tool_calls`` / tool), ``tools``,
 ``tool_choice`` ("auto" or "none"), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``),
-``stop``, ``n``, ``seed`` and ``stream`` (the finished message sent as server-sent events: one content chunk, one
-finish chunk, ``[DONE]``). Other fields are ignored, as OpenAI-compatible servers do.
+``stop``, ``n``, ``seed`` and ``stream`` (the finished message sent as server-sent events: a content chunk and a
+finish chunk per choice, the usage with ``stream_options.include_usage``, ``[DONE]``; not token by token). Other
+fields are ignored, as OpenAI-compatible servers do.
 
 Mapping: tools render into the prompt as the tokenizer's chat template does in training (``tool_format``); an
 assistant message's ``tool_calls`` render as our ``<tool_call>`` blocks and ``tool`` messages as tool results
@@ -22,7 +23,8 @@ Extension field ``"rehearsal": {"mode": "parallel"|"sequential"|"off", "n": N}``
 whose tools are its tools; N imagined continuations of its conversation (imagined tool results from the REHEARSE
 tree, an imagined user told the first user message), a self-assessment of each and the rehearsal memory are
 generated, and the answer is generated with the memory appended to the system message (``private.MEMORY_HEADER``).
-The response's ``rehearsal`` field holds the memory and the tokens the rehearsal cost. Budgets are ``config.eval``'s.
+The response's ``rehearsal`` field holds the memory and the tokens the rehearsal generated (requests rehearsed in one
+batch share its cost equally). Budgets are ``config.eval``'s; while a rehearsal runs, other requests wait.
 
 Batching (`Engine`): one worker thread does every piece of JAX work. Requests that arrive while it is busy wait in a
 queue; it then takes all of them, rehearses those that ask for it (one `private.rehearse` per rehearsal setting),
@@ -241,8 +243,9 @@ class Engine:
       rows, padding excluded), "requests", "rehearsals" (`private.rehearse` calls).
   """
 
-  def __init__(self, samplers, tokenizer: Tokenizer, config, *, max_batch: int = 32, default_max_tokens: int = 512,
-               seed: int = 0):  # fmt: skip
+  def __init__(
+    self, samplers, tokenizer: Tokenizer, config, *, max_batch: int = 32, default_max_tokens: int = 512, seed: int = 0
+  ):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch={max_batch} must be a power of two")
     self.samplers, self.tokenizer, self.config = dict(samplers), tokenizer, config
@@ -286,9 +289,10 @@ class Engine:
       count = rehearsal.get("n", self.config.eval.rehearsal_n) if isinstance(rehearsal, Mapping) else None
       if mode not in REHEARSAL_MODES or isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
         raise ApiError(
-          400, f"'rehearsal' must be {{'mode': one of {list(REHEARSAL_MODES)}, 'n': 1..64}}, got {rehearsal!r}",
+          400,
+          f"'rehearsal' must be {{'mode': one of {list(REHEARSAL_MODES)}, 'n': 1..64}}, got {rehearsal!r}",
           param="rehearsal",
-        )  # fmt: skip
+        )
       rehearsal = None if mode == "off" else RehearsalRequest(mode, count)
     prompt, roles = self.render(messages, tools)
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -306,8 +310,19 @@ class Engine:
         param="messages",
         code="context_length_exceeded",
       )
-    return Job(messages, tools, prompt, roles, int(budget), n, SamplingParams(temperature, top_p), stops,
-               self.act_stops if tools else (), seed, rehearsal)  # fmt: skip
+    return Job(
+      messages,
+      tools,
+      prompt,
+      roles,
+      int(budget),
+      n,
+      SamplingParams(temperature, top_p),
+      stops,
+      self.act_stops if tools else (),
+      seed,
+      rehearsal,
+    )
 
   def render(self, messages: Sequence[ChatMessage], tools) -> tuple[np.ndarray, np.ndarray]:
     """(ids, roles), int32[T]: ACT's view of ``messages`` with ``tools``, generation header included."""
@@ -383,9 +398,15 @@ class Engine:
       cfg = private.PrivateRehearsalConfig.from_config(self.config, mode=setting.mode, num_rehearsals=setting.n)
       costs = {k: private.PhaseCost() for k in ("rehearsal", "assessment", "memory")}
       private.rehearse(
-        prepared, self.policy.by_role(self.samplers), self.tokenizer, self.unfold_config, cfg, self._next_key(),
-        reference_sampler=self.samplers.get("reference"), costs=costs,
-      )  # fmt: skip
+        prepared,
+        self.policy.by_role(self.samplers),
+        self.tokenizer,
+        self.unfold_config,
+        cfg,
+        self._next_key(),
+        reference_sampler=self.samplers.get("reference"),
+        costs=costs,
+      )
       self.stats["rehearsals"] += 1
       generated = sum(c.generated_tokens for c in costs.values()) / len(members)
       for j, item in zip(members, prepared, strict=True):
@@ -398,14 +419,21 @@ class Engine:
         j.prompt, j.roles = self.render(j.messages, j.tools)
         j.max_tokens = min(j.max_tokens, self.context - len(j.prompt))
         j.rehearsal_info = {
-          "mode": setting.mode, "n": setting.n, "memory": item.memory, "memory_tokens": item.memory_tokens,
+          "mode": setting.mode,
+          "n": setting.n,
+          "memory": item.memory,
+          "memory_tokens": item.memory_tokens,
           "generated_tokens": int(generated),
-        }  # fmt: skip
+        }
         if j.max_tokens < 1:
           j.future.set_exception(
-            ApiError(400, f"the messages with the rehearsal memory fill the model's context of {self.context} "
-                     "tokens; shorten the messages or lower eval.memory_max_tokens", code="context_length_exceeded")
-          )  # fmt: skip
+            ApiError(
+              400,
+              f"the messages with the rehearsal memory fill the model's context of {self.context} "
+              "tokens; shorten the messages or lower eval.memory_max_tokens",
+              code="context_length_exceeded",
+            )
+          )
 
   def _next_key(self) -> jax.Array:
     self._counter += 1
@@ -429,9 +457,15 @@ class Engine:
       keys += [jax.random.key(0)] * (b - len(rows))
       cache = self.sampler.init_cache(batch=b, capacity=capacity)
       out, _ = self.sampler.generate(
-        cache, prompts, roles, role=int(Role.ACT), key=jax.numpy.stack(keys), max_new_tokens=budgets,
-        sampling=sampling, stop_strings=stops,
-      )  # fmt: skip
+        cache,
+        prompts,
+        roles,
+        role=int(Role.ACT),
+        key=jax.numpy.stack(keys),
+        max_new_tokens=budgets,
+        sampling=sampling,
+        stop_strings=stops,
+      )
       self.stats["sampler_calls"] += 1
       self.stats["rows"] += len(rows)
       choices: dict[int, list[Choice]] = {}
@@ -518,9 +552,9 @@ def response_body(name: str, job: Job, choices: Sequence[Choice]) -> dict[str, A
   return body
 
 
-def _stream_events(body: Mapping[str, Any]):
+def _stream_events(body: Mapping[str, Any], usage: bool):
   """The finished ``body`` as ``chat.completion.chunk`` server-sent events: per choice its role, content and tool
-  calls, then its finish reason; then the usage and ``[DONE]``."""
+  calls, then its finish reason; then the usage when ``usage`` (``stream_options.include_usage``) and ``[DONE]``."""
   head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
   for choice in body["choices"]:
     message = choice["message"]
@@ -533,7 +567,8 @@ def _stream_events(body: Mapping[str, Any]):
     ]
     for event in events:
       yield f"data: {json.dumps(head | {'choices': [event]})}\n\n"
-  yield f"data: {json.dumps(head | {'choices': [], 'usage': body['usage']})}\n\n"
+  if usage:
+    yield f"data: {json.dumps(head | {'choices': [], 'usage': body['usage']})}\n\n"
   yield "data: [DONE]\n\n"
 
 
@@ -546,8 +581,9 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
   @app.middleware("http")
   async def check_key(request: fastapi.Request, call_next):
     if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
-      error = ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.",
-                       code="invalid_api_key")  # fmt: skip
+      error = ApiError(
+        401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
+      )
       return responses.JSONResponse(error.body(), status_code=401)
     return await call_next(request)
 
@@ -577,8 +613,12 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") != name:
-      raise ApiError(404, f"The model {body.get('model')!r} does not exist; this server serves {name!r}.",
-                     param="model", code="model_not_found")  # fmt: skip
+      raise ApiError(
+        404,
+        f"The model {body.get('model')!r} does not exist; this server serves {name!r}.",
+        param="model",
+        code="model_not_found",
+      )
     job = engine.job(body)
     try:
       choices = await asyncio.wrap_future(engine.submit(job))
@@ -588,7 +628,9 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
       raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error") from e
     out = response_body(name, job, choices)
     if body.get("stream"):
-      return responses.StreamingResponse(_stream_events(out), media_type="text/event-stream")
+      options = body.get("stream_options")
+      usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+      return responses.StreamingResponse(_stream_events(out, usage), media_type="text/event-stream")
     return out
 
   return app
@@ -644,8 +686,7 @@ def main(argv: list[str]) -> None:
     raise absl_app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
-  engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens,
-                  seed=config.seed)  # fmt: skip
+  engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens, seed=config.seed)
   uvicorn.run(make_app(engine, f.served_name or name, f.api_key), host=f.host, port=f.port, log_level="info")
 
 

@@ -136,12 +136,14 @@ def test_models_and_chat(server, client):
   assert first.usage.total_tokens == expected + first.usage.completion_tokens
   greedy = client.chat.completions.create(model=name, messages=messages, max_tokens=5, n=2, temperature=0.0)
   assert greedy.choices[0].message.content == greedy.choices[1].message.content
-  streamed = client.chat.completions.create(
-    model=name, messages=messages, max_tokens=6, n=1, seed=7, temperature=1.0, stream=True
+  streamed = list(
+    client.chat.completions.create(
+      model=name, messages=messages, max_tokens=6, seed=7, stream=True, stream_options={"include_usage": True}
+    )
   )
-  assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == (
-    first.choices[0].message.content
-  )
+  assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == first.choices[0].message.content
+  assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == first.choices[0].finish_reason
+  assert streamed[-1].usage.prompt_tokens == expected and not streamed[-1].choices
 
 
 def test_tool_call_round_trip(server, client):
@@ -156,7 +158,10 @@ def test_tool_call_round_trip(server, client):
   assert call.type == "function" and call.function.name == "get_weather"
   assert json.loads(call.function.arguments) == {"city": "Paris"}
   result = json.dumps({"city": "Paris", "sky": "sunny"})
-  messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+  messages += [
+    choice.message.model_dump(exclude_none=True),
+    {"role": "tool", "tool_call_id": call.id, "content": result},
+  ]
   second = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=8)
   assert second.choices[0].message.content == ANSWER_TEXT and second.choices[0].finish_reason == "stop"
   assert not second.choices[0].message.tool_calls
@@ -232,6 +237,7 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
   assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
 def test_rehearsal_extension(server, client):
   """``"rehearsal": {"mode": "parallel", "n": 2}``: one `private.rehearse` call, a memory within
   ``eval.memory_max_tokens``, the answer's prompt holding it."""
