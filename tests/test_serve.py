@@ -171,6 +171,9 @@ def test_tool_call_round_trip(server, client):
   none = client.chat.completions.create(model=name, messages=messages[:1], tools=[WEATHER], tool_choice="none")
   assert none.choices[0].message.content == CALL_TEXT and none.choices[0].finish_reason == "stop"
   assert none.usage.prompt_tokens == _prompt_tokens(tokenizer, ours[:1])
+  # A client's stop string ends the text before it.
+  cut = client.chat.completions.create(model=name, messages=messages[:1], stop=["\n", "never"], max_tokens=8)
+  assert cut.choices[0].message.content == tool_format.TOOL_CALL_OPEN and cut.choices[0].finish_reason == "stop"
 
 
 def test_32_concurrent_requests_share_sampler_calls(server):
