@@ -290,3 +290,35 @@ def test_tau2_runner_on_mock(server):
     assert 0.0 <= sim.reward_info.reward <= 1.0
   assert engine.stats["requests"] - before == 5 * len(tasks)
   print(f"tau2 mock rewards (random tiny model): {[s.reward_info.reward for s in sims]}")
+
+
+def test_load_serves_a_per_role_checkpoint(tmp_path):
+  """``--checkpoint=WORKDIR`` of a run with a tree per role: its latest step, named after it; ACT's tree answers chat
+  (the "policy" sampler) and REHEARSE's tree is the rehearsal's "rehearse" sampler, both as saved."""
+  import jax
+
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import runtime
+  from envace_jax.model import transformer
+  from envace_jax.rl import grpo
+
+  config = tiny_config(tmp_path / "tfds", **{"grpo.mode": "per_role"})
+  base = transformer.unstack_tree(runtime.load_model(config).params)
+  trees = {"act": jax.tree.map(lambda x: x * 2.0, base), "rehearse": jax.tree.map(lambda x: x * 0.5, base)}
+  state = grpo.init_train_state(grpo.GrpoConfig.from_config(config), trees)
+  with checkpoint_lib.Checkpointer.from_config(tmp_path / "run", config, async_save=False) as ckpt:
+    for step in (2, 3):
+      ckpt.save(step, params=state.params, opt_state=state.opt_state, rng=jax.random.key(0), force=True)
+  loaded, tokenizer, samplers, name = serve.load(str(tmp_path / "run"), None, rows=1)
+  assert (
+    name == "run-step3" and loaded.grpo.mode == "per_role" and sorted(samplers) == ["policy", "reference", "rehearse"]
+  )
+  for sampler, tree in ((samplers["policy"], trees["act"]), (samplers["rehearse"], trees["rehearse"])):
+    leaves = jax.tree.leaves(sampler.params)
+    assert len(leaves) == len(jax.tree.leaves(tree))
+    assert all(bool((a == b).all()) for a, b in zip(leaves, jax.tree.leaves(tree), strict=True))
+  engine = serve.Engine(samplers, tokenizer, loaded, max_batch=4)
+  assert engine.sampler is samplers["policy"] and engine.policy.separate
+  engine.close()
+  with pytest.raises(ValueError, match="exactly one of"):
+    serve.load(str(tmp_path / "run"), "tiny")
