@@ -202,6 +202,7 @@ def test_32_concurrent_requests_share_sampler_calls(server):
   assert engine.stats["requests"] - before["requests"] == 32
   assert engine.stats["rows"] - before["rows"] == 32
   assert 1 <= calls < 32, calls
+  print(f"32 concurrent requests: {calls} sampler calls")
 
 
 def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, client):
