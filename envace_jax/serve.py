@@ -1,0 +1,713 @@
+"""An OpenAI-compatible chat endpoint for a trained checkpoint or base weights, so that a benchmark's own harness (τ²'s
+runner, BFCL's, VitaBench's: all speak the OpenAI chat API through LiteLLM) evaluates our policy.
+
+    python -m envace_jax.serve --checkpoint=WORKDIR            # the latest step; the stored config says the model
+    python -m envace_jax.serve --model=smollm2-135m [--config=configs/tau2.py] [--host=0.0.0.0 --port=8000]
+
+Routes (FastAPI on uvicorn): ``GET /v1/models`` lists the one served model; ``POST /v1/chat/completions`` takes
+``model``, ``messages`` (system / developer / user / assistant with ``tool_calls`` / tool), ``tools``,
+``tool_choice`` ("auto" or "none"), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``),
+``stop``, ``n``, ``seed`` and ``stream`` (the finished message sent as server-sent events: a content chunk and a
+finish chunk per choice, the usage with ``stream_options.include_usage``, ``[DONE]``; not token by token). Other
+fields are ignored, as OpenAI-compatible servers do.
+
+Mapping: tools render into the prompt as the tokenizer's chat template does in training (``tool_format``); an
+assistant message's ``tool_calls`` render as our ``<tool_call>`` blocks and ``tool`` messages as tool results
+(``views.act_messages``); a generation's ``<tool_call>`` blocks become OpenAI ``tool_calls`` (``views.parse_act``,
+several allowed with ``rollout.parallel_calls``; one that does not parse is returned as text). ACT generates with
+the policy's ACT tree ("policy" sampler) and the rollout's ACT stop strings; ``usage`` counts the prompt once and
+every choice's tokens.
+
+Extension field ``"rehearsal": {"mode": "parallel"|"sequential"|"off", "n": N}``: test-time private rehearsal
+(paper §4, ``rehearsal/private.py``) before answering. The request is a task whose policy is its system message and
+whose tools are its tools; N imagined continuations of its conversation (imagined tool results from the REHEARSE
+tree, an imagined user told the first user message), a self-assessment of each and the rehearsal memory are
+generated, and the answer is generated with the memory appended to the system message (``private.MEMORY_HEADER``).
+The response's ``rehearsal`` field holds the memory and the tokens the rehearsal generated (requests rehearsed in one
+batch share its cost equally). Budgets are ``config.eval``'s; while a rehearsal runs, other requests wait.
+
+Batching (`Engine`): one worker thread does every piece of JAX work. Requests that arrive while it is busy wait in a
+queue; it then takes all of them, rehearses those that ask for it (one `private.rehearse` per rehearsal setting),
+and answers them in one ``Sampler.generate`` per distinct (temperature, top_p, stop strings), at most ``max_batch``
+rows each (a request with ``n`` choices is n rows). Rows and cache slots are padded to powers of two, so few programs
+compile.
+
+Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, a bad field
+or tool schema (JSON Schema, ``jsonschema``), a conversation the chat template cannot render, or a context that does
+not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key``; 404 for another model name; 500 for
+a failure inside the engine. The server keeps serving after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import fastapi
+import jax
+import numpy as np
+from fastapi import responses
+
+from envace_jax import policy as policy_lib
+from envace_jax.config.choices import REHEARSAL_MODES
+from envace_jax.envs.base import ChatMessage, Task
+from envace_jax.envs.base import ToolCall as EnvToolCall
+from envace_jax.model.roles import Role
+from envace_jax.model.tokenizer import ChatTemplateError, Tokenizer
+from envace_jax.rehearsal import private, views
+from envace_jax.rehearsal.episode import UnfoldConfig
+from envace_jax.sampling.sampler import SamplingParams
+from envace_jax.sampling.stopping import FinishReason
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MIN_CAPACITY = 512  # a batch's cache slots per row: a power of two >= its longest prompt + budget, at least this
+
+
+class ApiError(Exception):
+  """A request the server refuses: HTTP ``status`` and OpenAI's error fields."""
+
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Requests: OpenAI's JSON -> what the engine needs.
+
+
+@dataclasses.dataclass(frozen=True)
+class RehearsalRequest:
+  """The ``rehearsal`` extension field: a mode of ``eval.rehearsal`` and N rehearsals."""
+
+  mode: str
+  n: int
+
+
+@dataclasses.dataclass
+class Job:
+  """One chat completion request, rendered.
+
+  Attributes:
+    messages: the conversation (ACT's view), system messages first as sent.
+    tools: OpenAI function schemas rendered into the prompt (empty with ``tool_choice="none"``).
+    prompt: int32[T] ids of the rendered prompt (generation header included); roles: int32[T] their role ids.
+    max_tokens: the generation budget of each choice (tokens); n: choices (rows).
+    sampling: `SamplingParams`; stops: the client's stop strings (cut from the text); act_stops: the rollout's ACT
+      stop strings (kept, as in training).
+    seed: the client's seed, or None (then the engine's counter picks the keys).
+    rehearsal: the extension field, or None; rehearsal_info: what the rehearsal made (``Choice.rehearsal``).
+  """
+
+  messages: list[ChatMessage]
+  tools: list[dict[str, Any]]
+  prompt: np.ndarray
+  roles: np.ndarray
+  max_tokens: int
+  n: int
+  sampling: SamplingParams
+  stops: tuple[str, ...]
+  act_stops: tuple[str, ...]
+  seed: int | None
+  rehearsal: RehearsalRequest | None
+  rehearsal_info: dict[str, Any] | None = None
+  future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+def _text_content(content: Any, where: str) -> str:
+  """A message's content: a string, None, or a list of text parts. Raises ApiError otherwise."""
+  if content is None:
+    return ""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list):
+    parts = []
+    for part in content:
+      if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise ApiError(400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported")
+      parts.append(part["text"])
+    return "".join(parts)
+  raise ApiError(400, f"{where}: content must be a string, null or a list of text parts")
+
+
+def parse_messages(raw: Any) -> list[ChatMessage]:
+  """OpenAI chat messages as `ChatMessage`s ("developer" is a system message; an assistant's ``tool_calls``, whose
+  ``function.arguments`` is a JSON object string, become calls). Raises ApiError (400) naming the bad message."""
+  if not isinstance(raw, list) or not raw:
+    raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+  out = []
+  for i, m in enumerate(raw):
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+      raise ApiError(400, f"{where} must be an object", param=where)
+    role = m.get("role")
+    role = "system" if role == "developer" else role
+    if role not in ("system", "user", "assistant", "tool"):
+      raise ApiError(400, f"{where}.role={role!r}; valid: system, developer, user, assistant, tool", param=where)
+    content = _text_content(m.get("content"), where)
+    calls = []
+    for j, call in enumerate(m.get("tool_calls") or () if role == "assistant" else ()):
+      fn = call.get("function") if isinstance(call, Mapping) else None
+      name = fn.get("name") if isinstance(fn, Mapping) else None
+      if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{where}.tool_calls[{j}] needs function.name", param=where)
+      arguments = fn.get("arguments") or "{}"
+      try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+      except ValueError as e:
+        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}", param=where) from e
+      if not isinstance(arguments, Mapping):
+        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param=where)
+      calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
+    out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
+  return out
+
+
+def check_tools(raw: Any) -> list[dict[str, Any]]:
+  """OpenAI function tools, checked: ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``
+  with a valid name and ``parameters`` a valid JSON Schema object. Raises ApiError (400) naming the bad tool."""
+  import jsonschema
+
+  if raw is None:
+    return []
+  if not isinstance(raw, list):
+    raise ApiError(400, "'tools' must be a list of function tools", param="tools")
+  names = set()
+  for i, tool in enumerate(raw):
+    where = f"tools[{i}]"
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
+      raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{...}}}}", param=where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+      raise ApiError(400, f"{where}.function.name={name!r} must match {TOOL_NAME.pattern}", param=where)
+    if name in names:
+      raise ApiError(400, f"{where}: tool {name!r} is given twice", param=where)
+    names.add(name)
+    parameters = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+      raise ApiError(400, f"{where}.function.parameters must be a JSON Schema of type 'object'", param=where)
+    try:
+      jsonschema.validators.validator_for(parameters).check_schema(parameters)
+    except jsonschema.SchemaError as e:
+      raise ApiError(400, f"{where}.function.parameters is not a valid JSON Schema: {e.message}", param=where) from e
+  return [dict(t) for t in raw]
+
+
+def _number(body: Mapping[str, Any], name: str, default, low, high, kind=float):
+  value = body.get(name)
+  if value is None:
+    return default
+  if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+    raise ApiError(400, f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {value!r}", param=name)
+  if not low <= value <= high:
+    raise ApiError(400, f"'{name}'={value} is out of range [{low}, {high}]", param=name)
+  return kind(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The engine: one thread, batched sampler calls.
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+class Engine:
+  """Renders requests and answers them in batched sampler calls on one worker thread (module docstring).
+
+  Args:
+    samplers: the policy's samplers (`policy.Policy.samplers`: "policy", and "rehearse" for a REHEARSE tree of its
+      own) and "reference" (the base weights), as `evaluate.load_policy` gives them.
+    tokenizer: renders the chats.
+    config: the run config (``rollout``: ACT's stop strings and the rehearsal's rollout; ``eval``: the rehearsal's
+      budgets).
+    max_batch: the most rows of one sampler call (a power of two).
+    default_max_tokens: a request's budget when it gives none (clipped to what its context leaves).
+    seed: the seed of the keys of requests without one.
+
+  Attributes:
+    stats: counters since start: "sampler_calls" (``Sampler.generate`` calls answering requests), "rows" (their
+      rows, padding excluded), "requests", "rehearsals" (`private.rehearse` calls).
+  """
+
+  def __init__(
+    self, samplers, tokenizer: Tokenizer, config, *, max_batch: int = 32, default_max_tokens: int = 512, seed: int = 0
+  ):
+    if max_batch < 1 or max_batch & (max_batch - 1):
+      raise ValueError(f"max_batch={max_batch} must be a power of two")
+    self.samplers, self.tokenizer, self.config = dict(samplers), tokenizer, config
+    self.policy = policy_lib.Policy.from_config(config)
+    self.sampler = self.samplers["policy"]
+    self.context = int(self.sampler.config.max_seq_len)
+    self.max_batch, self.default_max_tokens = max_batch, default_max_tokens
+    self.unfold_config = UnfoldConfig.from_config(config, group_size=1)
+    self.act_stops = tuple(self.unfold_config.stop_strings(Role.ACT))
+    self._key = jax.random.key(seed)
+    self._counter = 0
+    self.stats = {"sampler_calls": 0, "rows": 0, "requests": 0, "rehearsals": 0}
+    self._queue: queue.Queue[Job | None] = queue.Queue()
+    self._thread = threading.Thread(target=self._loop, name="envace-serve-engine", daemon=True)
+    self._thread.start()
+
+  # -- the request side (any thread)
+
+  def job(self, body: Mapping[str, Any]) -> Job:
+    """A request's body (model already checked) as a `Job`, rendered. Raises ApiError (400)."""
+    messages = parse_messages(body.get("messages"))
+    tool_choice = body.get("tool_choice") or "auto"
+    if tool_choice not in ("auto", "none"):
+      raise ApiError(400, f"tool_choice={tool_choice!r} is not supported; valid: 'auto', 'none'", param="tool_choice")
+    tools = check_tools(body.get("tools"))
+    if tool_choice == "none":
+      tools = []
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+      raise ApiError(400, "'top_p' must be > 0", param="top_p")
+    n = _number(body, "n", 1, 1, self.max_batch, int)
+    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, int)
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+      raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
+    rehearsal = body.get("rehearsal")
+    if rehearsal is not None:
+      mode = rehearsal.get("mode") if isinstance(rehearsal, Mapping) else None
+      count = rehearsal.get("n", self.config.eval.rehearsal_n) if isinstance(rehearsal, Mapping) else None
+      if mode not in REHEARSAL_MODES or isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
+        raise ApiError(
+          400,
+          f"'rehearsal' must be {{'mode': one of {list(REHEARSAL_MODES)}, 'n': 1..64}}, got {rehearsal!r}",
+          param="rehearsal",
+        )
+      rehearsal = None if mode == "off" else RehearsalRequest(mode, count)
+    prompt, roles = self.render(messages, tools)
+    budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    room = self.context - len(prompt)
+    if budget is None:
+      budget = min(self.default_max_tokens, room)
+    elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+      raise ApiError(400, f"'max_tokens' must be a positive integer, got {budget!r}", param="max_tokens")
+    if room < 1 or budget > room:
+      raise ApiError(
+        400,
+        f"This model's maximum context length is {self.context} tokens. However, you requested "
+        f"{len(prompt) + max(int(budget), 1)} tokens ({len(prompt)} in the messages, {max(int(budget), 0)} in the "
+        "completion). Please reduce the length of the messages or completion.",
+        param="messages",
+        code="context_length_exceeded",
+      )
+    return Job(
+      messages,
+      tools,
+      prompt,
+      roles,
+      int(budget),
+      n,
+      SamplingParams(temperature, top_p),
+      stops,
+      self.act_stops if tools else (),
+      seed,
+      rehearsal,
+    )
+
+  def render(self, messages: Sequence[ChatMessage], tools) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, roles), int32[T]: ACT's view of ``messages`` with ``tools``, generation header included."""
+    chat = [m for message in messages for m in views.act_messages(message)]
+    try:
+      return self.tokenizer.render(chat, tools=tools or None, add_generation_prompt=True, generation_role=Role.ACT)
+    except ChatTemplateError as e:
+      raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+
+  def submit(self, job: Job) -> concurrent.futures.Future:
+    """Queues ``job``; its future resolves to a list of ``n`` `Choice`s (or an exception)."""
+    self._queue.put(job)
+    return job.future
+
+  def close(self) -> None:
+    """Stops the worker after the jobs already queued."""
+    self._queue.put(None)
+    self._thread.join()
+
+  # -- the worker thread
+
+  def _loop(self) -> None:
+    while True:
+      first = self._queue.get()
+      if first is None:
+        return
+      jobs = [first]
+      while True:  # everything that arrived while the last batch ran joins this one
+        try:
+          job = self._queue.get_nowait()
+        except queue.Empty:
+          break
+        if job is None:
+          self._queue.put(None)
+          break
+        jobs.append(job)
+      self._serve(jobs)
+
+  def _serve(self, jobs: list[Job]) -> None:
+    self.stats["requests"] += len(jobs)
+    try:
+      self._rehearse([j for j in jobs if j.rehearsal is not None])
+    except Exception as e:  # noqa: BLE001 -- reported to each request, the engine keeps serving
+      for j in jobs:
+        if j.rehearsal is not None and not j.future.done():
+          j.future.set_exception(e)
+    live = [j for j in jobs if not j.future.done()]
+    groups: dict[tuple, list[Job]] = {}
+    for j in live:
+      groups.setdefault((j.sampling, j.act_stops + j.stops), []).append(j)
+    for (sampling, stops), members in groups.items():
+      batch: list[Job] = []
+      for j in members:
+        if sum(x.n for x in batch) + j.n > self.max_batch:
+          self._generate(batch, sampling, stops)
+          batch = []
+        batch.append(j)
+      if batch:
+        self._generate(batch, sampling, stops)
+
+  def _rehearse(self, jobs: list[Job]) -> None:
+    """Private rehearsal for ``jobs`` (one `private.rehearse` per setting); re-renders each with its memory."""
+    by_setting: dict[RehearsalRequest, list[Job]] = {}
+    for j in jobs:
+      by_setting.setdefault(j.rehearsal, []).append(j)
+    for setting, members in by_setting.items():
+      prepared = []
+      for j in members:
+        system = "\n\n".join(m.content for m in j.messages if m.role == "system")
+        opening = tuple(m for m in j.messages if m.role != "system")
+        task = Task("request", "serve", "serve", "serve", system, tuple(j.tools))
+        prepared.append(private.Prepared(task, 0, opening))
+      cfg = private.PrivateRehearsalConfig.from_config(self.config, mode=setting.mode, num_rehearsals=setting.n)
+      costs = {k: private.PhaseCost() for k in ("rehearsal", "assessment", "memory")}
+      private.rehearse(
+        prepared,
+        self.policy.by_role(self.samplers),
+        self.tokenizer,
+        self.unfold_config,
+        cfg,
+        self._next_key(),
+        reference_sampler=self.samplers.get("reference"),
+        costs=costs,
+      )
+      self.stats["rehearsals"] += 1
+      generated = sum(c.generated_tokens for c in costs.values()) / len(members)
+      for j, item in zip(members, prepared, strict=True):
+        note = f"{private.MEMORY_HEADER}\n{item.memory}"
+        first = next((i for i, m in enumerate(j.messages) if m.role == "system"), None)
+        if first is None:
+          j.messages.insert(0, ChatMessage("system", note))
+        else:
+          j.messages[first] = dataclasses.replace(j.messages[first], content=f"{j.messages[first].content}\n\n{note}")
+        j.prompt, j.roles = self.render(j.messages, j.tools)
+        j.max_tokens = min(j.max_tokens, self.context - len(j.prompt))
+        j.rehearsal_info = {
+          "mode": setting.mode,
+          "n": setting.n,
+          "memory": item.memory,
+          "memory_tokens": item.memory_tokens,
+          "generated_tokens": int(generated),
+        }
+        if j.max_tokens < 1:
+          j.future.set_exception(
+            ApiError(
+              400,
+              f"the messages with the rehearsal memory fill the model's context of {self.context} "
+              "tokens; shorten the messages or lower eval.memory_max_tokens",
+              code="context_length_exceeded",
+            )
+          )
+
+  def _next_key(self) -> jax.Array:
+    self._counter += 1
+    return jax.random.fold_in(self._key, self._counter)
+
+  def _generate(self, jobs: list[Job], sampling: SamplingParams, stops: tuple[str, ...]) -> None:
+    """One ``Sampler.generate`` over every choice of ``jobs``; resolves their futures."""
+    try:
+      rows = [(j, c) for j in jobs for c in range(j.n)]
+      mult = self.sampler.batch_multiple
+      b = -(-_pow2(len(rows)) // mult) * mult
+      longest = max(len(j.prompt) + j.max_tokens for j in jobs)
+      capacity = min(max(_pow2(longest), MIN_CAPACITY), self.context)
+      prompts = [j.prompt for j, _ in rows] + [[]] * (b - len(rows))
+      roles = [j.roles for j, _ in rows] + [[]] * (b - len(rows))
+      budgets = [j.max_tokens for j, _ in rows] + [1] * (b - len(rows))
+      keys = []
+      for j, c in rows:
+        base = jax.random.key(j.seed % 2**32) if j.seed is not None else self._next_key()
+        keys.append(jax.random.fold_in(base, c))
+      keys += [jax.random.key(0)] * (b - len(rows))
+      cache = self.sampler.init_cache(batch=b, capacity=capacity)
+      out, _ = self.sampler.generate(
+        cache,
+        prompts,
+        roles,
+        role=int(Role.ACT),
+        key=jax.numpy.stack(keys),
+        max_new_tokens=budgets,
+        sampling=sampling,
+        stop_strings=stops,
+      )
+      self.stats["sampler_calls"] += 1
+      self.stats["rows"] += len(rows)
+      choices: dict[int, list[Choice]] = {}
+      for r, (j, c) in enumerate(rows):
+        choices.setdefault(id(j), []).append(self._choice(j, c, out.row(r), out.finish_reasons[r]))
+      for j in jobs:
+        j.future.set_result(choices[id(j)])
+    except Exception as e:  # noqa: BLE001 -- reported to each request, the engine keeps serving
+      for j in jobs:
+        if not j.future.done():
+          j.future.set_exception(e)
+
+  def _choice(self, job: Job, index: int, ids: list[int], finish: FinishReason) -> Choice:
+    """One generated row as an OpenAI choice: text cut at the client's stop strings, tool calls parsed."""
+    eos = set(self.tokenizer.eos_ids)
+    text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
+    reason = "length" if finish in (FinishReason.LENGTH, FinishReason.CONTEXT_EXHAUSTED) else "stop"
+    cuts = [text.find(s) for s in job.stops if s in text]
+    if cuts:
+      text, reason = text[: min(cuts)], "stop"
+    calls: list[dict[str, Any]] = []
+    if job.tools:
+      names = [t["function"]["name"] for t in job.tools]
+      act = views.parse_act(text, names, parallel=self.unfold_config.parallel_calls)
+      if act.error is None and act.calls:
+        calls = [
+          {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+          }
+          for c in act.calls
+        ]
+        text, reason = act.reply, "tool_calls"
+    return Choice(index, text, calls, reason, len(ids), job.rehearsal_info)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """One answer: its index, text (None-able in the response when there are calls), OpenAI tool calls, finish reason,
+  generated tokens and the rehearsal it followed (None without one)."""
+
+  index: int
+  text: str
+  tool_calls: list[dict[str, Any]]
+  finish_reason: Literal["stop", "length", "tool_calls"]
+  tokens: int
+  rehearsal: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The HTTP application.
+
+
+def response_body(name: str, job: Job, choices: Sequence[Choice]) -> dict[str, Any]:
+  """OpenAI's ``chat.completion`` object."""
+  completion = sum(c.tokens for c in choices)
+  body = {
+    "id": f"chatcmpl-{uuid.uuid4().hex}",
+    "object": "chat.completion",
+    "created": int(time.time()),
+    "model": name,
+    "choices": [
+      {
+        "index": c.index,
+        "message": {
+          "role": "assistant",
+          "content": c.text if (c.text or not c.tool_calls) else None,
+          **({"tool_calls": c.tool_calls} if c.tool_calls else {}),
+        },
+        "logprobs": None,
+        "finish_reason": c.finish_reason,
+      }
+      for c in choices
+    ],
+    "usage": {
+      "prompt_tokens": len(job.prompt),
+      "completion_tokens": completion,
+      "total_tokens": len(job.prompt) + completion,
+    },
+  }
+  if choices and choices[0].rehearsal is not None:
+    body["rehearsal"] = choices[0].rehearsal
+  return body
+
+
+def _stream_events(body: Mapping[str, Any], usage: bool):
+  """The finished ``body`` as ``chat.completion.chunk`` server-sent events: per choice its role, content and tool
+  calls, then its finish reason; then the usage when ``usage`` (``stream_options.include_usage``) and ``[DONE]``."""
+  head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+  for choice in body["choices"]:
+    message = choice["message"]
+    delta = {"role": "assistant", "content": message["content"]}
+    if "tool_calls" in message:
+      delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
+    events = [
+      {"index": choice["index"], "delta": delta, "logprobs": None, "finish_reason": None},
+      {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]},
+    ]
+    for event in events:
+      yield f"data: {json.dumps(head | {'choices': [event]})}\n\n"
+  if usage:
+    yield f"data: {json.dumps(head | {'choices': [], 'usage': body['usage']})}\n\n"
+  yield "data: [DONE]\n\n"
+
+
+def make_app(engine: Engine, name: str, api_key: str = ""):
+  """The FastAPI app serving ``engine`` as model ``name``; every request must carry ``Bearer api_key`` when it is
+  set."""
+  app = fastapi.FastAPI(title="envace-jax", docs_url=None, redoc_url=None, openapi_url=None)
+  created = int(time.time())
+
+  @app.middleware("http")
+  async def check_key(request: fastapi.Request, call_next):
+    if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+      error = ApiError(
+        401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
+      )
+      return responses.JSONResponse(error.body(), status_code=401)
+    return await call_next(request)
+
+  @app.exception_handler(ApiError)
+  async def api_error(request, error: ApiError):
+    return responses.JSONResponse(error.body(), status_code=error.status)
+
+  @app.exception_handler(404)
+  async def not_found(request, error):
+    return responses.JSONResponse(ApiError(404, f"no route {request.url.path}").body(), status_code=404)
+
+  @app.exception_handler(405)
+  async def not_allowed(request, error):
+    message = f"{request.method} is not allowed on {request.url.path}"
+    return responses.JSONResponse(ApiError(405, message).body(), status_code=405)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "envace-jax"}]}
+
+  @app.post("/v1/chat/completions")
+  async def chat(request: fastapi.Request):
+    try:
+      body = json.loads(await request.body())
+    except ValueError as e:
+      raise ApiError(400, f"the request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object")
+    if body.get("model") != name:
+      raise ApiError(
+        404,
+        f"The model {body.get('model')!r} does not exist; this server serves {name!r}.",
+        param="model",
+        code="model_not_found",
+      )
+    job = engine.job(body)
+    try:
+      choices = await asyncio.wrap_future(engine.submit(job))
+    except ApiError:
+      raise
+    except Exception as e:  # noqa: BLE001 -- the engine failed this request; say so and keep serving
+      raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error") from e
+    out = response_body(name, job, choices)
+    if body.get("stream"):
+      options = body.get("stream_options")
+      usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+      return responses.StreamingResponse(_stream_events(out, usage), media_type="text/event-stream")
+    return out
+
+  return app
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32):
+  """(config, tokenizer, samplers, served name) of ``checkpoint`` (a run's workdir: its latest step, with the config
+  stored in it) or of ``model``'s base weights (a preset name or a weights path; ``config`` gives the other settings,
+  default the defaults; "tiny" takes SmolLM2's tokenizer). ``rows``: the samplers' largest batch
+  (`runtime.make_sampler`).
+
+  Raises:
+    ValueError: neither or both of ``checkpoint`` and ``model``. checkpoint.CheckpointError: ``checkpoint`` holds no
+      checkpoint, or one of another model.
+  """
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import evaluate
+  from envace_jax.config import defaults
+
+  if bool(checkpoint) == bool(model):
+    raise ValueError("give exactly one of --checkpoint=WORKDIR (a trained run) or --model=NAME|PATH (base weights)")
+  if checkpoint:
+    with checkpoint_lib.Checkpointer(checkpoint, read_only=True) as ckpt:
+      step = ckpt.latest_step()
+      if step is None:
+        raise checkpoint_lib.CheckpointError(f"{checkpoint} holds no checkpoint; train one with envace_jax.main")
+      config = ckpt.read_config(step)
+    name = f"{os.path.basename(os.path.normpath(checkpoint))}-step{step}"
+  else:
+    config = defaults.or_defaults(config).copy_and_resolve_references()
+    if os.path.exists(model):
+      config.model_path = model
+    else:
+      config.model = model
+    if config.model == "tiny" and not config.tokenizer:
+      config.tokenizer = "smollm2-135m"
+    name = os.path.basename(os.path.normpath(model))
+  loaded, samplers, _ = evaluate.load_policy(config, checkpoint, rows)
+  return config, loaded.tokenizer, samplers, name
+
+
+def main(argv: list[str]) -> None:
+  """``python -m envace_jax.serve``: loads the weights, then serves until interrupted."""
+  import uvicorn
+  from absl import app as absl_app
+  from absl import flags
+
+  if len(argv) > 1:
+    raise absl_app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
+  engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens, seed=config.seed)
+  uvicorn.run(make_app(engine, f.served_name or name, f.api_key), host=f.host, port=f.port, log_level="info")
+
+
+def define_flags() -> None:
+  """The command line's flags (defined only when run as a program: ``envace_jax.main`` defines --config too)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file("config", None, "With --model: a config file for the other settings (rollout, eval).")
+  flags.DEFINE_string("checkpoint", None, "A training run's workdir: serve its latest checkpoint.")
+  flags.DEFINE_string("model", None, "Serve base weights: a preset (smollm2-135m, tiny, ...) or a weights path.")
+  flags.DEFINE_string("served_name", "", "The model name clients send ('': the workdir or model name).")
+  flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0: every interface).")
+  flags.DEFINE_integer("port", 8000, "TCP port.")
+  flags.DEFINE_string("api_key", "", "When set, every request must send 'Authorization: Bearer API_KEY'.")
+  flags.DEFINE_integer("max_batch", 32, "The most rows (choices) of one sampler call; a power of two.")
+  flags.DEFINE_integer("max_tokens", 512, "A request's generation budget when it sets no max_tokens.")
+
+
+if __name__ == "__main__":
+  from absl import app as absl_app
+
+  define_flags()
+  absl_app.run(main)

@@ -1,0 +1,325 @@
+"""``python -m envace_jax.serve`` driven by clients we did not write: the ``openai`` SDK (chat, a tool call round trip,
+32 concurrent requests, bad input) and τ²'s own runner through LiteLLM on the mock domain, scored by τ²'s evaluator.
+
+One server per module: the random tiny model of configs/tiny.py (SmolLM2's tokenizer) on loopback, in this process so
+the tests can read the engine's counters. A tool call needs a deterministic generation: the policy's sampler is
+wrapped (`_Scripted`) so that a prompt holding ``FORCE`` gets a fixed text instead of its sampled tokens; everything
+else (rendering, batching, parsing, the HTTP layer) runs as served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from envace_jax import serve
+from envace_jax.model import tool_format
+from envace_jax.model.tokenizer import Message
+from tests.test_train import tiny_config
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+API_KEY = "test-key"
+FORCE = "FORCE-TOOL-CALL"
+WEATHER = {
+  "type": "function",
+  "function": {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+  },
+}
+CALL_TEXT = tool_format.render_tool_call("get_weather", {"city": "Paris"})
+ANSWER_TEXT = "It is sunny in Paris."
+TAU2_STOP = "###STOP###"  # τ²'s user simulator ends a conversation with it (tau2/user/base.py); its guidelines say so
+USER_DONE = f"That is all, thank you. {TAU2_STOP}"
+
+
+class _Scripted:
+  """The policy's sampler, except that a row whose prompt holds ``FORCE`` generates ``CALL_TEXT`` (or, once a tool
+  response is in the prompt, ``ANSWER_TEXT``), and τ²'s user simulator (its prompt holds ``TAU2_STOP``) says
+  ``USER_DONE`` on its third turn, each followed by the end-of-turn id: test-only forced outputs. The random model
+  would never end a τ² conversation, and τ²'s evaluator scores only conversations that ended (others get 0 with a
+  note and no checks)."""
+
+  def __init__(self, sampler, tokenizer):
+    self.inner, self.tokenizer = sampler, tokenizer
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def generate(self, cache, prompts, prompt_roles, **kwargs):
+    out, cache = self.inner.generate(cache, prompts, prompt_roles, **kwargs)
+    scripted = {}
+    for r, prompt in enumerate(prompts):
+      text = self.tokenizer.decode(prompt) if len(prompt) else ""
+      forced = None
+      if FORCE in text:
+        forced = ANSWER_TEXT if tool_format.TOOL_RESPONSE_OPEN in text else CALL_TEXT
+      elif TAU2_STOP in text and text.count("<|im_start|>assistant") >= 3:  # the simulator's 3rd turn (ChatML)
+        forced = USER_DONE
+      if forced is not None:
+        scripted[r] = self.tokenizer.encode(forced) + [self.tokenizer.eos_ids[-1]]
+    if scripted:
+      width = max(out.tokens.shape[1], *(len(ids) for ids in scripted.values()))
+      tokens = np.full((out.tokens.shape[0], width), self.inner.pad_id, np.int32)
+      tokens[:, : out.tokens.shape[1]] = out.tokens
+      for r, ids in scripted.items():
+        tokens[r, : len(ids)] = ids
+        out.lengths[r] = len(ids)
+        out.finish_reasons[r] = type(out.finish_reasons[r]).STOP
+      out.tokens = tokens
+    return out, cache
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  """(base url, engine, tokenizer, served name): the tiny model served on loopback with ``API_KEY``."""
+  # rows=1 does not split over the 8 test devices: `runtime.make_sampler` keeps the samplers on one (cheaper programs).
+  config, tokenizer, samplers, name = serve.load(None, "tiny", tiny_config(tmp_path_factory.mktemp("tfds")), rows=1)
+  samplers["policy"] = _Scripted(samplers["policy"], tokenizer)
+  engine = serve.Engine(samplers, tokenizer, config, max_batch=32, default_max_tokens=16)
+  port = _free_port()
+  server = uvicorn.Server(
+    uvicorn.Config(serve.make_app(engine, name, API_KEY), host="127.0.0.1", port=port, log_level="warning")
+  )
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not server.started:
+    assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+    time.sleep(0.05)
+  yield f"http://127.0.0.1:{port}/v1", engine, tokenizer, name
+  server.should_exit = True
+  thread.join(timeout=30)
+  engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[0], api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _prompt_tokens(tokenizer, messages, tools=None) -> int:
+  return len(tokenizer.render(messages, tools=tools, add_generation_prompt=True)[0])
+
+
+def test_models_and_chat(server, client):
+  """/v1/models names the served model; a chat answers n choices within max_tokens, reproducibly for a seed, with
+  the prompt counted as our chat template renders it."""
+  _, engine, tokenizer, name = server
+  assert [m.id for m in client.models.list().data] == [name]
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+  first = client.chat.completions.create(model=name, messages=messages, max_tokens=6, n=3, seed=7, temperature=1.0)
+  again = client.chat.completions.create(model=name, messages=messages, max_tokens=6, n=3, seed=7, temperature=1.0)
+  assert [c.index for c in first.choices] == [0, 1, 2]
+  assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+  assert len({c.message.content for c in first.choices}) == 3  # each choice its own key
+  expected = _prompt_tokens(tokenizer, [Message("system", "Be brief."), Message("user", "Hello there")])
+  assert first.usage.prompt_tokens == expected
+  lengths = [len(tokenizer.encode(c.message.content)) for c in first.choices]
+  assert all(c.finish_reason in ("length", "stop") for c in first.choices)
+  assert first.usage.completion_tokens <= 18 and first.usage.completion_tokens >= max(lengths)
+  assert first.usage.total_tokens == expected + first.usage.completion_tokens
+  greedy = client.chat.completions.create(model=name, messages=messages, max_tokens=5, n=2, temperature=0.0)
+  assert greedy.choices[0].message.content == greedy.choices[1].message.content
+  streamed = list(
+    client.chat.completions.create(
+      model=name, messages=messages, max_tokens=6, seed=7, stream=True, stream_options={"include_usage": True}
+    )
+  )
+  assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == first.choices[0].message.content
+  assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == first.choices[0].finish_reason
+  assert streamed[-1].usage.prompt_tokens == expected and not streamed[-1].choices
+
+
+def test_tool_call_round_trip(server, client):
+  """A generated ``<tool_call>`` comes back as an OpenAI tool call; the SDK's assistant message and the tool result
+  sent back render as our format (the prompt's token count proves it) and the answer continues from them."""
+  _, _, tokenizer, name = server
+  messages = [{"role": "user", "content": f"Weather in Paris? {FORCE}"}]
+  first = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=8)
+  choice = first.choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None
+  (call,) = choice.message.tool_calls
+  assert call.type == "function" and call.function.name == "get_weather"
+  assert json.loads(call.function.arguments) == {"city": "Paris"}
+  result = json.dumps({"city": "Paris", "sky": "sunny"})
+  messages += [
+    choice.message.model_dump(exclude_none=True),
+    {"role": "tool", "tool_call_id": call.id, "content": result},
+  ]
+  second = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=8)
+  assert second.choices[0].message.content == ANSWER_TEXT and second.choices[0].finish_reason == "stop"
+  assert not second.choices[0].message.tool_calls
+  ours = [Message("user", f"Weather in Paris? {FORCE}"), Message("assistant", CALL_TEXT), Message("tool", result)]
+  assert second.usage.prompt_tokens == _prompt_tokens(tokenizer, ours, [WEATHER])
+  # tool_choice="none": no tools in the prompt, the output is text.
+  none = client.chat.completions.create(model=name, messages=messages[:1], tools=[WEATHER], tool_choice="none")
+  assert none.choices[0].message.content == CALL_TEXT and none.choices[0].finish_reason == "stop"
+  assert none.usage.prompt_tokens == _prompt_tokens(tokenizer, ours[:1])
+  # A client's stop string ends the text before it.
+  cut = client.chat.completions.create(model=name, messages=messages[:1], stop=["\n", "never"], max_tokens=8)
+  assert cut.choices[0].message.content == tool_format.TOOL_CALL_OPEN and cut.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_requests_share_sampler_calls(server):
+  """32 parallel requests on loopback: every one answered (its own prompt's token count), in fewer sampler calls
+  than requests."""
+  url, engine, tokenizer, name = server
+  before = dict(engine.stats)
+
+  async def run():
+    async with openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=300) as aclient:
+      return await asyncio.gather(
+        *(
+          aclient.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "word " * i}], max_tokens=1 + i % 4, seed=i
+          )
+          for i in range(32)
+        )
+      )
+
+  answers = asyncio.run(run())
+  assert len(answers) == 32 and len({a.id for a in answers}) == 32
+  for i, answer in enumerate(answers):
+    assert answer.usage.prompt_tokens == _prompt_tokens(tokenizer, [Message("user", "word " * i)])
+    assert 1 <= answer.usage.completion_tokens <= 1 + i % 4
+  calls = engine.stats["sampler_calls"] - before["sampler_calls"]
+  assert engine.stats["requests"] - before["requests"] == 32
+  assert engine.stats["rows"] - before["rows"] == 32
+  assert 1 <= calls < 32, calls
+  print(f"32 concurrent requests: {calls} sampler calls")
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, client):
+  url, _, _, name = server
+  import httpx
+
+  def post(body, key=API_KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return httpx.post(f"{url}/chat/completions", content=raw or json.dumps(body), headers=headers, timeout=300)
+
+  user = [{"role": "user", "content": "hi"}]
+  cases = [
+    (post(None, raw="{not json"), 400, None),
+    (post({"model": "gpt-4", "messages": user}), 404, "model_not_found"),
+    (post({"model": name, "messages": [{"role": "user", "content": "word " * 1100}]}), 400, "context_length_exceeded"),
+    (post({"model": name, "messages": user, "max_tokens": 2000}), 400, "context_length_exceeded"),
+    (post({"model": name, "messages": user, "tools": [{"type": "function", "function": {"name": "bad name"}}]}), 400,
+     None),
+    (post({"model": name, "messages": user, "tools": [
+      {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}]}), 400, None),
+    (post({"model": name, "messages": user, "tool_choice": "required"}), 400, None),
+    (post({"model": name, "messages": [{"role": "robot", "content": "hi"}]}), 400, None),
+    (post({"model": name, "messages": user, "temperature": "hot"}), 400, None),
+    (post({"model": name, "messages": user}, key="wrong"), 401, "invalid_api_key"),
+  ]  # fmt: skip
+  for response, status, code in cases:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == code
+  with pytest.raises(openai.NotFoundError) as e:
+    client.chat.completions.create(model="gpt-4", messages=user)
+  assert e.value.code == "model_not_found"
+  with pytest.raises(openai.AuthenticationError):
+    openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+  ok = client.chat.completions.create(model=name, messages=user, max_tokens=2)
+  assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.slow
+def test_rehearsal_extension(server, client):
+  """``"rehearsal": {"mode": "parallel", "n": 2}``: one `private.rehearse` call, a memory within
+  ``eval.memory_max_tokens``, the answer's prompt holding it."""
+  _, engine, tokenizer, name = server
+  before = engine.stats["rehearsals"]
+  messages = [{"role": "system", "content": "You are a weather agent."}, {"role": "user", "content": "Paris?"}]
+  plain = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=4)
+  out = client.chat.completions.create(
+    model=name, messages=messages, tools=[WEATHER], max_tokens=4, extra_body={"rehearsal": {"mode": "parallel", "n": 2}}
+  )
+  info = out.model_extra["rehearsal"]
+  assert engine.stats["rehearsals"] == before + 1
+  assert info["mode"] == "parallel" and info["n"] == 2 and info["generated_tokens"] > 0
+  assert 0 < info["memory_tokens"] <= engine.config.eval.memory_max_tokens
+  assert info["memory_tokens"] == len(tokenizer.encode(info["memory"]))
+  system = f"You are a weather agent.\n\n{serve.private.MEMORY_HEADER}\n{info['memory']}"
+  ours = [Message("system", system), Message("user", "Paris?")]
+  assert out.usage.prompt_tokens == _prompt_tokens(tokenizer, ours, [WEATHER]) > plain.usage.prompt_tokens
+  assert "rehearsal" not in plain.model_extra
+
+
+@pytest.mark.slow
+def test_tau2_runner_on_mock(server):
+  """τ²'s own runner drives the agent and the user simulator through LiteLLM against our server on the mock domain;
+  τ²'s evaluator scores each simulation (the random tiny model's rewards are recorded, not expected to be good; the
+  user ends each conversation on its third turn: `_Scripted`)."""
+  from tau2.evaluator.evaluator import EvaluationType
+  from tau2.run import get_tasks, run_tasks
+
+  url, engine, _, name = server
+  before = engine.stats["requests"]
+  args = {"api_base": url, "api_key": API_KEY, "max_tokens": 16, "temperature": 1.0}
+  # Not create_task_1_with_env_assertions: τ²'s env assertion on a task never created raises rather than fails.
+  tasks = get_tasks("mock", task_ids=["create_task_1", "update_task_1"])
+  results = run_tasks(
+    "mock", tasks, "llm_agent", "user_simulator", llm_agent=f"openai/{name}", llm_args_agent=args,
+    llm_user=f"openai/{name}", llm_args_user=args, max_steps=20, max_errors=6, console_display=False,
+    evaluation_type=EvaluationType.ALL, log_level="ERROR",
+  )  # fmt: skip
+  sims = sorted(results.simulations, key=lambda s: s.task_id)
+  assert [s.task_id for s in sims] == sorted(t.id for t in tasks)
+  for sim in sims:
+    # greeting, then (user, agent) twice, then the user's stop: all but the greeting generated by our server
+    assert sim.termination_reason == "user_stop" and sim.messages[-1].content == USER_DONE
+    assert [m.role for m in sim.messages] == ["assistant", "user", "assistant", "user", "assistant", "user"]
+    assert sim.reward_info.reward_basis, sim.reward_info  # evaluated by the task's criteria, not cut short
+    assert 0.0 <= sim.reward_info.reward <= 1.0
+  assert engine.stats["requests"] - before == 5 * len(tasks)
+  print(f"tau2 mock rewards (random tiny model): {[s.reward_info.reward for s in sims]}")
+
+
+def test_load_serves_a_per_role_checkpoint(tmp_path):
+  """``--checkpoint=WORKDIR`` of a run with a tree per role: its latest step, named after it; ACT's tree answers chat
+  (the "policy" sampler) and REHEARSE's tree is the rehearsal's "rehearse" sampler, both as saved."""
+  import jax
+
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import runtime
+  from envace_jax.model import transformer
+  from envace_jax.rl import grpo
+
+  config = tiny_config(tmp_path / "tfds", **{"grpo.mode": "per_role"})
+  base = transformer.unstack_tree(runtime.load_model(config).params)
+  trees = {"act": jax.tree.map(lambda x: x * 2.0, base), "rehearse": jax.tree.map(lambda x: x * 0.5, base)}
+  state = grpo.init_train_state(grpo.GrpoConfig.from_config(config), trees)
+  with checkpoint_lib.Checkpointer.from_config(tmp_path / "run", config, async_save=False) as ckpt:
+    for step in (2, 3):
+      ckpt.save(step, params=state.params, opt_state=state.opt_state, rng=jax.random.key(0), force=True)
+  loaded, tokenizer, samplers, name = serve.load(str(tmp_path / "run"), None, rows=1)
+  assert (
+    name == "run-step3" and loaded.grpo.mode == "per_role" and sorted(samplers) == ["policy", "reference", "rehearse"]
+  )
+  for sampler, tree in ((samplers["policy"], trees["act"]), (samplers["rehearse"], trees["rehearse"])):
+    leaves = jax.tree.leaves(sampler.params)
+    assert len(leaves) == len(jax.tree.leaves(tree))
+    assert all(bool((a == b).all()) for a, b in zip(leaves, jax.tree.leaves(tree), strict=True))
+  engine = serve.Engine(samplers, tokenizer, loaded, max_batch=4)
+  assert engine.sampler is samplers["policy"] and engine.policy.separate
+  engine.close()
+  with pytest.raises(ValueError, match="exactly one of"):
+    serve.load(str(tmp_path / "run"), "tiny")
