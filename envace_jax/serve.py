@@ -661,7 +661,7 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32)
       step = ckpt.latest_step()
       if step is None:
         raise checkpoint_lib.CheckpointError(f"{checkpoint} holds no checkpoint; train one with envace_jax.main")
-      config = ckpt.read_config(step)
+      config = defaults.completed(ckpt.read_config(step))  # settings added since: their defaults
     name = f"{os.path.basename(os.path.normpath(checkpoint))}-step{step}"
   else:
     config = defaults.or_defaults(config).copy_and_resolve_references()

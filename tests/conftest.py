@@ -24,14 +24,13 @@ import numpy as np
 import pytest
 
 # The suite's longest tests start first. pytest-xdist's worksteal scheduler hands each worker a contiguous part of
-# the collection and the rest is stolen from its end: these (the quickstart notebook, ≈3.5 of the suite's ≈35
-# worker-minutes on 2 cores, and the two longest loop tests, ≈2.5 and ≈1.5) sat near the end and could run last
-# while the other workers idled. The two-process main job (five main-job processes, three runs one after another:
-# 2:20 alone on the 2 cores, 6:52 under a load average of 8) goes first.
+# the collection and the rest is stolen from its end: these (the mesh test with its two-process main job, three runs
+# in-process and two of two processes one after another; the quickstart notebook, ≈3.5 of the suite's ≈35
+# worker-minutes on 2 cores; the longest loop test, ≈1.5) sat near the end and could run last while the other workers
+# idled.
 FIRST = (
-  "tests/test_multihost.py::test_main_job_on_two_processes_equals_one",
+  "tests/test_resume.py::test_training_loop_on_a_2x2x2_mesh_matches_one_device_and_two_processes",
   "tests/test_notebooks.py::test_notebook_runs_and_shows_what_it_computes[quickstart]",
-  "tests/test_resume.py::test_training_loop_on_a_2x2x2_mesh_matches_one_device",
   "tests/test_resume.py::test_killed_during_a_checkpoint_save_resumes_bit_for_bit",
 )
 

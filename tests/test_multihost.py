@@ -1,5 +1,6 @@
-"""Multi-host path: two processes (jax.distributed over 127.0.0.1, 4 CPU devices each) vs one process with 8: the
-update step alone (tests/multihost_worker.py), and the whole main job through ``python -m envace_jax.main``."""
+"""Multi-host path: the whole main job through ``python -m envace_jax.main`` on two processes (jax.distributed over
+127.0.0.1, gloo, 4 CPU devices each), against the same two steps of the Trainer on one process with 8 devices
+(tests/test_resume.py's mesh test, which calls `check_two_processes` here with its run); and a process that dies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 ROOT = WORKER.parents[1]
@@ -33,49 +33,8 @@ def _env() -> dict[str, str]:
   return env
 
 
-@pytest.mark.slow
-def test_two_processes_equal_one(tmp_path):
-  """2 tiny-config GRPO updates on a 2x2x2 mesh: 2 processes x 4 devices end with the 1 x 8 parameters."""
-  single = tmp_path / "single.npz"
-  subprocess.run([sys.executable, str(WORKER), f"--out={single}"], check=True, env=_env(), cwd=ROOT, timeout=600)
-  multi = tmp_path / "multi.npz"
-  coordinator = f"127.0.0.1:{_free_port()}"
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        str(WORKER),
-        f"--out={multi}",
-        f"--process_id={i}",
-        "--num_processes=2",
-        f"--coordinator={coordinator}",
-        "--local_devices=4",
-      ],
-      env=_env(),
-      cwd=ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-    )
-    for i in range(2)
-  ]
-  outputs = []
-  try:
-    for p in procs:
-      out, _ = p.communicate(timeout=600)
-      outputs.append(out.decode(errors="replace")[-3000:])
-  finally:
-    for p in procs:
-      p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n---\n".join(outputs)
-  a, b = np.load(single), np.load(multi)
-  assert sorted(a.files) == sorted(b.files) and len(a.files) > 5
-  assert float(a["__moved__"]) > 1e-4  # the two updates changed the parameters (lr 1e-3)
-  for name in a.files:
-    np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# The whole main job: python -m envace_jax.main in 1 process x 8 devices and in 2 processes x 4 devices
+# The whole main job on 2 processes x 4 devices
 
 # envace_jax.main with the shaped rewards of tests/test_resume.py (every step has a gradient: see its docstring).
 _MAIN = """
@@ -87,26 +46,11 @@ train.Trainer.rollout = shaped_rollout(train.Trainer.rollout)
 sys.argv[0] = "envace_jax.main"
 runpy.run_module("envace_jax.main", run_name="__main__", alter_sys=True)
 """
-# B x G = 2 x 2 rollouts, one task per process; micro-batches of 4 rows over the 2x2x2 mesh's 4 batch shards (data
-# spans the processes); one ACT generation per rollout. lr 1e-4: the parameters move ~1e-4 while the two layouts'
-# rollout logprobs differ by float rounding (one process prefills the two tasks' shared opening once), which AdamW's
-# first steps (g / (|g| + eps)) turn into parameter differences of about lr x 2e-3.
-_JOB = {
-  "train.steps": 2,
-  "train.eval_tasks": 0,
-  "train.tasks_per_step": 2,
-  "train.group_size": 2,
-  "grpo.micro_batch_size": 4,
-  "grpo.learning_rate": 1e-4,
-  "rollout.max_turns": 1,
-  "mesh.data": 2,
-  "mesh.fsdp": 2,
-  "mesh.tensor": 2,
-}
 
 
-def _launch(workdir, data_dir, processes: int, log_dir, *extra: str) -> list[tuple[subprocess.Popen, pathlib.Path]]:
-  """Starts the main job in ``processes`` processes with 8 / ``processes`` CPU devices each; (process, its log)."""
+def _launch(workdir, data_dir, processes: int, log_dir, job: dict) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+  """Starts the main job (configs/tiny.py with the overrides ``job``) in ``processes`` processes with 8 /
+  ``processes`` CPU devices each; (process, its log)."""
   env = _env()
   others = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
   env["XLA_FLAGS"] = " ".join([*others, f"--xla_force_host_platform_device_count={8 // processes}"])
@@ -117,8 +61,7 @@ def _launch(workdir, data_dir, processes: int, log_dir, *extra: str) -> list[tup
     f"--config={ROOT / 'configs' / 'tiny.py'}",
     f"--workdir={workdir}",
     f"--config.env.data_dir={data_dir}",
-    *(f"--config.{k}={v}" for k, v in _JOB.items()),
-    *extra,
+    *(f"--config.{k}={v}" for k, v in job.items()),
   ]
   if processes > 1:
     cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num_processes={processes}"]
@@ -147,23 +90,22 @@ def _finish(procs, timeout: float = 600) -> None:
   assert all(p.returncode == 0 for p, _ in procs), tails
 
 
-@pytest.mark.slow
-def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
-  """Two steps of ``python -m envace_jax.main`` (tiny config, shaped rewards) on 2 processes x 4 CPU devices (gloo)
-  sample the rewards of 1 process x 8 devices and end with its parameters to 1e-6 (step 2 alone moved them by more
-  than 1e-5); process 0 alone writes the metrics. The run's workdir as a kill right after step 1's checkpoint leaves
-  it (step 2's checkpoint gone, its metrics row written), resumed by 2 new processes, ends bit for bit where the
-  uninterrupted run did: parameters, AdamW state, metrics rows."""
+def check_two_processes(job: dict, reference, tmp_path, data_dir) -> None:
+  """Two steps of ``python -m envace_jax.main`` (configs/tiny.py with ``job``'s overrides, tests/test_resume.py's
+  shaped rewards) on 2 processes x 4 CPU devices (gloo) sample the rewards of ``reference`` (the same two steps of
+  the Trainer on 1 process x 8 devices: its workdir) and end with its parameters to 1e-6 (step 2 alone moved them by
+  more than 1e-5); process 0 alone writes the metrics. The run's workdir as a kill right after step 1's checkpoint
+  leaves it (step 2's checkpoint gone, its metrics row written), resumed by 2 new processes, ends bit for bit where
+  the uninterrupted run did: parameters, AdamW state, metrics rows."""
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax import metrics
   from tests.test_resume import assert_same_rows, assert_same_trees
 
-  _finish(_launch(tmp_path / "one", data_dir, 1, tmp_path))  # also prepares data_dir before two processes read it
-  _finish(_launch(tmp_path / "two", data_dir, 2, tmp_path))
-  one, two = (checkpoint_lib.Checkpointer(tmp_path / d, read_only=True) for d in ("one", "two"))
+  _finish(_launch(tmp_path / "two", data_dir, 2, tmp_path, job))
+  one, two = (checkpoint_lib.Checkpointer(d, read_only=True) for d in (reference, tmp_path / "two"))
   assert one.all_steps() == two.all_steps() == [1, 2]
   single, multi = one.restore(2), two.restore(2)
-  rows_one, rows_two = metrics.read_jsonl(tmp_path / "one"), metrics.read_jsonl(tmp_path / "two")
+  rows_one, rows_two = metrics.read_jsonl(reference), metrics.read_jsonl(tmp_path / "two")
   assert [r["step"] for r in rows_two] == [1, 2]  # once each: process 0 wrote them
   for a, b in zip(rows_one, rows_two, strict=True):  # the same rows were sampled: the same shaped rewards
     assert (a["reward/mean"], a["reward/std"], a["update/grad_norm"] > 0) == (b["reward/mean"], b["reward/std"], True)
@@ -178,7 +120,7 @@ def test_main_job_on_two_processes_equals_one(tmp_path, data_dir):
   shutil.copytree(tmp_path / "two", resumed)
   shutil.rmtree(resumed / checkpoint_lib.CHECKPOINT_SUBDIR / "2")
   assert checkpoint_lib.Checkpointer(resumed, read_only=True).all_steps() == [1]
-  _finish(_launch(resumed, data_dir, 2, tmp_path))
+  _finish(_launch(resumed, data_dir, 2, tmp_path, job))
   again = checkpoint_lib.Checkpointer(resumed, read_only=True).restore(2)
   assert_same_trees(again.params, multi.params, "params")
   assert_same_trees(again.opt_state, multi.opt_state, "opt_state")
@@ -195,9 +137,9 @@ def test_a_dead_process_ends_its_peer(tmp_path):
   logs = [tmp_path / f"{i}.log" for i in range(2)]
   procs = []
   for i, log in enumerate(logs):
-    args = [f"--out={tmp_path / 'unused'}", f"--process_id={i}", "--num_processes=2", f"--coordinator={coordinator}"]
+    args = [f"--process_id={i}", "--num_processes=2", f"--coordinator={coordinator}", "--heartbeat_timeout_s=5"]
     with open(log, "wb") as f:
-      cmd = [sys.executable, str(WORKER), *args, "--local_devices=1", "--peer_dies", "--heartbeat_timeout_s=5"]
+      cmd = [sys.executable, str(WORKER), *args]
       procs.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
   try:
     deadline = time.time() + 300

@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import metrics, runtime, train
+from envace_jax.config import defaults
 from envace_jax.envs import datasets
 from envace_jax.rl import grpo
 from envace_jax.sampling import sampler as sampler_lib
@@ -342,9 +343,10 @@ EARLIER = ROOT / "tests" / "data" / "checkpoint_fa2e314"
 @pytest.mark.slow
 def test_a_checkpoint_written_by_an_earlier_version_resumes(tiny_run, tmp_path):
   """fa2e314's step-1 checkpoint of the run that tests/conftest.py's ``tiny_run`` makes today: the same config (the
-  data directory aside), RNG key and data position, and the same arrays (tree, shapes, dtypes). With its config and
-  meta items verbatim and today's step-1 arrays in place of its own, a new Trainer resumes it at step 1 and ends as
-  ``tiny_run`` ends: the step-2 metrics row and checkpoint, parameters and optimizer state bitwise."""
+  data directory aside; the settings added since at their defaults, as ``serve.load`` completes a stored config), RNG
+  key and data position, and the same arrays (tree, shapes, dtypes). With its config and meta items verbatim and
+  today's step-1 arrays in place of its own, a new Trainer resumes it at step 1 and ends as ``tiny_run`` ends: the
+  step-2 metrics row and checkpoint, parameters and optimizer state bitwise."""
   source, config = tiny_run
   earlier = {name: json.loads((EARLIER / f"{name}.json").read_text()) for name in ("config", "meta", "arrays")}
   today = checkpoint_lib.Checkpointer(source, read_only=True)
@@ -352,7 +354,7 @@ def test_a_checkpoint_written_by_an_earlier_version_resumes(tiny_run, tmp_path):
   assert arrays == earlier["arrays"]
   stored = today.read_config(1).to_dict()
   stored["env"]["data_dir"] = earlier["config"]["env"]["data_dir"]
-  assert stored == earlier["config"]
+  assert stored == defaults.completed(earlier["config"]).to_dict()  # the settings added since at their defaults
   meta = today.read_meta(1)
   assert (meta["step"], meta["rng"], meta["data_state"]) == (1, earlier["meta"]["rng"], earlier["meta"]["data_state"])
 
@@ -386,6 +388,9 @@ _ON_MESH = {
   "train.tasks_per_step": 2,
   "train.group_size": 2,
   "grpo.micro_batch_size": 4,
+  # The parameters move ~1e-4 while the layouts' rollout logprobs differ by float rounding (one process prefills the
+  # two tasks' shared opening once, two processes one each), which AdamW's first steps (g / (|g| + eps)) turn into
+  # parameter differences of about lr x 2e-3.
   "grpo.learning_rate": 1e-4,
   "rollout.max_turns": 1,  # the user's opening, then one ACT generation: both samplers decode on the mesh
 }
@@ -455,11 +460,13 @@ def _devices(placement) -> set:
 
 
 @pytest.mark.slow
-def test_training_loop_on_a_2x2x2_mesh_matches_one_device(tmp_path, data_dir):
+def test_training_loop_on_a_2x2x2_mesh_matches_one_device_and_two_processes(tmp_path, data_dir):
   """Two steps of the Trainer on a (data 2, fsdp 2, tensor 2) mesh of 8 fake CPU devices: the sampler's parameters
   and every KV cache it decodes into, and the train state's parameters and AdamW moments, are sharded over the mesh
   as the logical-axis rules say. The same two steps on one device sample the same tokens (same keys; the logits
   differ by float rounding only), and end with parameters equal to 1e-5 (each moved ~2e-4 from the initial weights).
+  The same two steps of ``python -m envace_jax.main`` on 2 processes x 4 devices end with the mesh run's parameters
+  to 1e-6, and resume bit for bit (tests/test_multihost.py's `check_two_processes`).
   """
   single, single_rollouts, single_calls, single_batches = _recorded_run(
     tiny_config(data_dir, **_ON_MESH), tmp_path / "one", single_device=True
@@ -516,3 +523,8 @@ def test_training_loop_on_a_2x2x2_mesh_matches_one_device(tmp_path, data_dir):
   assert moved > 1e-4, moved  # so that agreeing to 1e-5 says something about the updates
   for a, b in zip(jax.tree.leaves(meshed.state.params), jax.tree.leaves(single.state.params), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+  # The mesh run (1 process x 8 devices) is the two-process main job's reference.
+  from tests.test_multihost import check_two_processes
+
+  check_two_processes({**_ON_MESH, **_MESH}, tmp_path / "mesh", tmp_path, data_dir)

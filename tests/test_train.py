@@ -139,11 +139,10 @@ def test_chat_template_chatml_replaces_the_tokenizers_own(data_dir):
 @pytest.mark.slow
 def test_pretrained_weights_are_stored_in_param_dtype(smollm2):
   """config.param_dtype applies to real weights as to random ones (bfloat16 halves a run's parameter memory)."""
-  import ml_collections
+  from envace_jax.config import defaults
 
-  config = ml_collections.ConfigDict(
-    {"model": "smollm2-135m", "model_path": "", "tokenizer": "", "dtype": "bfloat16", "param_dtype": "bfloat16"}
-  )
+  config = defaults.get_config()  # model smollm2-135m, its bundled weights
+  config.dtype = config.param_dtype = "bfloat16"
   model = runtime.load_model(config)
   leaves = jax.tree.leaves(model.params)
   assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)} and model.config.param_dtype == "bfloat16"

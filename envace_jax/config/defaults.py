@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -42,6 +44,21 @@ DEMO_TOOLS = [
 def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.ConfigDict:
   """``config``, or ``get_config()`` when it is None: what a settings dataclass's ``from_config`` reads."""
   return get_config() if config is None else config
+
+
+def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
+  after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
+  setting's default keeps the earlier behaviour). Stored values win; a stored key no longer known is kept."""
+
+  def merge(default: dict, saved: Mapping) -> dict:
+    out = dict(default)
+    for key, value in saved.items():
+      both = isinstance(value, Mapping) and isinstance(out.get(key), dict)
+      out[key] = merge(out[key], value) if both else value
+    return out
+
+  return ml_collections.ConfigDict(merge(get_config().to_dict(), stored))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
