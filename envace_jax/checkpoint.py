@@ -106,13 +106,17 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
 
 
 def _abstract(tree: Any) -> Any:
-  """Arrays -> ShapeDtypeStruct (keeping their sharding); ShapeDtypeStructs stay as they are."""
+  """Arrays -> ShapeDtypeStruct keeping their sharding. A leaf without one (``jax.eval_shape``'s, a numpy array's)
+  goes to this process's first device: orbax would otherwise take the sharding the checkpoint was written with, which
+  another topology (a multi-process run's checkpoint read by one process) cannot build."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
   def leaf(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return x
     sharding = getattr(x, "sharding", None)
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if sharding is None else x.dtype, sharding=sharding)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x if sharding is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+    dtype = np.asarray(x).dtype if sharding is None else x.dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding or device)
 
   return jax.tree.map(leaf, tree)
 
@@ -409,8 +413,9 @@ class Checkpointer:
     Args:
       step: the step to restore; None for the latest.
       abstract_state: {"params": tree, "opt_state": tree} of ``jax.ShapeDtypeStruct`` with shardings (see
-        ``with_shardings``; ``jax.eval_shape`` of the initialisers gives the shapes) or of concrete arrays (their
-        shardings are used). The restored trees have this structure. None restores every array onto the first
+        ``with_shardings``; ``jax.eval_shape`` of the initialisers gives the shapes; a leaf without a sharding goes
+        to the first local device, whatever topology wrote the checkpoint) or of concrete arrays (their shardings
+        are used). The restored trees have this structure. None restores every array onto the first
         local device, the optimizer state as nested dicts and lists (for inspection, not for resuming).
 
     Raises:

@@ -158,6 +158,8 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
       raise ApiError(400, f"{where}.role={role!r}; valid: system, developer, user, assistant, tool", param=where)
     content = _text_content(m.get("content"), where)
     calls = []
+    if role == "assistant" and not isinstance(m.get("tool_calls") or [], list):
+      raise ApiError(400, f"{where}.tool_calls must be a list of tool calls", param=where)
     for j, call in enumerate(m.get("tool_calls") or () if role == "assistant" else ()):
       fn = call.get("function") if isinstance(call, Mapping) else None
       name = fn.get("name") if isinstance(fn, Mapping) else None
@@ -280,6 +282,8 @@ class Engine:
     n = _number(body, "n", 1, 1, self.max_batch, int)
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, int)
     stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+      raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
       raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
@@ -580,7 +584,8 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
 
   @app.middleware("http")
   async def check_key(request: fastapi.Request, call_next):
-    if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if api_key and (scheme.lower() != "bearer" or given.strip() != api_key):  # the scheme is case-insensitive
       error = ApiError(
         401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
       )
@@ -619,7 +624,12 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
         param="model",
         code="model_not_found",
       )
-    job = engine.job(body)
+    try:
+      job = engine.job(body)
+    except ApiError:
+      raise
+    except Exception as e:  # noqa: BLE001 -- a malformed field that no check names: still the client's error
+      raise ApiError(400, f"invalid request: {type(e).__name__}: {e}") from e
     try:
       choices = await asyncio.wrap_future(engine.submit(job))
     except ApiError:
@@ -647,8 +657,8 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32)
   (`runtime.make_sampler`).
 
   Raises:
-    ValueError: neither or both of ``checkpoint`` and ``model``. checkpoint.CheckpointError: ``checkpoint`` holds no
-      checkpoint, or one of another model.
+    ValueError: neither or both of ``checkpoint`` and ``model``. checkpoint.CheckpointError: ``checkpoint`` is not a
+      directory, holds no checkpoint, or one of another model.
   """
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax import evaluate
@@ -657,6 +667,8 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32)
   if bool(checkpoint) == bool(model):
     raise ValueError("give exactly one of --checkpoint=WORKDIR (a trained run) or --model=NAME|PATH (base weights)")
   if checkpoint:
+    if not os.path.isdir(checkpoint):
+      raise checkpoint_lib.CheckpointError(f"--checkpoint={checkpoint} is not a directory: give a run's workdir")
     with checkpoint_lib.Checkpointer(checkpoint, read_only=True) as ckpt:
       step = ckpt.latest_step()
       if step is None:
@@ -685,7 +697,12 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise absl_app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
+  from envace_jax import checkpoint as checkpoint_lib
+
+  try:
+    config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
+  except (ValueError, checkpoint_lib.CheckpointError) as e:  # what to serve is wrong: one line, no traceback
+    raise SystemExit(f"envace_jax.serve: {e}") from None
   engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens, seed=config.seed)
   uvicorn.run(make_app(engine, f.served_name or name, f.api_key), host=f.host, port=f.port, log_level="info")
 

@@ -94,9 +94,9 @@ def check_two_processes(job: dict, reference, tmp_path, data_dir) -> None:
   """Two steps of ``python -m envace_jax.main`` (configs/tiny.py with ``job``'s overrides, tests/test_resume.py's
   shaped rewards) on 2 processes x 4 CPU devices (gloo) sample the rewards of ``reference`` (the same two steps of
   the Trainer on 1 process x 8 devices: its workdir) and end with its parameters to 1e-6 (step 2 alone moved them by
-  more than 1e-5); process 0 alone writes the metrics. The run's workdir as a kill right after step 1's checkpoint
-  leaves it (step 2's checkpoint gone, its metrics row written), resumed by 2 new processes, ends bit for bit where
-  the uninterrupted run did: parameters, AdamW state, metrics rows."""
+  more than 1e-5); process 0 alone writes the metrics; one process reads its checkpoint. The run's workdir as a kill
+  right after step 1's checkpoint leaves it (step 2's checkpoint gone, its metrics row written), resumed by 2 new
+  processes, ends bit for bit where the uninterrupted run did: parameters, AdamW state, metrics rows."""
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax import metrics
   from tests.test_resume import assert_same_rows, assert_same_trees
@@ -115,6 +115,15 @@ def check_two_processes(job: dict, reference, tmp_path, data_dir) -> None:
   step_1 = jax.tree.leaves(two.restore(1).params)
   moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(flat_two, step_1, strict=True))
   assert moved > 1e-5, moved  # step 2's update, by more than the tolerance
+  # One process reads the two processes' checkpoint, as --mode=eval and envace_jax.serve do (eval_shape's target has
+  # no sharding: the first device, not the writers' topology).
+  from envace_jax import evaluate, runtime
+  from tests.test_train import tiny_config
+
+  config = tiny_config(data_dir, **job)
+  params, step = evaluate.restore_policy(config, runtime.load_model(config), str(tmp_path / "two"))
+  assert step == 2
+  assert_same_trees(params, multi.params, "params read by one process")
 
   resumed = tmp_path / "resumed"
   shutil.copytree(tmp_path / "two", resumed)

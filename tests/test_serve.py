@@ -226,6 +226,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
     (post({"model": name, "messages": user, "tool_choice": "required"}), 400, None),
     (post({"model": name, "messages": [{"role": "robot", "content": "hi"}]}), 400, None),
     (post({"model": name, "messages": user, "temperature": "hot"}), 400, None),
+    (post({"model": name, "messages": user, "stop": 5}), 400, None),
+    (post({"model": name, "messages": [*user, {"role": "assistant", "content": "", "tool_calls": 5}]}), 400, None),
     (post({"model": name, "messages": user}, key="wrong"), 401, "invalid_api_key"),
   ]  # fmt: skip
   for response, status, code in cases:
@@ -239,6 +241,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
     openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
   ok = client.chat.completions.create(model=name, messages=user, max_tokens=2)
   assert ok.choices[0].finish_reason in ("length", "stop")
+  lower = httpx.get(f"{url}/models", headers={"Authorization": f"bearer {API_KEY}"}, timeout=60)
+  assert lower.status_code == 200  # the scheme is case-insensitive (RFC 9110)
 
 
 @pytest.mark.slow
