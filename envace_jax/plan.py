@@ -43,7 +43,7 @@ from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
 from envace_jax.sampling import sharding
-from envace_jax.sampling.sampler import Sampler, _next_pow2
+from envace_jax.sampling.sampler import Sampler, next_pow2
 
 GIB = 1024**3
 
@@ -111,7 +111,7 @@ def _cache(config, mesh, rows: int, capacity: int, openings: int, opening_tokens
 
   if not opening_tokens:
     return make(rows, capacity)
-  prefix = make(openings, _next_pow2(opening_tokens, min_bucket))
+  prefix = make(openings, next_pow2(opening_tokens, min_bucket))
   return make(rows, capacity - opening_tokens).replace(prefix=prefix)
 
 
@@ -194,7 +194,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
   pad_to = shards if on_mesh is not None else 1
   rows += -rows % pad_to
   stops = tuple(sorted({s.encode() for r in views for s in ucfg.stop_strings(r)}))
-  num_new = _next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
+  num_new = next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
   cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
   # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size).
@@ -211,7 +211,7 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0) -> dict
     parts.append(Part("KV cache: reference user", device_bytes(ref_cache), "rollout",
                       f"{ref_rows} rows × {ref_cache.capacity} slots" + _shared(ref_cache, "USER", b)))  # fmt: skip
     stops_user = tuple(s.encode() for s in ucfg.stop_strings(Role.USER))
-    num_user = _next_pow2(ucfg.user_max_new_tokens, 1)
+    num_user = next_pow2(ucfg.user_max_new_tokens, 1)
     _, ref_decode = _sampler_programs(sampler, params_abstract, ref_cache, num_user, ucfg.user_sampling, stops_user)
     programs["decode (reference user)"] = ref_decode
   parts.append(Part("sampler temporaries", rollout_temp, "rollout", "the larger of prefill's and decode's"))

@@ -62,8 +62,12 @@ def load_model(config) -> Model:
   if tok_source is not None:
     tokenizer = Tokenizer.from_hf_dir(weights.resolve(tok_source)) if tok_source != source else None
   if source is None:
-    overrides = {"dtype": config.dtype, "param_dtype": config.get("param_dtype", "float32"), "scan_layers": True}
-    overrides["attention"] = config.attention
+    overrides = {
+      "dtype": config.dtype,
+      "param_dtype": config.get("param_dtype", "float32"),
+      "scan_layers": True,
+      "attention": config.attention,
+    }
     if tokenizer is not None:
       overrides["vocab_size"] = tokenizer.vocab_size
     model_config = config_lib.get_model_config(config.model, **overrides)

@@ -66,7 +66,7 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import ChatTemplateError, Tokenizer
 from envace_jax.rehearsal import private, views
 from envace_jax.rehearsal.episode import UnfoldConfig
-from envace_jax.sampling.sampler import SamplingParams
+from envace_jax.sampling.sampler import SamplingParams, next_pow2
 from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -223,10 +223,6 @@ def _number(body: Mapping[str, Any], name: str, default, low, high, kind=float):
 # The engine: one thread, batched sampler calls.
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 class Engine:
   """Renders requests and answers them in batched sampler calls on one worker thread (module docstring).
 
@@ -282,9 +278,7 @@ class Engine:
     n = _number(body, "n", 1, 1, self.max_batch, int)
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, int)
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-      raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = tuple(stop) if isinstance(stop, list) else () if stop is None else (stop,)  # checked as strings below
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
       raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
     rehearsal = body.get("rehearsal")
@@ -448,9 +442,9 @@ class Engine:
     try:
       rows = [(j, c) for j in jobs for c in range(j.n)]
       mult = self.sampler.batch_multiple
-      b = -(-_pow2(len(rows)) // mult) * mult
+      b = -(-next_pow2(len(rows)) // mult) * mult
       longest = max(len(j.prompt) + j.max_tokens for j in jobs)
-      capacity = min(max(_pow2(longest), MIN_CAPACITY), self.context)
+      capacity = min(next_pow2(longest, MIN_CAPACITY), self.context)
       prompts = [j.prompt for j, _ in rows] + [[]] * (b - len(rows))
       roles = [j.roles for j, _ in rows] + [[]] * (b - len(rows))
       budgets = [j.max_tokens for j, _ in rows] + [1] * (b - len(rows))

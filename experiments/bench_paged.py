@@ -28,7 +28,7 @@ from envace_jax.model import config as config_lib
 from envace_jax.model import paged, transformer
 
 
-def _decode(config, params, cache, first, steps: int):
+def greedy_decode(config, params, cache, first, steps: int):
   """Greedy decode of ``steps`` tokens after ``first`` int32[G]: (int32[G, steps] tokens, the cache)."""
 
   def body(i, carry):
@@ -91,7 +91,7 @@ def _layouts(config, params, opening: np.ndarray, group: int, new_tokens: int, p
 def bench(config, params, opening: int, group: int, new_tokens: int, page_size: int, repeats: int) -> list[dict]:
   ids = np.asarray(jax.random.randint(jax.random.key(opening), (opening,), 1, config.vocab_size), np.int32)
   first = jnp.asarray(np.arange(group) % config.vocab_size + 1, jnp.int32)  # each row continues differently
-  decode = jax.jit(_decode, static_argnames=("config", "steps"))
+  decode = jax.jit(greedy_decode, static_argnames=("config", "steps"))
   rows, reference = [], None
   for name, (build, slots) in _layouts(config, params, ids, group, new_tokens, page_size).items():
     jax.block_until_ready(decode(config, params, build(), first, new_tokens))  # compiles

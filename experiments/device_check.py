@@ -29,7 +29,6 @@ Peaks (vendor datasheets, dense bfloat16 without sparsity; `PEAKS`) are looked u
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import sys
@@ -43,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 from envace_jax.model import config as model_config  # noqa: E402
 from envace_jax.model import transformer  # noqa: E402
 from envace_jax.rl import logprobs  # noqa: E402
-from experiments import bench_update  # noqa: E402
+from experiments import bench_paged, bench_update  # noqa: E402
 
 # (substring of device_kind, HBM bytes/s, dense bfloat16 FLOP/s); first match wins, so the specific names come first.
 PEAKS = (
@@ -90,29 +89,20 @@ def multiplying_params(config: model_config.ModelConfig, params) -> int:
   return transformer.param_count(params) - lookups
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _decode(config, params, cache, tokens):
-  """``steps`` = tokens.shape[1] greedy single-token forwards over the cache; returns the last ids and the cache."""
-
-  def body(carry, _):
-    ids, cache = carry
-    logits, cache = transformer.apply(config, params, ids, cache=cache)
-    return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache), None
-
-  (ids, cache), _ = jax.lax.scan(body, (tokens[:, :1], cache), None, length=tokens.shape[1])
-  return ids, cache
+# bench_paged's greedy decode loop; the cache is donated (the 8B model's is ~10 GB).
+_decode = jax.jit(bench_paged.greedy_decode, static_argnames=("config", "steps"), donate_argnames="cache")
 
 
 def decode(config, params, batch: int, slots: int, steps: int, repeats: int) -> dict:
   """Decode seconds per step with rows filled to ``slots - steps - 1`` (zeros: the cost does not depend on them)."""
   fill = slots - steps - 1
   empty = transformer.init_cache(config, batch, slots)
-  tokens = jnp.ones((batch, steps), jnp.int32)
+  first = jnp.ones((batch,), jnp.int32)
 
   def fresh():  # _decode donates its cache
     return (jax.tree.map(jnp.copy, empty.replace(lengths=jnp.full((batch,), fill, jnp.int32))),)
 
-  run = lambda cache: _decode(config, params, cache, tokens)[0]  # noqa: E731
+  run = lambda cache: _decode(config, params, cache, first, steps)[0]  # noqa: E731
   compile_s = _best(run, 1, fresh)  # the first call compiles
   step_s = _best(run, repeats, fresh) / steps
   itemsize = jnp.dtype(config.dtype).itemsize
@@ -146,7 +136,7 @@ def check(dry: bool, steps: int, repeats: int) -> dict:
   report = {"device": device.device_kind, "backend": jax.default_backend(), "peaks": peak, "models": []}
   for i, (name, batch, slots, t) in enumerate(SHAPES["dry" if dry else "accelerator"]):
     config = model_config.get_model_config(name, dtype=dtype, param_dtype=dtype)
-    params = jax.jit(transformer.init_params, static_argnums=0)(config, jax.random.key(0))
+    params = jax.jit(transformer.init_params, static_argnames="config")(config, jax.random.key(0))
     entry = {"model": name, "params": transformer.param_count(params), "decode": {}}
     entry["update"] = update(config, params, t, repeats)
     per_layer = transformer.unstack_layers(params)

@@ -283,6 +283,8 @@ class Attention(nn.Module):
     k_btkh = apply_rope(k_btkh, positions, inv_freq)
 
     b, t = x_btd.shape[:2]
+    causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
+    mask = attention.dense(mask)
     impl = attention.REFERENCE
     if pages is None and not prefixes:
       impl = attention.select(
@@ -291,12 +293,10 @@ class Attention(nn.Module):
         jnp.dtype(dtype).name,
         h,
         t,
-        attention.dense(mask).shape[-1],
+        mask.shape[-1],
         cached=cache is not None,
-        causal_mask=isinstance(mask, attention.CausalMask),
+        causal_mask=causal_valid is not None,
       )
-    causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
-    mask = attention.dense(mask) if mask is not None else None
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
       table, kv_lens, q_slots = pages

@@ -52,7 +52,7 @@ from envace_jax.rehearsal import views
 from envace_jax.rehearsal.episode import ROLE_NAMES, Episode, UnfoldConfig, UnfoldConfigError
 from envace_jax.rehearsal.trajectory import Termination, Trajectory, common_prefix_length
 from envace_jax.rehearsal.users import ExternalUser, UserSimulator, UserSimulatorError
-from envace_jax.sampling.sampler import SamplingParams, _next_pow2
+from envace_jax.sampling.sampler import SamplingParams, next_pow2
 
 __all__ = ["UnfoldConfig", "UnfoldConfigError", "UnfoldOutput", "unfold"]
 
@@ -202,7 +202,7 @@ class _Unfolder:
     rest = [p[n:] for p, n in zip(prompts, shared, strict=True)]
     rest_roles = [p[n:] for p, n in zip(prompt_roles, shared, strict=True)]
     full = max(self.cfg.capacity(r) for r in roles)
-    slots = lambda n: min(_next_pow2(n, 1), full)  # noqa: E731  (few compiled shapes; a prompt fits its capacity)
+    slots = lambda n: min(next_pow2(n, 1), full)  # noqa: E731  (few compiled shapes; a prompt fits its capacity)
     longest = slots(max(map(len, prompts)))
     if lead:  # the common parts in a cache of their own
       heads = [lead.get(r) for r in range(len(roles))] if nest else list(lead.values())

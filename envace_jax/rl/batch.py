@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from envace_jax.rehearsal.trajectory import TrainingRow, common_prefix_length
+from envace_jax.sampling.sampler import next_pow2
 
 
 @struct.dataclass
@@ -75,7 +76,7 @@ class TrainBatch:
 def bucket_length(n: int, step: int, minimum: int = 16) -> int:
   """n rounded up to a power of two (at least ``minimum``) while below ``step``, else to a multiple of ``step``."""
   if n <= step:
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    return next_pow2(n, minimum)
   return -(-int(n) // step) * step
 
 

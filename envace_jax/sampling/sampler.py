@@ -149,7 +149,8 @@ def _check_rows(prompts: Sequence[Sequence[int]], cache: KVCache) -> int:
   return b
 
 
-def _next_pow2(n: int, minimum: int) -> int:
+def next_pow2(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= ``n``, at least ``minimum``: the buckets that keep compiled shapes few."""
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
@@ -315,7 +316,7 @@ class Sampler:
     """
     capacity = cache.capacity if capacity is None else int(capacity)
     longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
-    parent = cache.trimmed(min(cache.capacity, _next_pow2(longest, self.min_bucket)))
+    parent = cache.trimmed(min(cache.capacity, next_pow2(longest, self.min_bucket)))
     if self.mesh is not None:
       parent = jax.device_put(parent, sharding.cache_shardings(self.config, self.mesh, parent, self.rules))
     rows = int(cache.lengths.shape[0]) * group_size
@@ -498,7 +499,7 @@ class Sampler:
     not split over devices, the bucket is smaller than the batch, and the copies of the prefix levels each gathered
     row takes (the levels are shared, the copies are not) are no longer than its own ``attend`` slots."""
     prefix = sum(level.capacity for level in cache.levels())
-    return self.batch_multiple == 1 and _next_pow2(n, 1) < int(cache.lengths.shape[0]) and prefix <= attend
+    return self.batch_multiple == 1 and next_pow2(n, 1) < int(cache.lengths.shape[0]) and prefix <= attend
 
   @staticmethod
   def _attended(cache, attend: int) -> int:
@@ -511,7 +512,7 @@ class Sampler:
     """Cache slots a call attends over: ``n`` (the most slots any row of the call fills) rounded up to a power of
     two, at least ``prefill_chunk``; the caller caps it at the capacity. Attention then costs what the histories
     hold, not the cache's capacity, with O(log capacity) compiled variants."""
-    return _next_pow2(n, self.prefill_chunk)
+    return next_pow2(n, self.prefill_chunk)
 
   def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], prompt_roles, active=None):
     """Appends each row's new prompt tokens to its cache, in bucketed chunks.
@@ -555,13 +556,13 @@ class Sampler:
     total = int(lengths.max(initial=0))
     last_logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
     for start in range(0, total, self.prefill_chunk):
-      size = _next_pow2(min(self.prefill_chunk, total - start), self.min_bucket)
+      size = next_pow2(min(self.prefill_chunk, total - start), self.min_bucket)
       writing = lengths > start
       attend = self.attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
       # A chunk that writes few rows runs on those rows alone when `_gathers` allows (module docstring, invariants).
       some = np.flatnonzero(writing)
       compact = self._gathers(cache, len(some), min(attend, cache.capacity))
-      rows = np.concatenate([some, np.full(_next_pow2(len(some), 1) - len(some), b)]) if compact else np.arange(b)
+      rows = np.concatenate([some, np.full(next_pow2(len(some), 1) - len(some), b)]) if compact else np.arange(b)
       n = np.where(rows < b, lengths[np.minimum(rows, b - 1)], 0)  # prompt tokens of each computed row
       tokens = np.full((len(rows), size), self.pad_id, np.int32)
       roles = np.zeros((len(rows), size), np.int32)
@@ -598,7 +599,7 @@ class Sampler:
     """
     if stop_strings and self._byte_table is None:
       raise ValueError("stop_strings need token_bytes: build the Sampler with token_bytes=tokenizer.token_bytes().")
-    return Stream(self, cache, _next_pow2(num_new, 1), sampling, tuple(s.encode("utf-8") for s in stop_strings))
+    return Stream(self, cache, next_pow2(num_new, 1), sampling, tuple(s.encode("utf-8") for s in stop_strings))
 
   def generate(
     self,
@@ -755,7 +756,7 @@ class Stream:
       attend = min(sampler.attend_bucket(int(reach)), state.cache.capacity)
       b = len(self.live)
       some = np.flatnonzero(running)
-      m = _next_pow2(len(some), 1)
+      m = next_pow2(len(some), 1)
       compact = sampler._gathers(state.cache, len(some), attend)
       attend = sampler._attended(state.cache, attend)
       if compact:
