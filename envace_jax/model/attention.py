@@ -5,9 +5,10 @@
   ``reference``   the transformer's own paths (`transformer._attend`, `_tiled_attention`, `_attend_key_blocks`, the
                   log-sum-exp merges of shared prefixes and pages): the CPU's only path, every backend's fallback.
   ``cudnn``       ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused flash attention (GPU).
-  ``xla``         the same call with ``implementation="xla"``: JAX's own einsums, the same on every backend. Only when
-                  forced (``ModelConfig.attention="xla"``): the CPU tests check `dot_product` through it.
-  ``pallas_tpu``  ``jax.experimental.pallas.ops.tpu.flash_attention``, the Pallas TPU kernel JAX ships.
+  ``xla``         the same calls with ``implementation="xla"``: JAX's own einsums, the same on every backend. Only
+                  when forced (``ModelConfig.attention="xla"``): the CPU tests check the cuDNN routes through it.
+  ``pallas_tpu``  ``jax.experimental.pallas.ops.tpu.flash_attention``, the Pallas TPU kernel JAX ships (and its
+                  ``ragged_paged_attention`` for pages without prefix levels).
 
 ``ModelConfig.attention="auto"`` (the run config's ``attention``) picks by the backend (`current_backend`:
 ``jax.default_backend()`` unless a `backend` block names another); any other value forces that implementation wherever
@@ -24,13 +25,35 @@ Where a kernel applies (everything else stays on the reference, on every backend
     1 for every query and valid[k] for key k), not the segments of packed training rows (a suffix also sees its
     parent's segment, ``rl/batch.py``), and needs T a multiple of its 128-token blocks; it has no grouped-query
     layout, so each KV head is repeated G times (keys and values G times larger while the kernel runs).
-  * One new token per row over a contiguous cache (decode): cuDNN, mask as a bias dtype[B, 1, 1, S]. The cache's keys
-    are stored [B, K, H, S] (the layout `transformer._attend` reads in place) and cuDNN reads [B, S, K, H]: XLA
-    transposes every layer's key slots for the call (``experiments/device_check.py`` measures decode both ways).
-  * Not routed: a multi-token chunk over a cache (prefill: its [B, 1, T, S] bias grows with the cache's capacity),
-    shared prefixes (``KVCache.prefix``) and paged caches, whose parts merge by log-sum-exp (neither kernel returns
-    the log-sum-exp through the call used here). Paged rows have their own per-backend choice, `paged.attention`
-    (JAX's TPU ragged paged attention; eager only, so the jitted model runs `paged.attention_part`).
+  * Every call over a cache (the rollouts' prefill chunks and decode steps, over own slots or pages, with or
+    without shared-prefix levels; `transformer.Attention`): a softmax split over key sets, one kernel call per set
+    that returns its log-sum-exp, the sets merged by max and sum (`merge`, `kvcache.merge_parts`; FlashAttention's
+    merge, vLLM's cascade attention, MaxText's decode over parts). The sets:
+      - own slots (`rows_part`): slots below lengths[b], a padding mask by length (no bias). A decode step's own
+        slots include its new token; a chunk of T > 1 tokens reads the slots filled before it here, and
+      - the chunk over itself (`chunk_part`), causal & valid (a [B, 1, T, T] bias: the chunk's size, not the cache's);
+      - each prefix level (`rows_part` with m = B / P rows per prefix row): the m rows' m * T queries as one kernel
+        row over their prefix row, so its keys and values are read once for them, not once per row (Hydragen).
+    GPU, ``cudnn``: cuDNN's flash attention with its log-sum-exp (`_with_lse`) for every set (half precision, head
+    dim a multiple of 8 up to 128). cuDNN reads [B, S, K, H]: XLA transposes the cache's keys ([B, K, H, S]) and
+    values ([B, K, S, H]) for each call. Pages: the call's rows' pages are gathered into a contiguous view (one
+    [B, W * Z, 2K, H] copy per layer, of the pages the call's table names: ``attend_len`` trims it), then as own
+    slots. Chosen over the Pallas GPU ``paged_attention`` because that kernel reads pools laid out [K, P, Z, H] (ours
+    are the TPU kernel's [P, Z, 2K, H]: converting copies the whole pool every step) and returns no log-sum-exp to
+    merge a prefix with; cuDNN's own paged mode is not reachable through ``jax.nn``. The ``xla`` form reads the
+    log-sum-exp in the compute dtype (``jax.nn`` casts it): bfloat16 merges on the tiny model are within 0.003 of
+    the reference's logits, as bfloat16 compute itself; cuDNN's is kept in float32.
+    TPU, ``pallas_tpu``: the Pallas TPU flash kernel's forward with its residuals (`_tpu_flash_lse`) for every set;
+    KV heads as its heads and each head's G query heads folded into its query rows (no repeat), except the chunk
+    over itself (causal: heads repeated, the chunk only). Keys are padded to its 128-key blocks (a copy where the
+    cache's slots are not a multiple of 128) and the mask given as segment ids. Pages without prefix levels go to
+    JAX's ragged paged attention kernel (`paged.kernel_attention`, under ``jit``: it reads the pages in place),
+    where its tiling takes the heads (`paged.kernel_applies`); pages with prefix levels are gathered as on GPU (the
+    ragged kernel returns no log-sum-exp).
+    No loop in these routes: a decode step has no ``while`` (the kernels' grids iterate). Where the reference serves
+    a call on GPU or TPU (a float32 run on GPU, say), its loop over pages runs over the table's static width
+    (`paged.attention_part` with ``static``): XLA:GPU would copy a data-dependent trip count to the host every
+    iteration. The CPU's reference loops to the longest row, as before.
 
 A query that sees no key (padding) gets the mean of the values from the reference's `_attend` and from the ``xla``
 and ``cudnn`` implementations (every logit equally masked), zeros from the reference's tiled paths; both are
@@ -319,13 +342,45 @@ def _clean(out, lse, seen):
   )
 
 
+def _with_lse(impl: str, q_btnh, k_bskh, v_bskh, *, lengths=None, mask=None):
+  """``jax.nn.dot_product_attention(..., return_residual=True)`` with a padding mask by key lengths int32[B] or a
+  causal bool mask [B, T, S]: (out dtype[B, T, N, H], log-sum-exp [B, T, N]). For cuDNN it calls the function
+  ``jax.nn`` calls (jax/_src/cudnn/fused_attention_stablehlo.py, with the arguments ``jax.nn`` gives it) to keep
+  cuDNN's float32 log-sum-exp: ``jax.nn`` casts it to the compute dtype, and a bfloat16 log-sum-exp is off by up to
+  |lse| * 2^-9, which scales a part's weight in the merge by up to exp of that (~1.6% at lse = 8). ``xla`` keeps
+  ``jax.nn``'s cast (the CPU tests' bfloat16 tolerance covers it)."""
+  if impl != CUDNN:
+    if lengths is not None:
+      return jax.nn.dot_product_attention(
+        q_btnh, k_bskh, v_bskh, key_value_seq_lengths=lengths, implementation=impl, return_residual=True
+      )
+    return jax.nn.dot_product_attention(
+      q_btnh, k_bskh, v_bskh, mask=mask[:, None], is_causal=True, implementation=impl, return_residual=True
+    )
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  b, t, _, h = q_btnh.shape
+  if lengths is not None:
+    q_lengths = jnp.full((b,), t, jnp.int32)
+    out, stat = cudnn.dot_product_attention(
+      q_btnh, k_bskh, v_bskh, None, None, q_lengths, lengths, scale=h**-0.5, mask_type=cudnn.MaskType.PADDING,
+      return_residual=True,
+    )  # fmt: skip
+  else:
+    out, stat = cudnn.dot_product_attention(
+      q_btnh, k_bskh, v_bskh, None, mask[:, None], scale=h**-0.5, mask_type=cudnn.MaskType.CAUSAL,
+      return_residual=True,
+    )  # fmt: skip
+  return out, stat.transpose(0, 2, 1)  # cuDNN's residual is [B, N, T] whatever the layout (as jax.nn reads it)
+
+
 def rows_part(impl: str, q_btnh, k_bskh, v_bskh, lengths):
   """Queries over rows of keys where key slot s of row r is seen iff s < lengths[r], by the kernel ``impl``: one
   part of a softmax split over key sets, merged with the others by `merge`.
 
   Args:
-    impl: "xla" or "cudnn" (``jax.nn.dot_product_attention(..., return_residual=True)``, padding mask by
-      ``key_value_seq_lengths``: no bias), or "pallas_tpu" (`_tpu_flash_lse`, the mask as segment ids).
+    impl: "xla" or "cudnn" (`_with_lse`: a padding mask by key lengths, no bias), or "pallas_tpu"
+      (`_tpu_flash_lse`, the mask as segment ids).
     q_btnh: dtype[B, T, N, H] queries; query row b reads key row b // m (m = B / R: the m rows that continue one
       shared prefix row read it together, their m * T queries as one kernel row: its keys are read once for them).
     k_bskh, v_bskh: dtype[R, S, K, H] (R divides B). lengths: int32[R].
@@ -346,10 +401,7 @@ def rows_part(impl: str, q_btnh, k_bskh, v_bskh, lengths):
     out = out.reshape(r, k, m, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
     lse = lse.reshape(r, k, m, t, g).transpose(0, 2, 3, 1, 4).reshape(b, t, n)
   else:
-    out, lse = jax.nn.dot_product_attention(
-      q_btnh.reshape(r, m * t, n, h), k_bskh, v_bskh, key_value_seq_lengths=lengths, implementation=impl,
-      return_residual=True,
-    )  # fmt: skip
+    out, lse = _with_lse(impl, q_btnh.reshape(r, m * t, n, h), k_bskh, v_bskh, lengths=lengths)
     out, lse = out.reshape(b, t, n, h), lse.reshape(b, t, n)
   seen = jnp.broadcast_to(jnp.repeat(lengths > 0, m, total_repeat_length=b)[:, None, None], (b, t, n))
   return _clean(out, lse, seen)
@@ -369,9 +421,7 @@ def chunk_part(impl: str, q_btnh, k_btkh, v_btkh, valid):
     out, lse = _tpu_flash_lse(heads(q_btnh), heads(k_btkh), heads(v_btkh), ones, valid.astype(jnp.int32), True)
     out, lse = out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
   else:
-    out, lse = jax.nn.dot_product_attention(
-      q_btnh, k_btkh, v_btkh, mask=mask[:, None], is_causal=True, implementation=impl, return_residual=True
-    )
+    out, lse = _with_lse(impl, q_btnh, k_btkh, v_btkh, mask=mask)
   return _clean(out, lse, jnp.broadcast_to(mask.any(-1)[:, :, None], (b, t, n)))
 
 

@@ -363,11 +363,12 @@ def reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid=None):
 
 
 def kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid, kernel: Callable | None = None):
-  """`reference_attention` through the ragged paged attention kernel's interface: the valid queries packed
-  [sum of q_len, N, H] row after row, ``cu_q_lens`` their offsets. The kernel takes each row's queries to be its
-  last q_len slots: a row's valid queries must come first in its row of the chunk (right padding; ValueError
-  otherwise), as `row_slots` writes them. Eager only (the packing reads ``valid`` on the host, and the packed
-  length changes the kernel's shape), which is why `transformer.apply` does not call it.
+  """`reference_attention` through the ragged paged attention kernel's interface, under ``jax.jit`` or eagerly: the
+  valid queries packed [B * T, N, H] row after row in chunk order (padding after them all, past ``cu_q_lens[B]``,
+  which the kernel does not read), ``cu_q_lens`` their offsets. The kernel places row b's q_len valid queries at its
+  last q_len slots, kv_lens[b] - q_len + i for the i-th: `row_slots`' slot for it whatever the padding, so
+  ``q_slots`` is implied. Padding queries get zeros. (It was eager only while the packing read ``valid`` on the host
+  and packed to the valid count: here the packed length is the static B * T and the order is computed on device.)
 
   Args:
     kernel: the kernel (default: `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, TPU only); tests pass
@@ -377,24 +378,24 @@ def kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid, kernel: Calla
   if kernel is None:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
   b, t, n, h = q_btnh.shape
-  valid_np = np.asarray(valid, bool)
-  q_len = valid_np.sum(axis=1)
-  for row in range(b):
-    if not valid_np[row, : q_len[row]].all():
-      raise ValueError(f"kernel_attention: row {row}'s valid queries are not its first {q_len[row]} positions.")
-  order = np.flatnonzero(valid_np.reshape(-1))  # valid (row, t) in row-major order
+  valid = jnp.asarray(valid, bool)
+  q_len = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  order = jnp.argsort(~valid.reshape(-1), stable=True)  # valid (row, t) first in row-major order, then padding
   packed = q_btnh.reshape(b * t, n, h)[order]
-  cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_len)]), jnp.int32)
+  cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len, dtype=jnp.int32)])
   out = kernel(
     packed, pool, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table, jnp.int32), cu_q_lens,
     jnp.asarray([b], jnp.int32), sm_scale=h**-0.5,
   )  # fmt: skip
-  return jnp.zeros((b * t, n, h), q_btnh.dtype).at[order].set(out.astype(q_btnh.dtype)).reshape(b, t, n, h)
+  out = jnp.pad(out, ((0, b * t - out.shape[0]), (0, 0), (0, 0)))  # the reference returns the valid count only
+  out = jnp.zeros((b * t, n, h), q_btnh.dtype).at[order].set(out.astype(q_btnh.dtype)).reshape(b, t, n, h)
+  return jnp.where(valid[:, :, None, None], out, 0)
 
 
 def kernel_applies(backend: str, *, prefix_levels: int = 0, heads: tuple[int, int, Any] | None = None) -> bool:
-  """Whether `attention` uses the TPU kernel: on TPU, for rows without shared prefix levels (the kernel returns no
-  log-sum-exp to merge a prefix's part with; rows with prefixes take `attention_part`), when JAX ships the kernel
+  """Whether the TPU kernel serves paged rows (`attention`, `transformer.Attention`): on TPU, for rows without shared
+  prefix levels (the kernel returns no log-sum-exp to merge a prefix's part with: model/attention.py routes those),
+  when JAX ships the kernel
   and, given ``heads`` = (query heads N, KV heads K, dtype), its tiling takes them (it refuses 2K = 6, SmolLM2's)."""
   if backend != "tpu" or prefix_levels:
     return False

@@ -332,6 +332,13 @@ class Attention(nn.Module):
       out_btnh = attention.tpu_flash(q_btnh, k_btkh, v_btkh, causal_valid)
     elif impl != attention.REFERENCE and cache is None:
       out_btnh = attention.dot_product(q_btnh, k_btkh, v_btkh, mask, impl, causal=True)
+    elif (
+      impl == attention.PALLAS_TPU
+      and pages is not None
+      and not prefixes
+      and paged.kernel_applies(backend, heads=(n, k, cache.dtype))
+    ):  # pages alone: the ragged paged attention kernel reads them in place (it returns no log-sum-exp to merge)
+      out_btnh = paged.kernel_attention(q_btnh, cache, *pages, chunk.valid)
     elif impl != attention.REFERENCE:  # over a cache: own slots or pages, the chunk, prefix levels (attention.py)
       if pages is not None:  # the rows' pages gathered into one contiguous view (attention.py says why)
         kv = jnp.take(cache, pages[0], axis=0, mode="clip")  # [B, W, Z, 2K, H]; P (no page): masked by length

@@ -333,21 +333,24 @@ def _whiles(jaxpr, found):
   return found
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_rollout_programs_on_kernels_without_data_loops(backend):
+@pytest.mark.parametrize(
+  "backend, dtype, want", [("gpu", "bfloat16", "cudnn"), ("tpu", "bfloat16", "pallas_tpu"), ("gpu", "float32", None)]
+)
+def test_rollout_programs_on_kernels_without_data_loops(backend, dtype, want):
   """Traced (not run) for a GPU and a TPU: a tiny bfloat16 rollout's programs as the `Sampler` compiles them (a
   prefill chunk and the decode loop over forked caches with a shared-prefix level: own slots dense and in pages)
   and the update's training forward. Every rollout prefill and decode call is on a kernel, and so is the training
   forward (its rows a multiple of 128 tokens); the decode loop's only ``while`` is the generation loop itself, and
   its body (one decode step per layer) has none (the kernels' routes have no loop; the same walk finds the paged
-  reference's loop over pages, a ``while`` with a trip count read from data, in the CPU's program)."""
+  reference's loop over pages, a ``while`` with a trip count read from data, in the CPU's program). A float32 run
+  on GPU (cuDNN takes half precision only) is on the reference, whose loop over pages is then a static scan."""
   import functools
 
   from envace_jax.model import paged
   from envace_jax.rl import logprobs as logprobs_lib
   from envace_jax.sampling.sampler import Sampler, SamplingParams
 
-  config = config_lib.PRESETS["tiny"].replace(dtype="bfloat16")
+  config = config_lib.PRESETS["tiny"].replace(dtype=dtype)
   params = jax.eval_shape(lambda: transformer.unstack_layers(transformer.init_params(config, jax.random.key(0))))
   sampler = Sampler(config, None, min_bucket=16)
   c = sampler.config
@@ -383,4 +386,4 @@ def test_rollout_programs_on_kernels_without_data_loops(backend):
     ("decode", True, 1),
     ("train", False, 0),
   }
-  assert {call.impl for call in calls} == {"cudnn" if backend == "gpu" else "pallas_tpu"}
+  assert {call.impl for call in calls} == {want or "reference"}

@@ -89,16 +89,25 @@ def test_forked_rows_share_full_pages_and_attend_like_dense_rows():
 
 def test_matches_the_kernel_packages_own_reference():
   """`kernel_attention` packs our padded queries for the ragged kernel's interface; with the kernel replaced by the
-  pure-JAX ``ref_ragged_paged_attention`` from the same JAX package, it gives our reference's outputs."""
+  pure-JAX ``ref_ragged_paged_attention`` from the same JAX package (a host loop over the rows: eager only), it gives
+  our reference's outputs, for right and left padding (a row's i-th valid query is at its slot lengths + i either
+  way). The packing itself reads nothing on the host: it traces under ``jax.jit`` with abstract inputs."""
+  import functools
+
   rpa = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
   rows = _Rows()
   rows.call(["a"], [[True] * 6])
   rows.fork("a", ["b"])
-  q, table, kv_lens, slots, valid, ours = rows.call(["a", "b"], [[True, True, False, False], [True] * 4])
-  theirs = paged.kernel_attention(q, rows.array, table, kv_lens, slots, valid, kernel=rpa.ref_ragged_paged_attention)
-  np.testing.assert_allclose(np.asarray(theirs)[valid], ours[valid], atol=1e-5, rtol=1e-5)
-  with pytest.raises(ValueError, match="row 0's valid queries are not its first 1"):
-    paged.kernel_attention(q, rows.array, table, kv_lens, slots, [[False, True, False, False], [True] * 4])
+  for chunk in ([[True, True, False, False], [True] * 4], [[False, False, True, True], [False, True, True, False]]):
+    q, table, kv_lens, slots, valid, ours = rows.call(["a", "b"], chunk)
+    theirs = paged.kernel_attention(q, rows.array, table, kv_lens, slots, valid, kernel=rpa.ref_ragged_paged_attention)
+    np.testing.assert_allclose(np.asarray(theirs)[valid], ours[valid], atol=1e-5, rtol=1e-5)
+    assert not np.asarray(theirs)[~valid].any()  # padding queries: zeros
+  stand_in = lambda q, *args, **kwargs: q  # noqa: E731  a traceable kernel of the same interface
+  abstract = jax.eval_shape(
+    jax.jit(functools.partial(paged.kernel_attention, kernel=stand_in)), q, rows.array, table, kv_lens, slots, valid
+  )
+  assert abstract.shape == q.shape
 
 
 def test_the_backend_selects_the_kernel(monkeypatch):
