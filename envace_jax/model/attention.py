@@ -314,17 +314,18 @@ def tpu_flash(q_btnh, k_btkh, v_btkh, valid_bt, kernel: Callable | None = None) 
 
 def _tpu_flash_lse(q_bnqh, k_bnsh, v_bnsh, q_segments, kv_segments, causal: bool):
   """The Pallas TPU flash kernel's forward with its residuals (``_flash_attention`` with ``save_residuals``, as its
-  own backward calls it: jax/experimental/pallas/ops/tpu/flash_attention.py), padded to its blocks: queries to a
-  multiple of 8 (and of 128 past 128), keys to a multiple of `TPU_BLOCK` (padding keys get segment 0, seen by no
-  query). Returns (out dtype[B, N, Q, H], float32 log-sum-exp of the scaled scores [B, N, Q])."""
+  own backward calls it: jax/experimental/pallas/ops/tpu/flash_attention.py), padded to its blocks: keys to a
+  multiple of `TPU_BLOCK` (padding keys get segment 0, seen by no query), queries to one query block (a multiple of
+  8) or a multiple of 128, and for ``causal`` (queries and keys the same rows) both alike.
+  Returns (out dtype[B, N, Q, H], float32 log-sum-exp of the scaled scores [B, N, Q])."""
   from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 
   b, n, q_len, h = q_bnqh.shape
   s = k_bnsh.shape[2]
-  block_q = min(TPU_BLOCK, -(-q_len // 8) * 8)
+  block_q = TPU_BLOCK if causal else min(TPU_BLOCK, -(-q_len // 8) * 8)
   q_pad, s_pad = -(-q_len // block_q) * block_q - q_len, -(-s // TPU_BLOCK) * TPU_BLOCK - s
-  if causal:  # the kernel's causal mask compares query and key indices: pad both alike
-    q_pad = s_pad = max(q_pad, s_pad)
+  if causal:  # the kernel's causal mask compares query and key indices (T = S here): pad both alike
+    q_pad = s_pad
   pad = lambda x, n, axis: x if not n else jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
   segments = pallas_flash.SegmentIds(q=pad(q_segments, q_pad, 1), kv=pad(kv_segments, s_pad, 1))
   blocks = pallas_flash.BlockSizes(block_q=block_q, block_k_major=TPU_BLOCK, block_k=TPU_BLOCK, block_b=1)

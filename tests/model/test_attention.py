@@ -242,8 +242,10 @@ def _forked_caches(config, params, own: int, page: int):
   return dense, pages
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", BF16_MAX_ABS)])
-def test_routed_rollout_calls_equal_the_reference(tiny, dtype, tol):
+@pytest.mark.parametrize(
+  "dtype, tol, own", [("float32", 1e-6, "dense"), ("float32", 1e-6, "pages"), ("bfloat16", BF16_MAX_ABS, "pages")]
+)
+def test_routed_rollout_calls_equal_the_reference(tiny, dtype, tol, own):
   """The rollout's cached calls (a ragged prefill chunk over own slots or pages after a shared prefix level, then a
   decode step) routed through the kernels' parts with ``jax.nn.dot_product_attention(implementation="xla",
   return_residual=True)`` (the cuDNN route's CPU form: the same call, the same log-sum-exp merge) give the reference
@@ -259,15 +261,15 @@ def test_routed_rollout_calls_equal_the_reference(tiny, dtype, tol):
   valid[0, :2] = False  # left padding
   valid[2, 4:] = False  # right padding
   step = rng.integers(0, config.vocab_size, (4, 1)).astype(np.int32)
-  for cache in _forked_caches(config, params, own=16, page=4):
-    got = []
-    for impl in ("reference", "xla"):
-      cfg = config.replace(attention=impl)
-      logits, after = jit_apply(cfg, params, chunk, cache=cache, valid=valid)
-      decoded, _ = jit_apply(cfg, params, step, cache=after)
-      got.append((np.asarray(logits)[valid], np.asarray(decoded)))
-    for ref, routed in zip(*got, strict=True):
-      np.testing.assert_allclose(routed, ref, atol=tol, rtol=0)
+  cache = _forked_caches(config, params, own=16, page=4)[own == "pages"]
+  got = []
+  for impl in ("reference", "xla"):
+    cfg = config.replace(attention=impl)
+    logits, after = jit_apply(cfg, params, chunk, cache=cache, valid=valid)
+    decoded, _ = jit_apply(cfg, params, step, cache=after)
+    got.append((np.asarray(logits)[valid], np.asarray(decoded)))
+  for ref, routed in zip(*got, strict=True):
+    np.testing.assert_allclose(routed, ref, atol=tol, rtol=0)
 
 
 def _union_reference(q_btnh, prefix, own, chunk):
