@@ -252,9 +252,10 @@ def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
 class Attention(nn.Module):
   """Grouped-query self-attention with optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
-  ``mask``: bool[B, T, S], or an `attention.CausalMask` for self-attention without a cache. `attention.select` picks
-  the kernel per call (cuDNN on GPU, Pallas on TPU where they express it; model/attention.py); the branches below
-  are the reference.
+  ``mask``: an `attention.CausalMask` for self-attention without a cache, an `attention.CacheMask` over a cache (its
+  ``dense`` bool[B, T, S], None for pages), or a bool[B, T, S]. `attention.select` picks the kernel per call (cuDNN
+  on GPU, Pallas on TPU where they express it; model/attention.py); the branches after the kernels' are the
+  reference.
   """
 
   config: ModelConfig
@@ -328,7 +329,7 @@ class Attention(nn.Module):
     else:
       k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
 
-    if impl != attention.REFERENCE and cache is None and impl == attention.PALLAS_TPU:
+    if impl == attention.PALLAS_TPU and cache is None:
       out_btnh = attention.tpu_flash(q_btnh, k_btkh, v_btkh, causal_valid)
     elif impl != attention.REFERENCE and cache is None:
       out_btnh = attention.dot_product(q_btnh, k_btkh, v_btkh, mask, impl, causal=True)
