@@ -117,11 +117,12 @@ def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
 
 
 def _static_loops() -> bool:
-  """Whether the key-block loops (`_attention_part`) run a static trip count: on every backend but the CPU. A
-  ``fori_loop`` whose bound is read from data lowers to a ``while`` whose condition XLA:GPU copies to the host each
-  iteration; with Python bounds it lowers to a ``scan``. The CPU keeps the data-dependent bound, which skips the
-  blocks past the last one any query sees."""
-  return jax.default_backend() != "cpu"
+  """Whether the key-block loops (`_attention_part`) run a static trip count: on every backend but the CPU
+  (`attention.current_backend`, so an `attention.backend` block traces another backend's loops). A ``fori_loop``
+  whose bound is read from data lowers to a ``while`` whose condition XLA:GPU copies to the host each iteration; with
+  Python bounds it lowers to a ``scan``. The CPU keeps the data-dependent bound, which skips the blocks past the last
+  one any query sees."""
+  return attention.current_backend() != "cpu"
 
 
 def _key_blocks(q_len: int, kv_len: int) -> int | None:

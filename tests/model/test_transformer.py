@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from envace_jax.model import attention as attention_lib
 from envace_jax.model import config as config_lib
 from envace_jax.model import kvcache, transformer, weights
 from envace_jax.model.roles import Role
@@ -248,11 +249,11 @@ def _loops(fn, *args) -> set[str]:
   return {e.primitive.name for e in jax.make_jaxpr(fn)(*args).eqns} & {"while", "scan"}
 
 
-def test_prefix_attention_in_key_blocks_equals_one_matmul(monkeypatch):
+def test_prefix_attention_in_key_blocks_equals_one_matmul():
   """`_attend_prefix` one key block at a time gives the one-matmul attention (out and log-sum-exp to 1e-5) for m = 2
   rows per prefix row, ragged prefix rows and one with nothing filled (its rows: sum 0, out 0), both with the trip
   count read from data (a ``while`` that skips the blocks past the last filled slot, the CPU's) and static (a ``scan``
-  over every block, masked: the other backends'), which agree to 1e-6."""
+  over every block, masked: what a GPU or TPU traces), which agree to 1e-6."""
   p, m, k, g, t, h, s = 2, 2, 2, 2, 3, 8, 32
   keys = jax.random.split(jax.random.key(12), 3)
   q = jax.random.normal(keys[0], (p * m, k, g, t, h))
@@ -260,7 +261,7 @@ def test_prefix_attention_in_key_blocks_equals_one_matmul(monkeypatch):
   v = jax.random.normal(keys[2], (p, k, s, h))
   visible = np.arange(s)[None, :] < np.array([[13], [0]])
 
-  def attention(block):  # (out, log-sum-exp) of the triple, and the loop it ran
+  def attend(block):  # (out, log-sum-exp, sum) of the triple, and the loop it ran
     fn = lambda *a: transformer._attend_prefix(*a, h, block)  # noqa: E731
     best, total, acc = fn(q, kk, v, visible)
     out = kvcache.merge_parts([(best, total, acc)], jnp.float32)
@@ -271,10 +272,10 @@ def test_prefix_attention_in_key_blocks_equals_one_matmul(monkeypatch):
       _loops(fn, q, kk, v, visible),
     )
 
-  want_out, want_lse, want_total, none = attention(None)
-  dynamic_out, dynamic_lse, dynamic_total, dynamic = attention(4)
-  monkeypatch.setattr(transformer, "_static_loops", lambda: True)
-  static_out, static_lse, static_total, static = attention(4)
+  want_out, want_lse, want_total, none = attend(None)
+  dynamic_out, dynamic_lse, dynamic_total, dynamic = attend(4)
+  with attention_lib.backend("tpu"):
+    static_out, static_lse, static_total, static = attend(4)
   assert (none, dynamic, static) == (set(), {"while"}, {"scan"})
   np.testing.assert_allclose(dynamic_out, want_out, atol=1e-5, rtol=0)
   np.testing.assert_allclose(dynamic_lse[:m], want_lse[:m], atol=1e-5, rtol=0)
@@ -326,7 +327,7 @@ def test_prefill_over_a_shared_prefix_in_key_blocks_equals_one_matmul(monkeypatc
   dense, dense_cache = run()
   monkeypatch.setattr(transformer, "KEY_BLOCK", 8)
   blocked, blocked_cache = run()
-  monkeypatch.setattr(transformer, "_static_loops", lambda: True)
+  monkeypatch.setattr(transformer, "_static_loops", lambda: True)  # a GPU's or TPU's loops, with the CPU's routing
   static, static_cache = run()
   np.testing.assert_allclose(blocked[valid], dense[valid], atol=2e-5, rtol=0)
   np.testing.assert_allclose(static[valid], blocked[valid], atol=1e-6, rtol=0)
