@@ -338,10 +338,12 @@ class Attention(nn.Module):
 
     b, t = x_btd.shape[:2]
     causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
+    chunk = mask if isinstance(mask, attention.CacheMask) else None
     mask = attention.dense(mask)
+    backend = attention.current_backend()
     impl = attention.select(
       cfg.attention,
-      attention.current_backend(),
+      backend,
       jnp.dtype(dtype).name,
       h,
       t,
@@ -380,19 +382,37 @@ class Attention(nn.Module):
     else:
       k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
 
-    if impl == attention.PALLAS_TPU:
+    if impl != attention.REFERENCE and cache is None and impl == attention.PALLAS_TPU:
       out_btnh = attention.tpu_flash(q_btnh, k_btkh, v_btkh, causal_valid)
     elif impl != attention.REFERENCE and cache is None:
       out_btnh = attention.dot_product(q_btnh, k_btkh, v_btkh, mask, impl, causal=True)
-    elif impl != attention.REFERENCE:  # one token per row over the cache: keys to cuDNN's [B, S, K, H]
-      out_btnh = attention.dot_product(q_btnh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2), mask, impl, False)
+    elif impl != attention.REFERENCE:  # over a cache: own slots or pages, the chunk, prefix levels (attention.py)
+      if pages is not None:  # the rows' pages gathered into one contiguous view (attention.py says why)
+        kv = jnp.take(cache, pages[0], axis=0, mode="clip")  # [B, W, Z, 2K, H]; P (no page): masked by length
+        kv = kv.reshape(b, -1, k, 2, h).astype(dtype)
+        own_k, own_v = kv[:, :, :, 0], kv[:, :, :, 1]
+      else:
+        own_k, own_v = k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2)
+      if t == 1:  # the new token is in the own slots: one part over them
+        parts = [attention.rows_part(impl, q_btnh, own_k, own_v, chunk.lengths + chunk.valid[:, 0])]
+      else:  # the slots filled before, and the chunk over itself
+        parts = [attention.rows_part(impl, q_btnh, own_k, own_v, chunk.lengths)]
+        parts.append(attention.chunk_part(impl, q_btnh, k_btkh, v_btkh, chunk.valid))
+      for pk, pv, seen in prefixes:
+        lengths = jnp.sum(seen, axis=1, dtype=jnp.int32)
+        parts.append(
+          attention.rows_part(
+            impl, q_btnh, pk.transpose(0, 3, 1, 2).astype(dtype), pv.swapaxes(1, 2).astype(dtype), lengths
+          )
+        )
+      out_btnh = attention.merge(parts, dtype)
     if impl != attention.REFERENCE:
       return out_btnh.reshape(b, t, n * h) @ o_weight_nhd.reshape(n * h, d).astype(dtype), cache
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
-      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots)]
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, static=backend != "cpu")]
       parts += [
         _attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h, _key_blocks(t, pk.shape[-1]))
         for pk, pv, seen in prefixes
@@ -484,7 +504,8 @@ class Transformer(nn.Module):
       write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       read = cache.table if attend_len is None else cache.trimmed(min(attend_len, cache.capacity)).table
-      pages, mask, levels = (read, new_lengths, q_slots), None, cache.levels()
+      pages, levels = (read, new_lengths, q_slots), cache.levels()
+      mask = attention.CacheMask(dense=None, lengths=cache.lengths, valid=valid)
       default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
     elif cache is not None:
@@ -492,6 +513,7 @@ class Transformer(nn.Module):
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       slots = jnp.arange(cache.capacity if attend_len is None else min(attend_len, cache.capacity))
       mask = (slots[None, None, :] <= write_slots[:, :, None]) & (slots[None, None, :] < new_lengths[:, None, None])
+      mask = attention.CacheMask(dense=mask, lengths=cache.lengths, valid=valid)
       levels = cache.levels()
       if levels and cfg.scan_layers:
         raise ValueError("a KVCache with a prefix needs the per-layer layout (scan_layers=False).")
