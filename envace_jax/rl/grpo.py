@@ -484,6 +484,20 @@ class TrainState:
   opt_state: Any
 
 
+def _float32_shapes(params: Any) -> Any:
+  """``params`` with every leaf that is not float32 replaced by its float32 ``jax.ShapeDtypeStruct`` (on the leaf's
+  sharding where it is committed to one): what AdamW's moments are made from, with no float32 copy of the weights.
+  Leaves without a dtype (optax's placeholders, `train_state_shardings`) are kept."""
+
+  def leaf(x):
+    if getattr(x, "dtype", jnp.float32) == jnp.float32:
+      return x
+    placed = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding if placed else None)
+
+  return jax.tree.map(leaf, params)
+
+
 def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
   """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``cfg.learning_rate``.
 
@@ -492,14 +506,16 @@ def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
   training step (a schedule on the optimizer's own count would drift when a step has nothing to train); the rate is
   a float32 scalar.
 
-  The first moment is float32 (``mu_dtype``; optax otherwise keeps the type the first update promotes it to: a
-  bfloat16 tree's moment turned float32 at step 1); `_init_opt_state` makes the second float32 too.
+  AdamW's moments are float32 whatever the params' dtype, from ``init`` on: ``init`` makes them from the params'
+  float32 shapes (`_float32_shapes`: optax makes the second moment in the params' dtype), and the first stays float32
+  (``mu_dtype``; optax otherwise keeps the dtype the first update promotes it to: a bfloat16 tree's moment turned
+  float32 at step 1, compiling the update again).
   """
   if cfg.injects_learning_rate:
-    adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)
+    adamw = optax.inject_hyperparams(optax.adamw, static_args="mu_dtype", hyperparam_dtype=jnp.float32)
   else:
     adamw = optax.adamw
-  return optax.chain(
+  opt = optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
     adamw(
       cfg.learning_rate,
@@ -510,6 +526,7 @@ def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
       mu_dtype=jnp.float32,
     ),
   )
+  return opt._replace(init=lambda params: opt.init(_float32_shapes(params)))
 
 
 def with_learning_rate(cfg: GrpoConfig, state: TrainState, supervised: bool) -> TrainState:
@@ -561,24 +578,9 @@ def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_init_opt_state(cfg, params))
 
 
-def _float32_shapes(params: Any) -> Any:
-  """``params`` with every leaf that is not float32 replaced by its float32 ``jax.ShapeDtypeStruct`` (on the leaf's
-  sharding where it is committed to one): what AdamW's moments are made from, with no float32 copy of the weights."""
-
-  def leaf(x):
-    if x.dtype == jnp.float32:
-      return x
-    placed = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
-    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding if placed else None)
-
-  return jax.tree.map(leaf, params)
-
-
 def _init_opt_state(cfg: GrpoConfig, params: Any) -> Any:
-  """A fresh optimizer state for ``params`` (per_role: one per role tree of the split params): AdamW's moments
-  float32 whatever the params' dtype (optax makes the second moment in the params' dtype)."""
+  """A fresh optimizer state for ``params`` (per_role: one per role tree of the split params)."""
   opt = make_optimizer(cfg)
-  params = _float32_shapes(params)
   if cfg.per_role:
     return {name: opt.init(params[name]) for name in ROLE_TREES}
   return opt.init(params)

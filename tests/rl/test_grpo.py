@@ -900,6 +900,10 @@ def test_bf16_compute_at_lr_1e6_moves_every_float32_master_weight_with_a_gradien
   moved = two_steps(bf16)
   held = sum(np.sum(m & n) for m, n in zip(moved, nonzero, strict=True)) / sum(x.sum() for x in nonzero)
   assert held < 0.05, held  # a bfloat16 weight of ~0.02 is 2^-7 * 2^-6 apart from the next: a 1e-6 step rounds away
+  # A warm-up at its own rate keeps the rate in the optimizer state (inject_hyperparams): float32 as well.
+  warm_up = grpo.GrpoConfig.from_config(learning_rate=1e-6, sft_steps=1, sft_learning_rate=1e-5)
+  shapes = jax.eval_shape(grpo.make_optimizer(warm_up).init, bf16)
+  assert {x.dtype for x in jax.tree.leaves(shapes)} == {f32, jnp.dtype(jnp.int32)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
