@@ -233,7 +233,7 @@ class Sampler:
 
     Why a copy (XLA's ``cost_analysis()`` "bytes accessed" of one decode step compiled for CPU, bfloat16 compute,
     4 rows x 256 slots): reading float32 weights and casting each at use accessed 336 MiB for a 4-layer
-    Qwen3-shaped model of 76 MiB float32 weights and 1.86 GiB for SmolLM2-135M (513 MiB), against 274 MiB and
+    Qwen3-shaped model of 76 MiB float32 weights and 1.81 GiB for SmolLM2-135M (513 MiB), against 274 MiB and
     1.40 GiB from the bfloat16 copy (-18% and -23%); a decode step is bound by these bytes."""
     return self._params
 
