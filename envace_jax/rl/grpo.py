@@ -467,10 +467,16 @@ class TrainState:
 
   Attributes:
     step: int32[] updates applied so far.
-    params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
+    params: the master weights, in the model config's ``param_dtype`` (float32 by default) whatever the compute
+      ``dtype``: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
       (``layers_0 ..``, `transformer.unstack_layers`), the layout samplers read, so a sampler uses these arrays
-      without a copy. The update stacks them for its scanned forward (inside each micro-batch program, a temporary).
+      without a copy where it computes in their dtype (else it reads a cast copy: `sampling.sampler.Sampler`'s
+      ``params``). The update stacks them for its scanned forward (inside each micro-batch program, a temporary);
+      the model casts each weight to the compute dtype where it is used, so the gradients and the step are in the
+      master's dtype.
     opt_state: the optax state of ``make_optimizer(cfg)`` for params; per_role: ``{"act": ..., "rehearse": ...}``.
+      AdamW's moments are float32 from step 0 whatever the params' dtype (`_init_opt_state`), so no step changes a
+      leaf's dtype (which would compile the update again).
   """
 
   step: Any
@@ -478,18 +484,49 @@ class TrainState:
   opt_state: Any
 
 
+def _float32_shapes(params: Any) -> Any:
+  """``params`` with every leaf that is not float32 replaced by its float32 ``jax.ShapeDtypeStruct`` (on the leaf's
+  sharding where it is committed to one): what AdamW's moments are made from, with no float32 copy of the weights.
+  Leaves without a dtype (optax's placeholders, `train_state_shardings`) are kept."""
+
+  def leaf(x):
+    if getattr(x, "dtype", jnp.float32) == jnp.float32:
+      return x
+    placed = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding if placed else None)
+
+  return jax.tree.map(leaf, params)
+
+
 def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
   """``optax.clip_by_global_norm(max_grad_norm)`` then AdamW (decoupled weight decay) at ``cfg.learning_rate``.
 
   With a supervised warm-up at its own rate (``sft_steps`` and ``sft_learning_rate`` set) AdamW is wrapped in
   ``optax.inject_hyperparams``: its learning rate lives in the optimizer state and `with_learning_rate` sets it per
-  training step (a schedule on the optimizer's own count would drift when a step has nothing to train).
+  training step (a schedule on the optimizer's own count would drift when a step has nothing to train); the rate is
+  a float32 scalar.
+
+  AdamW's moments are float32 whatever the params' dtype, from ``init`` on: ``init`` makes them from the params'
+  float32 shapes (`_float32_shapes`: optax makes the second moment in the params' dtype), and the first stays float32
+  (``mu_dtype``; optax otherwise keeps the dtype the first update promotes it to: a bfloat16 tree's moment turned
+  float32 at step 1, compiling the update again).
   """
-  adamw = optax.inject_hyperparams(optax.adamw) if cfg.injects_learning_rate else optax.adamw
-  return optax.chain(
+  if cfg.injects_learning_rate:
+    adamw = optax.inject_hyperparams(optax.adamw, static_args="mu_dtype", hyperparam_dtype=jnp.float32)
+  else:
+    adamw = optax.adamw
+  opt = optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
-    adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+    adamw(
+      cfg.learning_rate,
+      b1=cfg.adam_b1,
+      b2=cfg.adam_b2,
+      eps=cfg.adam_eps,
+      weight_decay=cfg.weight_decay,
+      mu_dtype=jnp.float32,
+    ),
   )
+  return opt._replace(init=lambda params: opt.init(_float32_shapes(params)))
 
 
 def with_learning_rate(cfg: GrpoConfig, state: TrainState, supervised: bool) -> TrainState:
@@ -527,10 +564,12 @@ def _is_split(params: Any) -> bool:
 
 
 def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
-  """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state.
+  """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state (float32
+  moments).
 
   Args:
-    params: one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
+    params: the master weights in their dtype (a run's: ``config.param_dtype``, float32 by default; nothing is
+      cast), one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
       as the paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
   """
   params = transformer.unstack_tree(params)
