@@ -170,7 +170,13 @@ class Trainer:
     self.start_step = 0
     latest = self.ckpt.latest_step()
     if latest is not None:
-      abstract = {"params": self.state.params, "opt_state": self.state.opt_state}
+      # Restored onto the fresh state's shapes and shardings, that state released first (no device holds two).
+      fresh, self.state = {"params": self.state.params, "opt_state": self.state.opt_state}, None
+      shape_of = lambda x: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+      )
+      abstract = jax.tree.map(shape_of, fresh)
+      del fresh, state
       restored = self.ckpt.restore(latest, abstract_state=abstract)
       self.state = grpo.TrainState(
         step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
@@ -238,7 +244,7 @@ class Trainer:
     mesh, params = self.sample_mesh, self._sampling(self.state.params)
     out = self.policy.samplers(params, lambda p: runtime.make_sampler(cfg, self.model, p, mesh, rows))
     if self.unfold_cfg.user_mode == "reference":
-      out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, mesh, rows)
+      out["reference"] = runtime.make_sampler(cfg, self.model, self._sampling(self.ref_params), mesh, rows)
       self.ref_params = out["reference"].params
       self.model = dataclasses.replace(self.model, params=self.ref_params)
     return out

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from envace_jax import checkpoint as checkpoint_lib
 from envace_jax import train
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
@@ -121,6 +122,37 @@ def test_a_trainer_on_fsdp8_loads_each_tensor_onto_its_parts(tmp_path, data_dir,
   device0 = jax.devices()[0]
   assert default.now()[device0] > final[device0] + part
   del stacked
+
+  # Resumed from a checkpoint: restored onto the fresh state's shardings, that state released before the restore.
+  trainer.ckpt.save(
+    1,
+    params=trainer.state.params,
+    opt_state=trainer.state.opt_state,
+    rng=trainer.key,
+    data_state=trainer.stream.state(),
+  )
+  trainer.ckpt.close()
+  del trainer, leaves, got
+  resumed = DeviceBytes()
+  restore = checkpoint_lib.Checkpointer.restore
+  at_restore = []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(
+      checkpoint_lib.Checkpointer, "restore", lambda *a, **k: (at_restore.append(resumed.now()), restore(*a, **k))[1]
+    )
+    trainer = train.Trainer(config, str(tmp_path / "run"))
+  assert trainer.start_step == 1 and len(at_restore) == 1
+  _assert_bitwise(trainer.state.params, want)
+  final = resumed.now()
+  state = DeviceBytes._buffers(jax.tree.leaves(trainer.state))
+  for device in mesh.devices.flat:
+    restored = sum(n for (d, _), n in state.items() if d == device)
+    assert at_restore[0][device] + restored <= final[device] + part, (
+      device,
+      at_restore[0][device],
+      restored,
+      final[device],
+    )
 
 
 def test_random_init_onto_the_mesh_in_per_role_mode(tmp_path, data_dir):
