@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from envace_jax import config_check, distributed
@@ -24,6 +25,7 @@ from envace_jax.envs.base import Task
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer, weights
 from envace_jax.model.tokenizer import Tokenizer
+from envace_jax.rl import grpo
 from envace_jax.sampling import sharding
 from envace_jax.sampling.sampler import Sampler
 
@@ -34,8 +36,11 @@ class Model:
 
   Attributes:
     config: its ModelConfig, training layout (``scan_layers=True``: layers stacked on a leading axis).
-    params: the parameter tree in that layout as loaded (float32 on CPU). `train.Trainer` and `evaluate.load_policy`
-      replace it with the layers apart (`transformer.unstack_tree`: the samplers' layout, the reference policy).
+    params: the parameter tree as loaded (``config.param_dtype``, float32 by default): off a mesh, in that layout, on
+      the default device; `train.Trainer` and `evaluate.load_policy` replace it with the layers apart
+      (`transformer.unstack_tree`: the samplers' layout, the reference policy). Loaded onto a mesh
+      (``load_model(config, mesh)``), already with the layers apart, each leaf laid out per
+      ``sharding.param_shardings``.
     tokenizer: the tokenizer rendering its chats, or None (a random preset without ``config.tokenizer``).
     source: where the weights came from ("random init (seed s)" or the weights path), for logs.
   """
@@ -46,13 +51,19 @@ class Model:
   source: str
 
 
-def load_model(config) -> Model:
+def load_model(config, mesh: jax.sharding.Mesh | None = None) -> Model:
   """The configured model, offline: a preset's bundled weights, a local directory or GGUF, or a random preset.
 
   A random preset ("tiny") with ``config.tokenizer`` set takes that tokenizer's vocabulary size, so it can render
   real chats (tests and smoke runs). ``config.chat_template="chatml"`` renders chats in ChatML instead of the
   tokenizer's own template.
 
+  Args:
+    mesh: load straight onto it, layers apart: each tensor is created on its parts of the mesh, so no device ever
+      holds more than its own parts. Weights files are read by `weights.load_hf_dir_onto` (the values loaded without
+      a mesh, bit for bit); a random preset is initialised by one program whose outputs are those parts (that
+      program's values on one device, bit for bit; within one float32 ulp of the eager init without a mesh, where
+      XLA fuses each normal draw with its scale). None: on the default device.
   Raises:
     weights.WeightsError, config_lib.ConfigError: the weights cannot be read.
   """
@@ -61,24 +72,77 @@ def load_model(config) -> Model:
   tokenizer = None
   if tok_source is not None:
     tokenizer = Tokenizer.from_hf_dir(weights.resolve(tok_source)) if tok_source != source else None
+  dtypes = {"dtype": config.dtype, "param_dtype": config.get("param_dtype", "float32")}
   if source is None:
-    overrides = {
-      "dtype": config.dtype,
-      "param_dtype": config.get("param_dtype", "float32"),
-      "scan_layers": True,
-      "attention": config.attention,
-    }
+    overrides = {**dtypes, "scan_layers": True, "attention": config.attention}
     if tokenizer is not None:
       overrides["vocab_size"] = tokenizer.vocab_size
     model_config = config_lib.get_model_config(config.model, **overrides)
-    params = transformer.init_params(model_config, jax.random.key(config.seed))
+    if mesh is None:
+      params = transformer.init_params(model_config, jax.random.key(config.seed))
+    else:
+      init = lambda: transformer.unstack_layers(transformer.init_params(model_config, jax.random.key(config.seed)))
+      params = jax.jit(init, out_shardings=_param_shardings(model_config, mesh))()
     return Model(model_config, params, _chat_template(config, tokenizer), f"random init (seed {config.seed})")
-  pretrained = weights.load_pretrained(source, dtype=config.dtype, param_dtype=config.get("param_dtype", "float32"))
+  if mesh is None:
+    pretrained = weights.load_pretrained(source, **dtypes)
+    path, model_config, params = pretrained.path, pretrained.config, pretrained.params
+  else:
+    path = weights.resolve(source)
+    model_config = config_lib.ModelConfig.from_hf_dir(path, **dtypes)
+    _, params = weights.load_hf_dir_onto(path, _param_shardings(model_config, mesh), model_config)
   if tokenizer is None:
-    tokenizer = Tokenizer.from_hf_dir(pretrained.path)
+    tokenizer = Tokenizer.from_hf_dir(path)
   tokenizer = _chat_template(config, tokenizer)
-  model_config = pretrained.config.replace(scan_layers=True, attention=config.attention)
-  return Model(model_config, pretrained.params, tokenizer, str(pretrained.path))
+  model_config = model_config.replace(scan_layers=True, attention=config.attention)
+  return Model(model_config, params, tokenizer, str(path))
+
+
+def _param_shardings(model_config: config_lib.ModelConfig, mesh: jax.sharding.Mesh) -> Any:
+  """The parameters' shardings on ``mesh``, layers apart (the train state's and the samplers' layout)."""
+  return sharding.param_shardings(model_config.replace(scan_layers=False), mesh)
+
+
+def initial_state(model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Mesh) -> tuple[grpo.TrainState, Any]:
+  """A run's step-0 train state and its frozen reference, built on ``mesh`` from a model loaded onto it
+  (``load_model(config, mesh)``) without a full copy on any one device.
+
+  The train state is ``grpo.init_train_state``'s, laid out per ``grpo.train_state_shardings``: its params are
+  ``model.params`` themselves (a jitted cast where the state holds another dtype; per_role: the other role's tree a
+  jitted copy) and its optimizer state and step are created on their shardings by one jitted program. The reference
+  is a jitted copy in the compute dtype (``model.config.dtype``), sharded like the params: a buffer of its own even
+  where the dtypes agree, since the update donates the state. `weights.observe_loading`'s hooks hear "reference",
+  each params tree and "optimizer state" as they are placed.
+
+  Returns:
+    (TrainState, reference params): the reference in ``model.params``' tree (layers apart).
+  """
+  shardings = grpo.train_state_shardings(model.config, grpo_cfg, mesh)
+  p_shardings = _param_shardings(model.config, mesh)
+  params = model.params
+  compute = jnp.dtype(model.config.dtype)
+  cast = lambda tree, dtypes: jax.jit(
+    lambda p: jax.tree.map(lambda x, d: jnp.array(x, d, copy=True), p, dtypes), out_shardings=p_shardings
+  )(tree)
+  reference = cast(params, jax.tree.map(lambda _: compute, params))
+  weights.loaded("reference")
+  init = functools.partial(grpo.init_train_state, grpo_cfg)
+  abstract = jax.eval_shape(init, params)
+  trees = abstract.params if grpo_cfg.per_role else {"policy": abstract.params}
+  owned, free = {}, True  # the loaded arrays go to the first tree that holds their dtypes; the others get copies
+  for name, tree in trees.items():
+    dtypes = jax.tree.map(lambda a: a.dtype, tree)
+    if free and dtypes == jax.tree.map(lambda x: x.dtype, params):
+      owned[name], free = params, False
+    else:
+      owned[name] = cast(params, dtypes)
+    weights.loaded(f"params {name}")
+  step, opt_state = jax.jit(
+    lambda p: (lambda s: (s.step, s.opt_state))(init(p)), out_shardings=(shardings.step, shardings.opt_state)
+  )(params)
+  weights.loaded("optimizer state")
+  state = grpo.TrainState(step=step, params=owned if grpo_cfg.per_role else owned["policy"], opt_state=opt_state)
+  return state, reference
 
 
 def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:

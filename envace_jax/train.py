@@ -134,11 +134,6 @@ class Trainer:
     self._eval_tasks: list[Task] | None = None
     self.train_source = runtime.training_tasks(config)  # before the model: a bad task id costs no compute
     scoring.check_scorers(config, self._scored_tasks())  # so does a scorer that cannot work
-    self.model = runtime.load_model(config)
-    if self.model.tokenizer is None:
-      raise config_check.ConfigError(
-        [f"model={config.model!r} has no tokenizer; set config.tokenizer (e.g. smollm2-135m)"]
-      )
     self.grpo_cfg = grpo.GrpoConfig.from_config(config)
     self.policy = policy_lib.Policy.from_config(config)
     self.unfold_cfg = UnfoldConfig.from_config(config)
@@ -147,17 +142,26 @@ class Trainer:
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
     self.processes = jax.process_count()
     self.sample_mesh = self._process_mesh(update_mesh, shards)  # the mesh itself in a single-process run
+    # On a mesh, every tensor is created on its own parts of the mesh, layers apart (the samplers' and the train
+    # state's layout), and the train state and the reference are built there (`runtime.initial_state`): no device
+    # ever holds more than its parts. Off a mesh, the stacked load on the default device.
+    self.model = runtime.load_model(config, update_mesh)
+    if self.model.tokenizer is None:
+      raise config_check.ConfigError(
+        [f"model={config.model!r} has no tokenizer; set config.tokenizer (e.g. smollm2-135m)"]
+      )
     self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
     self.update_mesh = update_mesh
-    # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree besides
-    # the train state's; the stacked load is released. The train state starts as a copy (the update donates it).
-    self.model = dataclasses.replace(self.model, params=transformer.unstack_tree(self.model.params))
-    self.ref_params = self.model.params
-    state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
     if update_mesh is not None:
-      shardings = grpo.train_state_shardings(self.model.config, self.grpo_cfg, update_mesh)
-      state = grpo.shard_train_state(state, shardings) if self.processes == 1 else distributed.place(state, shardings)
-    else:  # committed to the device, as every update's output is: the samplers' programs compile once for both
+      state, self.ref_params = runtime.initial_state(self.model, self.grpo_cfg, update_mesh)
+      self.model = dataclasses.replace(self.model, params=self.ref_params)
+    else:
+      # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree
+      # besides the train state's; the stacked load is released. The train state starts as a copy (the update
+      # donates it), committed to the device, as every update's output is: the samplers' programs compile once.
+      self.model = dataclasses.replace(self.model, params=transformer.unstack_tree(self.model.params))
+      self.ref_params = self.model.params
+      state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
       state = jax.device_put(state, jax.devices()[0])
     self.state = state
     self.key = jax.random.key(config.seed)
@@ -166,7 +170,13 @@ class Trainer:
     self.start_step = 0
     latest = self.ckpt.latest_step()
     if latest is not None:
-      abstract = {"params": self.state.params, "opt_state": self.state.opt_state}
+      # Restored onto the fresh state's shapes and shardings, that state released first (no device holds two).
+      fresh, self.state = {"params": self.state.params, "opt_state": self.state.opt_state}, None
+      shape_of = lambda x: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+      )
+      abstract = jax.tree.map(shape_of, fresh)
+      del fresh, state
       restored = self.ckpt.restore(latest, abstract_state=abstract)
       self.state = grpo.TrainState(
         step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
@@ -238,7 +248,7 @@ class Trainer:
     mesh, params = self.sample_mesh, self._sampling(self.state.params)
     out = self.policy.samplers(params, lambda p: runtime.make_sampler(cfg, self.model, p, mesh, rows))
     if self.unfold_cfg.user_mode == "reference":
-      out["reference"] = runtime.make_sampler(cfg, self.model, self.ref_params, mesh, rows)
+      out["reference"] = runtime.make_sampler(cfg, self.model, self._sampling(self.ref_params), mesh, rows)
       self.ref_params = out["reference"].params
       self.model = dataclasses.replace(self.model, params=self.ref_params)
     return out

@@ -54,8 +54,8 @@ def no_model_loading(monkeypatch):
   def forbidden(*args, **kwargs):
     raise AssertionError("validate loaded a model")
 
-  for module, name in ((weights, "load_pretrained"), (weights, "load_hf_dir"), (weights, "convert_gguf")):
-    monkeypatch.setattr(module, name, forbidden)
+  for name in ("load_pretrained", "load_hf_dir", "load_hf_dir_onto", "convert_gguf"):
+    monkeypatch.setattr(weights, name, forbidden)
   monkeypatch.setattr(transformer, "init_params", forbidden)
 
 

@@ -135,23 +135,56 @@ def _hf_layer_keys(config: ModelConfig) -> dict[tuple[str, ...], str]:
   return {path: _LAYER + name for path, name in keys.items()}
 
 
+# How each of our per-layer tensors (and the untied head) is laid out from its Hugging Face tensor, by the last name of
+# its path: (view dims per Hugging Face dim, permutation). Ours = hf.reshape(view).transpose(perm), where the view
+# splits each Hugging Face dim into the given number of dims (a Linear weight's [out, in] rows into heads x head_dim).
+_LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+  "q_proj": ((2, 1), (2, 0, 1)),  # [N*H, D] -> [N, H, D] -> [D, N, H]
+  "k_proj": ((2, 1), (2, 0, 1)),
+  "v_proj": ((2, 1), (2, 0, 1)),
+  "o_proj": ((1, 2), (1, 2, 0)),  # [D, N*H] -> [D, N, H] -> [N, H, D]
+  "gate_proj": ((1, 1), (1, 0)),  # [F, D] -> [D, F]
+  "up_proj": ((1, 1), (1, 0)),
+  "down_proj": ((1, 1), (1, 0)),  # [D, F] -> [F, D]
+  "lm_head": ((1, 1), (1, 0)),  # [V, D] -> [D, V]
+  "q_bias": ((2,), (0, 1)),  # [N*H] -> [N, H]
+  "k_bias": ((2,), (0, 1)),
+  "v_bias": ((2,), (0, 1)),
+}
+
+
+def _layout(name: str, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(view dims per Hugging Face dim, permutation) of our tensor ``name`` of rank ``ndim`` (see ``_LAYOUTS``; any
+  other tensor, an embedding or a norm, is the Hugging Face tensor as it is)."""
+  return _LAYOUTS.get(name, ((1,) * ndim, tuple(range(ndim))))
+
+
+def _view_shape(shape: tuple[int, ...], perm: tuple[int, ...]) -> tuple[int, ...]:
+  """The view's shape for our ``shape``: view dim ``perm[i]`` is our dim ``i``."""
+  view = [0] * len(shape)
+  for i, p in enumerate(perm):
+    view[p] = shape[i]
+  return tuple(view)
+
+
+def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The Hugging Face shape of our tensor ``name`` of ``shape``."""
+  groups, perm = _layout(name, len(shape))
+  view, out, at = _view_shape(shape, perm), [], 0
+  for n in groups:
+    out.append(int(np.prod(view[at : at + n])))
+    at += n
+  return tuple(out)
+
+
 def _to_ours(config: ModelConfig, path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
   """One layer's tensor from Hugging Face layout ([out, in] Linear weights) to ours."""
   d, n, k, h = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
   name = path[-1]
-  if name == "q_proj":
-    return w.T.reshape(d, n, h)
-  if name in ("k_proj", "v_proj"):
-    return w.T.reshape(d, k, h)
-  if name == "o_proj":
-    return w.T.reshape(n, h, d)
-  if name in ("gate_proj", "up_proj", "down_proj"):
-    return w.T
-  if name == "q_bias":
-    return w.reshape(n, h)
-  if name in ("k_bias", "v_bias"):
-    return w.reshape(k, h)
-  return w
+  views = {"q_proj": (n, h, d), "k_proj": (k, h, d), "v_proj": (k, h, d), "o_proj": (d, n, h)}
+  views.update(q_bias=(n, h), k_bias=(k, h), v_bias=(k, h))
+  _, perm = _layout(name, len(views.get(name, w.shape)))
+  return w.reshape(views.get(name, w.shape)).transpose(perm)
 
 
 def _to_hf(config: ModelConfig, path: tuple[str, ...], w: np.ndarray) -> np.ndarray:
@@ -292,6 +325,120 @@ def load_hf_dir(path: str | os.PathLike, config: ModelConfig | None = None, dtyp
         location[key] = file
     params = params_from_hf_state(config, lambda name: handles[location[name]].get_tensor(name), dtype)
   return config, params
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Straight onto a mesh.
+# ----------------------------------------------------------------------------------------------------------------
+
+_load_hooks: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def observe_loading(hook: Callable[[str], None]):
+  """Calls ``hook(event)`` after each tensor ``load_hf_dir_onto`` places (event: its path, e.g. "layers_0/attn/q_proj")
+  and after each phase of building a run's state on a mesh (`runtime.initial_state`), while the context is open. For
+  measuring what the devices hold during a load (``jax.live_arrays()``); nothing is called otherwise."""
+  _load_hooks.append(hook)
+  try:
+    yield
+  finally:
+    _load_hooks.remove(hook)
+
+
+def loaded(event: str) -> None:
+  """Reports ``event`` to the hooks of `observe_loading`."""
+  for hook in list(_load_hooks):
+    hook(event)
+
+
+def _read_slice(piece, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """Our tensor ``name`` of ``shape`` at ``index``, read from its Hugging Face tensor's ``piece``
+  (``safe_open(...).get_slice``): only the Hugging Face rows and columns the index covers (whole heads where a dim is
+  split into heads x head_dim), then laid out as ours (`_LAYOUTS`)."""
+  groups, perm = _layout(name, len(shape))
+  view = _view_shape(shape, perm)
+  want = [slice(None)] * len(shape)
+  for i, p in enumerate(perm):
+    want[p] = slice(*index[i].indices(shape[i])[:2])
+  hf_index, chunk_shape, inner, at = [], [], [], 0
+  for n in groups:  # each Hugging Face dim: slice on its outer view dim, keep its inner view dims whole
+    outer, rest = want[at], view[at + 1 : at + n]
+    size = int(np.prod(rest))
+    hf_index.append(slice(outer.start * size, outer.stop * size))
+    chunk_shape += [outer.stop - outer.start, *rest]
+    inner += [slice(None), *want[at + 1 : at + n]]
+    at += n
+  chunk = np.asarray(piece[tuple(hf_index)]).reshape(chunk_shape)[tuple(inner)]
+  return chunk.transpose(perm)
+
+
+def load_hf_dir_onto(path: str | os.PathLike, shardings: Params, config: ModelConfig | None = None, dtype=None):
+  """Loads a local Hugging Face directory (as `load_hf_dir`) straight onto ``shardings``, layers apart.
+
+  Each tensor is created on its target sharding (``jax.make_array_from_callback``): every device's part is read from
+  the memory-mapped safetensors (``safe_open(...).get_slice``: only that part's rows and columns) and put on that
+  device, so no device ever holds more of a tensor than its own part, and in a multi-process run each process reads
+  only the parts its devices hold. The values are `load_hf_dir`'s, bit for bit.
+
+  Args:
+    shardings: a tree like ``transformer.init_params(config.replace(scan_layers=False), key)``'s (layers apart:
+      ``layers_0 ..``, the train state's and the samplers' layout) of ``jax.sharding.Sharding``s, e.g.
+      ``sampling.sharding.param_shardings``.
+    config: the model config; default ``ModelConfig.from_hf_dir(path)``.
+    dtype: dtype of the returned params (default ``config.param_dtype``).
+  Returns:
+    (ModelConfig, params): the params in ``shardings``' tree, each leaf a ``jax.Array`` laid out by its sharding.
+  Raises:
+    WeightsError: no safetensors, a missing tensor, or a tensor whose shape disagrees with the config.
+    ValueError: ``shardings`` is not a tree of the config's parameters with their layers apart.
+  """
+  path = pathlib.Path(path)
+  config = config or ModelConfig.from_hf_dir(path)
+  dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+  unrolled = config.replace(scan_layers=False)
+  expected = _flatten(jax.tree.map(lambda s: s.shape, jax.eval_shape(lambda: init_params(unrolled, jax.random.key(0)))))
+  targets = _flatten(shardings)
+  if set(targets) != set(expected):
+    raise ValueError(
+      f"shardings name {sorted('/'.join(p) for p in set(targets) ^ set(expected))[:4]} unlike the parameters of "
+      f"{config.family} with layers apart; build them with sharding.param_shardings(config.replace(scan_layers=False))."
+    )
+  layer_names = _hf_layer_keys(config)
+  top_names = {("embed",): "model.embed_tokens.weight", ("final_norm", "scale"): "model.norm.weight"}
+  top_names[("lm_head",)] = "lm_head.weight"
+  makers = {}  # every tensor found and its shape checked before the first is placed
+  with contextlib.ExitStack() as stack:
+    handles = {}
+    for file in _safetensors_files(path):
+      handle = stack.enter_context(safetensors.safe_open(str(file), framework="numpy"))
+      handles.update((key, handle) for key in handle.keys())
+    for leaf_path, shape in expected.items():
+      if leaf_path == ("role_embed",):
+        make = lambda index, shape=shape: np.zeros(shape, dtype)[index]
+      else:
+        if leaf_path[0].startswith("layers_"):
+          name = layer_names[leaf_path[1:]].format(i=int(leaf_path[0].split("_")[1]))
+        else:
+          name = top_names[leaf_path]
+        if name not in handles:
+          raise WeightsError(f"tensor {name!r} is missing from the checkpoint; is it a {config.family} model?")
+        piece = handles[name].get_slice(name)
+        hf_shape = _hf_shape(leaf_path[-1], shape)
+        if tuple(piece.get_shape()) != hf_shape:
+          raise WeightsError(
+            f"tensor {name!r} has shape {tuple(piece.get_shape())}, the config expects {hf_shape} (param "
+            f"{'/'.join(leaf_path)} of shape {shape})."
+          )
+        make = lambda index, piece=piece, last=leaf_path[-1], shape=shape: _read_slice(
+          piece, last, shape, index
+        ).astype(dtype, copy=False)
+      makers[leaf_path] = make
+    out: dict = {}
+    for leaf_path, make in makers.items():
+      _set(out, leaf_path, jax.make_array_from_callback(expected[leaf_path], targets[leaf_path], make))
+      loaded("/".join(leaf_path))
+  return config, out
 
 
 def save_hf_dir(config: ModelConfig, params: Params, path: str | os.PathLike, tokenizer=None) -> pathlib.Path:
