@@ -9,8 +9,10 @@
                   forced (``ModelConfig.attention="xla"``): the CPU tests check `dot_product` through it.
   ``pallas_tpu``  ``jax.experimental.pallas.ops.tpu.flash_attention``, the Pallas TPU kernel JAX ships.
 
-``ModelConfig.attention="auto"`` (the run config's ``attention``) picks by ``jax.default_backend()``; any other
-value forces that implementation wherever it can express the call (below), and the reference elsewhere.
+``ModelConfig.attention="auto"`` (the run config's ``attention``) picks by the backend (`current_backend`:
+``jax.default_backend()`` unless a `backend` block names another); any other value forces that implementation wherever
+it can express the call (below), and the reference elsewhere. `recording` collects each selection as a `Call` (what
+tests and the plan read to say which kernel every call of a program uses).
 
 Where a kernel applies (everything else stays on the reference, on every backend):
   * Self-attention without a cache (training rows, a whole-prompt forward): the mask is lower-triangular (a query
@@ -37,7 +39,9 @@ meaningless and never read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +82,94 @@ def dense(mask) -> jax.Array:
   return mask.dense if isinstance(mask, CausalMask) else mask
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One attention call as `select` saw it at trace time (`recording`).
+
+  Attributes:
+    kind: "train" (self-attention without a cache: training rows, a whole-sequence forward), "prefill" (a chunk of
+      several tokens over a cache) or "decode" (one token per row over a cache).
+    impl: what `select` returned ("reference", "xla", "cudnn", "pallas_tpu").
+    backend: the backend name selection read (`current_backend`).
+    prefix_levels: shared-prefix levels the call attends over (``KVCache.prefix``); 0 without.
+    paged: the call's own slots live in pages (`paged.PagedKVCache`).
+    dtype: the compute dtype's name. q_len, kv_len: T and S of the call.
+  """
+
+  kind: str
+  impl: str
+  backend: str
+  prefix_levels: int = 0
+  paged: bool = False
+  dtype: str = ""
+  q_len: int = 0
+  kv_len: int = 0
+
+
+_recordings: list[list[Call]] = []
+_backends: list[str] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Call]]:
+  """Yields a list to which every `select` inside the block appends its `Call` (nested blocks each get every call).
+
+  Selection happens while a function is traced, and JAX caches traces by function (``jax.jit``, and
+  ``jax.make_jaxpr`` of the same function object): a cache hit records nothing. Trace a function object not traced
+  before with the same argument shapes (a new lambda or ``functools.partial``) inside the block.
+  """
+  calls: list[Call] = []
+  _recordings.append(calls)
+  try:
+    yield calls
+  finally:
+    del _recordings[next(i for i, x in enumerate(_recordings) if x is calls)]  # by identity: lists compare equal
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+  """Selection inside the block reads ``name`` ("cpu", "gpu", "tpu") instead of ``jax.default_backend()``.
+
+  For tests and plans that trace (not run) the programs a GPU or TPU would compile: the routed kernels do not run on
+  another backend. Like `recording`, it acts at trace time and is not part of JAX's cache key: a function traced
+  outside the block keeps the program it got there, so trace a new function object inside it.
+
+  JAX checks cuDNN's version when a cuDNN attention call is traced (``check_cudnn_version`` in
+  jax/_src/cudnn/fused_attention_stablehlo.py), so on a machine without cuDNN a "gpu"/"cuda" block stands in
+  `_TRACED_CUDNN_VERSION` for it: the calls trace (``jax.make_jaxpr``, ``jax.eval_shape``) but cannot compile there.
+  """
+  _backends.append(name)
+  stub = contextlib.nullcontext()
+  if name in ("gpu", "cuda") and jax.default_backend() != "gpu":
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    stub = _patched(cudnn, "check_cudnn_version", lambda: _TRACED_CUDNN_VERSION)
+  try:
+    with stub:
+      yield
+  finally:
+    _backends.pop()
+
+
+# The cuDNN version a traced-only "gpu" `backend` block reports (9.10: what jax-cuda12 wheels of JAX 0.10 bundle).
+_TRACED_CUDNN_VERSION = 91000
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value) -> Iterator[None]:
+  old = getattr(module, name)
+  setattr(module, name, value)
+  try:
+    yield
+  finally:
+    setattr(module, name, old)
+
+
+def current_backend() -> str:
+  """The backend selection reads: the innermost `backend` block's name, else ``jax.default_backend()``."""
+  return _backends[-1] if _backends else jax.default_backend()
+
+
 def _cudnn_fits(dtype: str, head_dim: int, q_len: int, kv_len: int, cached: bool) -> bool:
   if dtype not in _HALF or head_dim % 8 or head_dim > _CUDNN_MAX_HEAD_DIM:
     return False
@@ -85,24 +177,46 @@ def _cudnn_fits(dtype: str, head_dim: int, q_len: int, kv_len: int, cached: bool
 
 
 def select(
-  setting: str, backend: str, dtype: str, head_dim: int, q_len: int, kv_len: int, *, cached: bool, causal_mask: bool
+  setting: str,
+  backend: str,
+  dtype: str,
+  head_dim: int,
+  q_len: int,
+  kv_len: int,
+  *,
+  cached: bool,
+  causal_mask: bool,
+  prefix_levels: int = 0,
+  paged: bool = False,
 ) -> str:
   """The implementation of one attention call (see the module docstring).
 
   Args:
     setting: ``ModelConfig.attention``: "auto" or an implementation to force where it can express the call.
-    backend: ``jax.default_backend()``: "cpu", "gpu" (or "cuda") or "tpu".
+    backend: `current_backend()`: "cpu", "gpu" (or "cuda") or "tpu".
     dtype: the compute dtype's name.
     head_dim: H. q_len, kv_len: T and S of the call (S: the attended slots with a cache).
-    cached: the call attends over a KV cache without prefixes or pages (False: self-attention without a cache).
+    cached: the call attends over a KV cache (False: self-attention without a cache).
     causal_mask: the mask is a `CausalMask` (causal & valid keys), which the Pallas TPU kernel can express.
+    prefix_levels: the cache's shared-prefix levels (``KVCache.prefix``). paged: its own slots are in pages.
   Returns:
-    One of "reference", "xla", "cudnn", "pallas_tpu".
+    One of "reference", "xla", "cudnn", "pallas_tpu"; recorded as a `Call` in every open `recording`.
   Raises:
     ValueError: an unknown ``setting``.
   """
   if setting not in ATTENTION:
     raise ValueError(f"attention={setting!r}; use one of {ATTENTION}.")
+  impl = _select(setting, backend, dtype, head_dim, q_len, kv_len, cached, causal_mask, prefix_levels, paged)
+  kind = "train" if not cached else "decode" if q_len == 1 else "prefill"
+  call = Call(kind, impl, backend, prefix_levels, paged, dtype, q_len, kv_len)
+  for calls in _recordings:
+    calls.append(call)
+  return impl
+
+
+def _select(setting, backend, dtype, head_dim, q_len, kv_len, cached, causal_mask, prefix_levels, paged) -> str:
+  if prefix_levels or paged:
+    return REFERENCE
   if setting == REFERENCE or (cached and q_len != 1):
     return REFERENCE
   if setting == "auto":

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envace_jax.model import attention as attention_lib
 from envace_jax.model import kvcache
 
 
@@ -411,6 +412,6 @@ def attention(q_btnh, pool, table, kv_lens, q_slots, valid, *, backend: str | No
   """Attention over paged rows, by backend: the TPU kernel where `kernel_applies`, else `reference_attention`.
   Shapes as `reference_attention`'s."""
   heads = (q_btnh.shape[2], pool.shape[2] // 2, pool.dtype)
-  if kernel_applies(backend or jax.default_backend(), heads=heads):
+  if kernel_applies(backend or attention_lib.current_backend(), heads=heads):
     return kernel_attention(q_btnh, pool, table, kv_lens, q_slots, valid)
   return reference_attention(q_btnh, pool, table, kv_lens, q_slots, valid)

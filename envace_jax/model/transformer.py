@@ -285,18 +285,18 @@ class Attention(nn.Module):
     b, t = x_btd.shape[:2]
     causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
     mask = attention.dense(mask)
-    impl = attention.REFERENCE
-    if pages is None and not prefixes:
-      impl = attention.select(
-        cfg.attention,
-        jax.default_backend(),
-        jnp.dtype(dtype).name,
-        h,
-        t,
-        mask.shape[-1],
-        cached=cache is not None,
-        causal_mask=causal_valid is not None,
-      )
+    impl = attention.select(
+      cfg.attention,
+      attention.current_backend(),
+      jnp.dtype(dtype).name,
+      h,
+      t,
+      pages[0].shape[1] * cache.shape[1] if pages is not None else mask.shape[-1],
+      cached=cache is not None,
+      causal_mask=causal_valid is not None,
+      prefix_levels=len(prefixes),
+      paged=pages is not None,
+    )
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
       table, kv_lens, q_slots = pages

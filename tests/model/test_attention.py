@@ -3,6 +3,8 @@ wrapper against the reference ``transformer._attend``, the model routed through 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +200,23 @@ def test_bfloat16_logits_match_float32(tiny, impl):
   assert clear.mean() > 0.5
   np.testing.assert_array_equal(bf16[clear].argmax(-1), f32[clear].argmax(-1))
   assert (bf16.argmax(-1) == f32.argmax(-1)).mean() >= 0.98
+
+
+def test_recording_and_backend_name():
+  """`attention.recording` collects one `Call` per layer and call at trace time, with the backend `attention.backend`
+  names: a bfloat16 decode step of the tiny model over a dense cache, traced (not run) for a GPU and the CPU."""
+  config = config_lib.PRESETS["tiny"].replace(scan_layers=False, dtype="bfloat16")
+  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0)))
+  cache = jax.eval_shape(lambda: transformer.init_cache(config, 2, 16))
+  # A new function per trace: jax caches traces by function, and neither setting is part of its key.
+  step = lambda: lambda p, c: transformer.apply(config, p, jnp.zeros((2, 1), jnp.int32), cache=c)  # noqa: E731
+  with attention.recording() as outer:
+    with attention.recording() as gpu, attention.backend("gpu"):
+      jax.make_jaxpr(step())(params, cache)
+    with attention.recording() as cpu:
+      jax.make_jaxpr(step())(params, cache)
+  want = attention.Call("decode", "cudnn", "gpu", 0, False, "bfloat16", 1, 16)
+  assert gpu == [want] * config.num_layers
+  assert cpu == [dataclasses.replace(want, impl="reference", backend=jax.default_backend())] * config.num_layers
+  assert outer == gpu + cpu
+  assert attention.current_backend() == jax.default_backend()
