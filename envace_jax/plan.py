@@ -239,8 +239,6 @@ def kernels(traced: Mapping[str, tuple[Any, tuple]]) -> dict[str, dict[str, list
     {backend: {name: sorted "impl" or "impl (prefix levels, paged)" descriptions of its calls}}.
   """
   out: dict[str, dict[str, list[str]]] = {}
-  if not hasattr(attention, "recording"):  # TEMP until i40-kernels lands
-    return {b: {p: [] for p in traced} for b in BACKENDS}
   try:
     for name in BACKENDS:
       out[name] = {}
@@ -418,17 +416,18 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend
     state=device_bytes(state_abstract), batch=device_bytes(mb),
     accumulates=train_rows > m,
   )  # fmt: skip
-  detail = {"update: micro-batch": f"{m} rows × {t} tokens (remat per layer)"}
-  for phase, lines in phases.items():
-    for name, size, what in lines:
-      parts.append(Part(name, size, phase, what + (f"; {detail[phase]}" if phase in detail and "temp" in name else "")))
   calls = kernels(traced)
   if backend == "gpu" and compiled_for != "gpu" and any(c.startswith("cudnn") for c in
                                                           calls["gpu"]["update: micro-batch gradient"]):  # fmt: skip
     m_local = m // (shards if update_mesh is not None else 1)
-    parts.append(Part("cuDNN attention bias and its gradient", cudnn_bias_bytes(m_local, t, compute),
-                      "update: micro-batch", f"analytic: {compute}[{m_local}, 1, {t}, {t}] twice, one layer at a time "
-                      "(not in the CPU-compiled figures)"))  # fmt: skip
+    phases["update: micro-batch"].append((
+      "cuDNN attention bias and its gradient", cudnn_bias_bytes(m_local, t, compute),
+      f"analytic: {compute}[{m_local}, 1, {t}, {t}] twice, one layer at a time (not in the CPU-compiled figures)",
+    ))  # fmt: skip
+  for phase, lines in phases.items():
+    for name, size, what in lines:
+      size_note = f"; {m} rows × {t} tokens (remat per layer)" if name == "micro-batch temporaries" else ""
+      parts.append(Part(name, size, phase, what + size_note))
 
   persistent = sum(p.bytes for p in parts if p.phase == "persistent")
   totals = {ph: sum(p.bytes for p in parts if p.phase == ph) for ph in PHASES if any(p.phase == ph for p in parts)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -71,19 +72,32 @@ def test_plan_on_the_mesh_matches_the_formulas(data_dir):
   assert small["fits"] is False and "does NOT fit (200% of it)" in plan.format_plan(small)
 
 
-def test_plan_with_shared_openings(data_dir):
+def test_plan_with_shared_openings_for_a_gpu(data_dir, monkeypatch):
   """``opening_tokens`` = 100: each cache is a prefix level of one row per (view, task), 128 slots (100 rounded up
   to a power of two, as `Sampler.fork` cuts it), and the rollouts' rows own the capacity less 100. The
   policy's 8 opening rows split over the 8 batch shards; the reference user's 4 do not, so each device holds them
-  whole."""
-  config = tiny_config(data_dir, **{"train.tasks_per_step": 4, "grpo.micro_batch_size": 8, "mesh.data": 1,
-                                    "mesh.fsdp": 8})  # fmt: skip
-  parts = _parts(plan.plan(config, device_memory_gb=1.0, opening_tokens=100))
+  whole. Planned for a GPU with bf16 compute over fp32 master weights: the samplers read a bf16 copy, the
+  reference is bf16, cuDNN trains (the attention record) and its [M, 1, T, T] bias and gradient are counted, and
+  the usable memory is the pool's fraction of the device."""
+  config = tiny_config(data_dir, dtype="bfloat16", **{"train.tasks_per_step": 4, "grpo.micro_batch_size": 8,
+                                                      "mesh.data": 1, "mesh.fsdp": 8})  # fmt: skip
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  result = plan.plan(config, device_memory_gb=1.0, opening_tokens=100, backend="gpu")
+  parts = _parts(result)
   mc = model_config.get_model_config("tiny")
-  slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+  slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2  # bfloat16
   own, user = config.rollout.act_capacity - 100, config.rollout.user_capacity - 100
   assert parts["KV cache: policy"].bytes == (slot * own + 4) * 16 // 8 + (slot * 128 + 4) * 8 // 8
   assert parts["KV cache: reference user"].bytes == (slot * user + 4) * 8 // 8 + (slot * 128 + 4) * 4
+  state = parts["train state: parameters"].bytes
+  assert parts["sampler copy: policy"].bytes == parts["reference (the initial weights)"].bytes == state // 2
+  t = result["batch"]["micro_batch_tokens"]
+  assert parts["cuDNN attention bias and its gradient"].bytes == 2 * (8 // 8) * t * t * 2
+  assert result["attention"]["gpu"]["update: micro-batch gradient"] == ["cudnn (train)"]
+  assert result["attention"]["cpu"]["update: micro-batch gradient"] == ["reference (train)"]
+  assert "prefix level" in result["attention"]["gpu"]["decode (policy)"][0]
+  assert result["device_bytes"] == 5 * 10**8 and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5" in result["device_source"]
   with pytest.raises(config_check.ConfigError, match="opening_tokens=100000"):
     plan.plan(config, opening_tokens=100000)
 
@@ -164,7 +178,9 @@ def test_a_plan_needs_no_weights_on_disk(data_dir):
 @pytest.mark.slow
 def test_plan_from_the_command_line(data_dir):
   args = [sys.executable, "-m", "envace_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", "--mode=plan",
-          f"--config.env.data_dir={data_dir}", "--device_memory_gb=0.5"]  # fmt: skip
-  out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True).stdout
-  assert out.startswith("Memory plan per device: tiny on 8 × cpu devices") and "KV cache: policy" in out
-  assert "device memory 0.47 GiB: fits" in out
+          f"--config.env.data_dir={data_dir}", "--device_memory_gb=0.5", "--plan_backend=gpu"]  # fmt: skip
+  env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k and k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
+  out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True, env=env).stdout
+  assert out.startswith("Memory plan per device: tiny on 8 × gpu devices") and "KV cache: policy" in out
+  assert "device memory 0.35 GiB usable, 0.75 × 0.5 GB (JAX's default pool" in out  # JAX preallocates 75%
+  assert "compiled for cpu" in out and "  gpu: prefill (policy): " in out
