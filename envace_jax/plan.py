@@ -265,7 +265,9 @@ def cudnn_bias_bytes(m: int, t: int, dtype: str) -> int:
   return 2 * m * t * t * jnp.dtype(dtype).itemsize
 
 
-def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend: str = "") -> dict[str, Any]:
+def plan(
+  config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend: str = "", compare_openings: bool = False
+) -> dict[str, Any]:
   """The per-device memory plan of ``config``'s training run (see the module docstring).
 
   Args:
@@ -275,6 +277,8 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend
     opening_tokens: tokens of each view's opening, shared by a task's G rollouts (0: none assumed).
     backend: the backend the run will use ("cpu", "gpu", "tpu"; "": the one this process has). The figures are
       compiled for this process's backend; for a GPU the cuDNN bias is added (`cudnn_bias_bytes`).
+    compare_openings: with ``opening_tokens``, also compile the prefill over rows that own every slot (no
+      openings), as "prefill (policy, no openings)" in ``programs``: what the shared prefix costs in temporaries.
   Returns:
     {"model", "devices", "backend", "compiled_for", "mesh" {axis: size}, "rows", "capacity", "micro_batches",
     "parts": [Part], "programs": {name: memory analysis}, "phases" {phase: bytes}, "persistent_bytes",
@@ -301,7 +305,8 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend
   if ucfg.user_mode == "policy":
     views.append(Role.USER)
   capacity = max(ucfg.capacity(r) for r in views)
-  if not 0 <= opening_tokens < min(ucfg.capacity(r) for r in views):
+  cached = views + ([Role.USER] if ucfg.user_mode == "reference" else [])  # the reference user's cache forks too
+  if not 0 <= opening_tokens < min(ucfg.capacity(r) for r in cached):
     raise config_check.ConfigError(
       [f"opening_tokens={opening_tokens}: must be >= 0 and below every view's capacity (rollout.*_capacity)."]
     )
@@ -393,6 +398,10 @@ def plan(config, device_memory_gb: float = 0.0, opening_tokens: int = 0, backend
   for kind, (fn, args) in policy_programs.items():
     traced[f"{kind} (policy)"] = (fn, args)
     programs[f"{kind} (policy)"] = _compile(fn, args)
+  if compare_openings and opening_tokens:
+    alone = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, 0, sampler.min_bucket)
+    ref = _sampler_programs(sampler, params_abstract, alone, num_new, ucfg.sampling(Role.ACT), stops)
+    programs["prefill (policy, no openings)"] = _compile(*ref["prefill"])
   rollout_temp = max(programs["prefill (policy)"]["temp"], programs["decode (policy)"]["temp"])
   if ucfg.user_mode == "reference":
     ref_rows = n + (-n % pad_to)
