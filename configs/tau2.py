@@ -52,7 +52,7 @@ MOCK_HELDOUT_IDS = (
 # --config.model_path=/path/to/Qwen3-... (the tokenizer is the model's own).
 RECIPES = {
   # One H200: Qwen3-1.7B EnvACE, the largest B×G the plan fits (experiments/results/plan_h200_qwen3_1p7b.md).
-  "h200_qwen3_1p7b": {"model": "qwen3-1.7b", "mesh.data": 1, "mesh.fsdp": 1, "train.tasks_per_step": 8,
+  "h200_qwen3_1p7b": {"model": "qwen3-1.7b", "mesh.data": 1, "mesh.fsdp": 1, "train.tasks_per_step": 4,
                       "train.group_size": 4, "grpo.micro_batch_size": 1},
   # 8 H200s: Qwen3-8B at the paper's B=16 × G=4, fully sharded (experiments/results/plan_h200x8_qwen3_8b.md).
   "h200x8_qwen3_8b": {"model": "qwen3-8b", "mesh.data": 1, "mesh.fsdp": 8, "train.tasks_per_step": 16,
