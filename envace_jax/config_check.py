@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from envace_jax.config.choices import (
   ARG_KEYS,
   ATTENTION,
@@ -46,6 +49,9 @@ SMOLLM2 = "smollm2-135m"
 # Architecture fields a model directory's config.json must share with the preset it is given for.
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 _MISSING = object()
+# The magnitude of a typical weight: the initialisers' stddev (model/transformer.py's _dense_init; Hugging Face's
+# initializer_range), about the root mean square of a trained Llama's or Qwen's projection weights.
+TYPICAL_WEIGHT = 0.02
 
 
 class ConfigError(ValueError):
@@ -86,13 +92,15 @@ class _Checker:
   def add(self, problem: str) -> None:
     self.problems.append(problem)
 
-  def get(self, key: str) -> Any:
+  def get(self, key: str, quiet: bool = False) -> Any:
+    """The value of ``key``, or _MISSING (a problem is recorded unless ``quiet``: a key checked once already)."""
     value = self.config
     for part in key.split("."):
       try:
         value = value[part]
       except (KeyError, TypeError, AttributeError):
-        self.add(f"{key} is missing; every config starts from envace_jax/config/defaults.py, which defines it")
+        if not quiet:
+          self.add(f"{key} is missing; every config starts from envace_jax/config/defaults.py, which defines it")
         return _MISSING
     return value
 
@@ -406,6 +414,32 @@ def _check_reward(ck: _Checker) -> None:
   ck.text("reward.judge_api_key_env")
 
 
+def smallest_learning_rate(param_dtype: str) -> float:
+  """The smallest learning rate whose AdamW step still moves a weight of ``TYPICAL_WEIGHT`` stored in
+  ``param_dtype``: half the dtype's spacing there (bfloat16: 2^-6 * 2^-7 / 2 = 6.1e-5; float16: 7.6e-6; float32:
+  9.3e-10). An AdamW step is about the learning rate at most (exactly lr * sign(g) at step 1); a smaller one
+  rounds back to the stored weight, so such a weight never trains (issue 40: bfloat16 weights at lr 1e-6 moved
+  0.31% of a tiny Qwen3's weights in one update, float32 master weights 51.5%)."""
+  spacing = 2.0 ** math.floor(math.log2(TYPICAL_WEIGHT)) * float(ml_dtypes.finfo(np.dtype(param_dtype)).eps)
+  return spacing / 2
+
+
+def _check_precision(ck: _Checker, rates: Sequence[tuple[str, Any]]) -> None:
+  """A ``param_dtype`` below float32 (the master weights' dtype) must hold a step of every learning rate used."""
+  dtype = ck.get("param_dtype", quiet=True)
+  if dtype not in DTYPES or dtype == "float32":
+    return
+  low = smallest_learning_rate(dtype)
+  for key, rate in rates:
+    if rate is not _MISSING and 0 < rate < low:
+      ck.add(
+        f"param_dtype={dtype!r} cannot hold a step of {key}={rate:g}: below {low:.2g} an AdamW step rounds back to a "
+        f"weight of {TYPICAL_WEIGHT} in {dtype}, so it never trains; keep param_dtype='float32' (master weights; "
+        "dtype sets the compute) or raise the rate"
+      )
+      return
+
+
 def _power_of_two(x: float) -> bool:
   return x >= 1 and x == int(x) and not int(x) & (int(x) - 1)
 
@@ -433,8 +467,12 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
   ck.boolean("grpo.use_kl")
   ck.number("grpo.kl_coef", lambda x: x >= 0, ">= 0")
   ck.one_of("grpo.kl_estimator", KL_ESTIMATORS)
-  ck.number("grpo.learning_rate", lambda x: x > 0, "> 0")
-  ck.number("grpo.sft_learning_rate", lambda x: x >= 0, ">= 0 (0: grpo.learning_rate)")
+  rate = ck.number("grpo.learning_rate", lambda x: x > 0, "> 0")
+  sft_rate = ck.number("grpo.sft_learning_rate", lambda x: x >= 0, ">= 0 (0: grpo.learning_rate)")
+  rates = [("grpo.learning_rate", rate)]
+  if ck.get("train.sft_warmup_steps", quiet=True) not in (0, _MISSING):
+    rates.append(("grpo.sft_learning_rate", sft_rate))
+  _check_precision(ck, rates)
   ck.number("grpo.weight_decay", lambda x: x >= 0, ">= 0")
   for key in ("adam_b1", "adam_b2"):
     ck.number(f"grpo.{key}", lambda x: 0 <= x < 1, "in [0, 1)")

@@ -64,7 +64,8 @@ class Policy:
     return {SAMPLER_OF_TREE[name]: make(tree) for name, tree in self.split(params).items()}
 
   def sync(self, samplers: Mapping[str, Any], params: Params) -> None:
-    """Points each tree's sampler at that tree's current arrays (`Sampler.params`' setter; no copy off a mesh)."""
+    """Points each tree's sampler at that tree's current arrays (`Sampler.params`' setter: no copy off a mesh in the
+    master's dtype; a cast copy in the compute dtype otherwise)."""
     for name, tree in self.split(params).items():
       samplers[SAMPLER_OF_TREE[name]].params = tree
 

@@ -228,9 +228,13 @@ class Trainer:
   # -- rollouts ----------------------------------------------------------------------------------------------------
 
   def _samplers(self, rows: int) -> dict[str, Any]:
-    """The policy's samplers over the train state's own arrays, and the reference user's over the reference's (on
-    a mesh the reference tree is the reference sampler's placed one: one copy)."""
+    """The policy's samplers over the train state's own arrays (a cast copy where the compute dtype is not the
+    master's: `Sampler.params`), and the reference user's over the reference's (on a mesh the reference tree is the
+    reference sampler's placed one: one copy). The reference, only ever run forward, is held in the compute dtype
+    from here on (`sharding.cast`: the loaded tree is released where it was in another dtype)."""
     cfg = self.config
+    self.ref_params = sharding.cast(self.ref_params, self.model.config.dtype)
+    self.model = dataclasses.replace(self.model, params=self.ref_params)
     mesh, params = self.sample_mesh, self._sampling(self.state.params)
     out = self.policy.samplers(params, lambda p: runtime.make_sampler(cfg, self.model, p, mesh, rows))
     if self.unfold_cfg.user_mode == "reference":
@@ -241,7 +245,8 @@ class Trainer:
 
   def _sync_samplers(self) -> None:
     """Points the policy samplers at the train state's current arrays (`Policy.sync`): no copy where the sampler's
-    placement is the state's. Called after every update: the update donates the old arrays."""
+    placement and dtype are the state's, else a fresh cast copy. Called after every update: the update donates the
+    old arrays."""
     self.policy.sync(self.samplers, self._sampling(self.state.params))
 
   def envs_for(self, tasks: Sequence[Task], group_size: int):

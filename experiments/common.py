@@ -41,8 +41,7 @@ TINY_CAVEAT = (
 # --full applies these; anything else goes through --config.KEY=VALUE.
 FULL = {
   "model": "qwen3-8b",
-  "dtype": "bfloat16",
-  "param_dtype": "bfloat16",
+  "dtype": "bfloat16",  # compute; the master weights stay float32 (param_dtype: bfloat16 cannot hold a 1e-6 step)
   "train.tasks_per_step": 16,
   "train.group_size": 4,
   "grpo.learning_rate": 1e-6,

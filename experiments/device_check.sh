@@ -43,9 +43,9 @@ if [[ $DRY == 1 ]]; then
     --config.train.steps=1 --config.train.eval_tasks=0
 else
   step 210 "decode and update" "$PYTHON" experiments/device_check.py --out "$OUTDIR/device_check.json"
-  # Qwen3-8B, bfloat16, 2 tasks x 4 rollouts, 12k slots per view with a shared 5k-token opening, on this device.
+  # Qwen3-8B, bfloat16 compute over float32 master weights, 2 tasks x 4 rollouts, 12k slots per view with a shared 5k-token opening, on this device.
   step 120 "plan" "$PYTHON" -m envace_jax.main --config=configs/tau2.py:mock --mode=plan "$DATA" \
-    --config.model=qwen3-8b --config.dtype=bfloat16 --config.param_dtype=bfloat16 \
+    --config.model=qwen3-8b --config.dtype=bfloat16 \
     --config.train.tasks_per_step=2 --config.train.group_size=4 --config.grpo.micro_batch_size=1 \
     --config.rollout.act_capacity=12288 --config.rollout.rehearse_capacity=12288 \
     --config.rollout.user_capacity=12288 --opening_tokens=5000

@@ -70,9 +70,9 @@ bars; learning curves: training reward per role per step, held-out gold-call fid
 warm-up / after GRPO; test-time pass^1 and cost vs N). ``--readme`` prints the README's results section from that JSON
 (a test checks that the README holds exactly it). ``--smoke`` is the pipeline check the tests run (the tiny random model
 on τ² mock, whose one split is cut into train and held-out ids here; the base and EnvACE cells: its numbers say nothing
-about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B in bfloat16, B=16
-× G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still apply, and any
-config value can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``).
+about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B computing in
+bfloat16, B=16 × G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still
+apply, and any config value can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``).
 
 Budget: the default grid is sized for about 8 CPU-hours on 2 cores, run in parts (``--methods``, ``--seeds``) across
 sessions.

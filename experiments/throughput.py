@@ -8,10 +8,10 @@
 
 Cost of the CPU default (SmolLM2 float32, 2 cores): an estimated 7-9 minutes on idle cores and 8.5 GB of memory;
 see "Cost" below for what was measured and under which load. The accelerator command has not been run (no
-accelerator was lent while this was written). Size it by memory: the run holds the weights six times (the loaded
-tree, the train state, two AdamW moments, each sampler's unstacked copy), in ``config.param_dtype`` (float32 by
-default: Qwen3-8B then needs ~200 GB for those, more than one 141 GB H200; ``--config.param_dtype=bfloat16``
-halves it), or take ``--config.model=qwen3-4b`` or shard over chips with ``--config.mesh.fsdp=N``; KV caches
+accelerator was lent while this was written). Size it by memory: the run holds float32 master weights and two
+float32 AdamW moments (12 bytes a parameter), and the reference and each policy sampler's copy in the compute dtype
+(2 bytes each in bfloat16): Qwen3-8B needs ~130 GB for those, more than the 75% of one 141 GB H200 JAX takes; take
+``--config.model=qwen3-4b`` or shard over chips with ``--config.mesh.fsdp=N``; KV caches
 add 2 x B x G rows x act_capacity (8192 on airline) x 147 KB for Qwen3-4B/8B in bfloat16 (~19 GB at B=2, G=4).
 
 A ``train.Trainer`` (the loop of ``python -m envace_jax.main``) runs ``Trainer.step`` itself, each of its phases timed

@@ -300,6 +300,26 @@ def test_bad_values_name_the_key_and_valid_values(overrides, expected):
   assert message.startswith(expected), message
 
 
+def test_a_lower_precision_master_that_cannot_hold_a_step_of_the_learning_rate_is_refused():
+  """param_dtype (the master weights) below float32 with a learning rate under half that dtype's spacing at a typical
+  weight (issue 40: bfloat16 weights at lr 1e-6 moved 0.31% of a tiny Qwen3's weights in one update): one line that
+  names both keys; the RL rate, and the warm-up's own rate when there is a warm-up."""
+  assert config_check.smallest_learning_rate("bfloat16") == 2.0**-14  # 0.02 lies in [2^-6, 2^-5): spacing 2^-6 * 2^-7
+  assert config_check.smallest_learning_rate("float16") == 2.0**-17
+  paper = ("--config.dtype=bfloat16", "--config.param_dtype=bfloat16", "--config.grpo.learning_rate=1e-6")
+  assert only_problem(load("tau2.py", *paper)) == (
+    "param_dtype='bfloat16' cannot hold a step of grpo.learning_rate=1e-06: below 6.1e-05 an AdamW step rounds back "
+    "to a weight of 0.02 in bfloat16, so it never trains; keep param_dtype='float32' (master weights; dtype sets the "
+    "compute) or raise the rate"
+  )
+  half = ("--config.param_dtype=float16", "--config.grpo.learning_rate=1e-4", "--config.grpo.sft_learning_rate=1e-6")
+  message = only_problem(load("tau2.py", *half, "--config.train.sft_warmup_steps=1"))
+  assert message.startswith("param_dtype='float16' cannot hold a step of grpo.sft_learning_rate=1e-06: below 7.6e-06")
+  config_check.validate(load("tau2.py", *half))  # no warm-up: its rate is never used
+  config_check.validate(load("tau2.py", "--config.param_dtype=bfloat16", "--config.grpo.learning_rate=1e-4"))
+  config_check.validate(load("tau2.py", "--config.dtype=bfloat16", "--config.grpo.learning_rate=1e-9"))  # fp32 master
+
+
 def test_bfcl_and_checklist_have_no_user_rows():
   message = only_problem(load("bfcl.py", "--config.grpo.trained_roles=act,user"))
   assert message == "grpo.trained_roles has 'user', but bfcl replays logged user turns: there are no USER rows"

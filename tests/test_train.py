@@ -153,6 +153,33 @@ def test_pretrained_weights_are_stored_in_param_dtype(smollm2):
   )
 
 
+def test_bf16_compute_trains_float32_master_weights_and_samples_from_bf16_copies(tmp_path, data_dir):
+  """bfloat16 compute (issue 40): the train state holds float32 master weights (here the per-role ablation's two
+  trees); each policy sampler reads a bfloat16 copy of its tree on the same device, made again at every sync; the
+  frozen reference (its sampler's and the KL's) is held in bfloat16 only."""
+  trainer = train.Trainer(tiny_config(data_dir, dtype="bfloat16", **{"grpo.mode": "per_role"}), str(tmp_path))
+  f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+  leaves = jax.tree.leaves
+
+  def check_copies(state_params):
+    for tree, sampler in (("act", "policy"), ("rehearse", "rehearse")):
+      master, copy = leaves(state_params[tree]), leaves(trainer.samplers[sampler].params)
+      assert {x.dtype for x in master} == {f32} and {x.dtype for x in copy} == {bf16}
+      for m, c in zip(master, copy, strict=True):
+        assert c.sharding == m.sharding
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(m.astype(jnp.bfloat16)))
+
+  check_copies(trainer.state.params)
+  assert trainer.model.params is trainer.ref_params and trainer.samplers["reference"].params is trainer.ref_params
+  for ref, initial in zip(leaves(trainer.ref_params), leaves(trainer.state.params["act"]), strict=True):
+    assert ref.dtype == bf16
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(initial.astype(jnp.bfloat16)))
+  moved = jax.tree.map(lambda x: x + 1e-2, trainer.state.params)  # what an update returns: new float32 arrays
+  trainer.state = trainer.state.replace(params=moved)
+  trainer._sync_samplers()
+  check_copies(moved)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["envace", "per_role"])
 def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mode):

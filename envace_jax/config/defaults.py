@@ -85,7 +85,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # message verbatim; Qwen3's rewrites earlier turns (thinking blocks), so use "chatml" with Qwen3 (its native format).
   c.chat_template = ""
   c.dtype = "float32"  # compute dtype: float32 on CPU (bfloat16 is 2-4x slower there), bfloat16 on accelerators
-  c.param_dtype = "float32"  # parameter (and AdamW moment) storage; bfloat16 halves memory on accelerators
+  # The train state's master weights and the checkpoints' (AdamW's moments are float32 whatever it is); the samplers
+  # and the reference read a copy in `dtype` where it differs. A lower precision is refused where it cannot hold a
+  # step of the learning rates (bfloat16: below 6.1e-5, the paper's 1e-6 included; config_check.smallest_learning_rate)
+  c.param_dtype = "float32"
   # Attention kernel (envace_jax/model/attention.py): "auto" picks by backend (cuDNN on GPU, Pallas on TPU, where they
   # express the call; the reference paths elsewhere); "reference", "xla", "cudnn" or "pallas_tpu" force one.
   c.attention = "auto"

@@ -467,10 +467,16 @@ class TrainState:
 
   Attributes:
     step: int32[] updates applied so far.
-    params: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
+    params: the master weights, in the model config's ``param_dtype`` (float32 by default) whatever the compute
+      ``dtype``: one parameter tree, or ``{"act": tree, "rehearse": tree}`` in per_role mode; layers unstacked
       (``layers_0 ..``, `transformer.unstack_layers`), the layout samplers read, so a sampler uses these arrays
-      without a copy. The update stacks them for its scanned forward (inside each micro-batch program, a temporary).
+      without a copy where it computes in their dtype (else it reads a cast copy: `sampling.sampler.Sampler`'s
+      ``params``). The update stacks them for its scanned forward (inside each micro-batch program, a temporary);
+      the model casts each weight to the compute dtype where it is used, so the gradients and the step are in the
+      master's dtype.
     opt_state: the optax state of ``make_optimizer(cfg)`` for params; per_role: ``{"act": ..., "rehearse": ...}``.
+      AdamW's moments are float32 from step 0 whatever the params' dtype (`_init_opt_state`), so no step changes a
+      leaf's dtype (which would compile the update again).
   """
 
   step: Any
@@ -483,12 +489,26 @@ def make_optimizer(cfg: GrpoConfig) -> optax.GradientTransformation:
 
   With a supervised warm-up at its own rate (``sft_steps`` and ``sft_learning_rate`` set) AdamW is wrapped in
   ``optax.inject_hyperparams``: its learning rate lives in the optimizer state and `with_learning_rate` sets it per
-  training step (a schedule on the optimizer's own count would drift when a step has nothing to train).
+  training step (a schedule on the optimizer's own count would drift when a step has nothing to train); the rate is
+  a float32 scalar.
+
+  The first moment is float32 (``mu_dtype``; optax otherwise keeps the type the first update promotes it to: a
+  bfloat16 tree's moment turned float32 at step 1); `_init_opt_state` makes the second float32 too.
   """
-  adamw = optax.inject_hyperparams(optax.adamw) if cfg.injects_learning_rate else optax.adamw
+  if cfg.injects_learning_rate:
+    adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)
+  else:
+    adamw = optax.adamw
   return optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
-    adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay),
+    adamw(
+      cfg.learning_rate,
+      b1=cfg.adam_b1,
+      b2=cfg.adam_b2,
+      eps=cfg.adam_eps,
+      weight_decay=cfg.weight_decay,
+      mu_dtype=jnp.float32,
+    ),
   )
 
 
@@ -527,10 +547,12 @@ def _is_split(params: Any) -> bool:
 
 
 def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
-  """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state.
+  """Step 0: params (layers unstacked: a copy where they come stacked) and a fresh optimizer state (float32
+  moments).
 
   Args:
-    params: one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
+    params: the master weights in their dtype (a run's: ``config.param_dtype``, float32 by default; nothing is
+      cast), one parameter tree, either layout. In per_role mode either that (both role trees start as copies of it,
       as the paper's ablation starts both models from the same checkpoint) or ``{"act": tree, "rehearse": tree}``.
   """
   params = transformer.unstack_tree(params)
@@ -539,9 +561,24 @@ def init_train_state(cfg: GrpoConfig, params: Any) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_init_opt_state(cfg, params))
 
 
+def _float32_shapes(params: Any) -> Any:
+  """``params`` with every leaf that is not float32 replaced by its float32 ``jax.ShapeDtypeStruct`` (on the leaf's
+  sharding where it is committed to one): what AdamW's moments are made from, with no float32 copy of the weights."""
+
+  def leaf(x):
+    if x.dtype == jnp.float32:
+      return x
+    placed = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding if placed else None)
+
+  return jax.tree.map(leaf, params)
+
+
 def _init_opt_state(cfg: GrpoConfig, params: Any) -> Any:
-  """A fresh optimizer state for ``params`` (per_role: one per role tree of the split params)."""
+  """A fresh optimizer state for ``params`` (per_role: one per role tree of the split params): AdamW's moments
+  float32 whatever the params' dtype (optax makes the second moment in the params' dtype)."""
   opt = make_optimizer(cfg)
+  params = _float32_shapes(params)
   if cfg.per_role:
     return {name: opt.init(params[name]) for name in ROLE_TREES}
   return opt.init(params)

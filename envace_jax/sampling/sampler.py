@@ -225,14 +225,25 @@ class Sampler:
 
   @property
   def params(self):
-    """The parameter tree sampled from, layers unstacked (``layers_0 ..``). Assigning new weights (either layout)
-    unstacks them and re-places them on the mesh; nothing recompiles."""
+    """The parameter tree sampled from, layers unstacked (``layers_0 ..``), in the compute dtype
+    (``config.dtype``). Assigning new weights (either layout) unstacks them, re-places them on the mesh and, where
+    their dtype is not the compute dtype (float32 master weights, bfloat16 compute), makes a cast copy on the same
+    shardings (`sharding.cast`); weights already in the compute dtype are used as they are, no copy. Nothing
+    recompiles.
+
+    Why a copy (XLA's ``cost_analysis()`` "bytes accessed" of one decode step compiled for CPU, bfloat16 compute,
+    4 rows x 256 slots): reading float32 weights and casting each at use accessed 336 MiB for a 4-layer
+    Qwen3-shaped model of 76 MiB float32 weights and 1.86 GiB for SmolLM2-135M (513 MiB), against 274 MiB and
+    1.40 GiB from the bfloat16 copy (-18% and -23%); a decode step is bound by these bytes."""
     return self._params
 
   @params.setter
   def params(self, params):
     params = transformer.unstack_layers(params)
-    self._params = sharding.shard_params(params, self._param_shardings) if self.mesh is not None else params
+    if self.mesh is not None:
+      params = sharding.shard_params(params, self._param_shardings)
+    self._params = None  # the previous cast copy goes before the next is made
+    self._params = sharding.cast(params, self.config.dtype)
 
   def _jit(self, kind: str, cache: KVCache):
     """The jitted prefill, decode or admit function; on a mesh, with explicit shardings for this cache's shape."""

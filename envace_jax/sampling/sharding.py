@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -247,6 +248,31 @@ def shard_params(params: Any, shardings: Any) -> Any:
       "same config the params were made for."
     )
   return jax.device_put(params, shardings)
+
+
+def cast(tree: Any, dtype: Any) -> Any:
+  """``tree`` with its floating leaves in ``dtype``, each cast copy on the sharding of the leaf it copies (one jitted
+  program with ``out_shardings``): how the samplers and the reference read float32 master weights in the compute
+  dtype. ``tree`` itself, no copy, when every floating leaf already has that dtype.
+
+  Args:
+    tree: arrays (jax or numpy; a numpy leaf is placed on the default device first).
+    dtype: e.g. "bfloat16" (a ``ModelConfig.dtype``).
+  """
+  dtype = jnp.dtype(dtype)
+  leaves, treedef = jax.tree.flatten(tree)
+  if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in leaves):
+    return tree
+  leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+  return jax.tree.unflatten(treedef, _cast_program(dtype.name, tuple(x.sharding for x in leaves))(leaves))
+
+
+@functools.lru_cache(maxsize=16)
+def _cast_program(dtype: str, shardings: tuple[jax.sharding.Sharding, ...]):
+  def run(leaves):
+    return [x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves]
+
+  return jax.jit(run, out_shardings=list(shardings))
 
 
 def batch_size_multiple(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:

@@ -853,6 +853,56 @@ def test_per_role_with_packing_updates_only_each_roles_tree(params):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Master weights
+
+QWEN3_TINY = CONFIG.replace(family="qwen3", qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6)  # Qwen3-shaped, tiny
+
+
+def test_bf16_compute_at_lr_1e6_moves_every_float32_master_weight_with_a_gradient():
+  """Issue 40 (acceptance 1): with bfloat16 compute at the paper's lr 1e-6, one AdamW update changes every float32
+  master weight whose gradient is non-zero (bfloat16 weights hold only a few of those steps); AdamW's moments are
+  float32 from step 0, for a bfloat16 master too, and keep their dtypes, so the second update compiles nothing."""
+  f32 = jnp.dtype(jnp.float32)
+  config = QWEN3_TINY.replace(dtype="bfloat16")  # param_dtype float32: the master
+  params = transformer.init_params(config, jax.random.key(3))
+  cfg = grpo.GrpoConfig.from_config(learning_rate=1e-6, micro_batch_size=2)
+  rng = np.random.default_rng(21)
+  rows = [make_row(rng, 24, 8, ACT, old_noise=0.5), make_row(rng, 20, 6, REHEARSE, old_noise=0.5)]
+  batch = split_micro_batches(collate(rows, [1.0, -0.5], trained_roles=cfg.trained_roles, length_bucket=16), 2)
+  grads, metrics = loss_and_grads(cfg, params, batch, config=config)
+  grads = transformer.unstack_tree(grads)
+  # The model casts each float32 weight to bfloat16 where it is used: the gradients come back float32.
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {f32}
+  names, g = _paths_and_leaves(grads)
+  nonzero = [np.asarray(x) != 0 for x in g]
+  assert sum(x.sum() for x in nonzero) > 0.5 * sum(x.size for x in nonzero)
+
+  apply = jax.jit(functools.partial(grpo.apply_gradients, cfg))  # the optimizer step of make_update_step's programs
+  device = jax.devices()[0]  # every state committed, as the update's own outputs are: one program per dtype layout
+
+  def two_steps(master):
+    state = jax.device_put(grpo.init_train_state(cfg, master), device)
+    moments = [x.dtype for x in jax.tree.leaves(state.opt_state)]
+    assert set(moments) == {f32, jnp.dtype(jnp.int32)}  # float32 moments (int32 counts) from step 0
+    step_grads = jax.tree.map(lambda x, p: x.astype(p.dtype), grads, state.params)  # the master's dtype
+    first, _ = apply(state, step_grads, metrics)
+    with runtime.CompileClock() as clock:
+      second, _ = apply(first, step_grads, metrics)
+    assert clock.programs_since(0) == 0
+    assert [x.dtype for x in jax.tree.leaves(second.opt_state)] == moments
+    pairs = zip(jax.tree.leaves(first.params), jax.tree.leaves(master), strict=True)
+    return [np.asarray(a) != np.asarray(b) for a, b in pairs]
+
+  moved = two_steps(transformer.unstack_tree(params))
+  for name, m, n in zip(names, moved, nonzero, strict=True):
+    assert m[n].all(), f"{name}: {np.sum(n & ~m)} weights with a gradient did not move"
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), transformer.unstack_tree(params))
+  moved = two_steps(bf16)
+  held = sum(np.sum(m & n) for m, n in zip(moved, nonzero, strict=True)) / sum(x.sum() for x in nonzero)
+  assert held < 0.05, held  # a bfloat16 weight of ~0.02 is 2^-7 * 2^-6 apart from the next: a 1e-6 step rounds away
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The step on a mesh
 
 

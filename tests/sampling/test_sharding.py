@@ -160,6 +160,41 @@ def test_shard_params_rejects_mismatched_trees(mesh):
     sharding.shard_params({"embed": jnp.zeros((512, 64))}, shardings)
 
 
+@needs_8
+def test_a_sampler_reads_float32_master_weights_as_a_cast_copy_on_their_shardings(mesh):
+  """bfloat16 compute over float32 master weights (issue 40): the sampler holds a bfloat16 copy, each leaf on its
+  master's sharding, refreshed by each assignment (an update's new arrays) without compiling the cast again; off the
+  mesh the copy stays on the master's device; a sampler computing in the master's dtype reads the arrays themselves."""
+  from envace_jax.runtime import CompileClock
+  from envace_jax.sampling.sampler import Sampler
+
+  config = TINY.replace(dtype="bfloat16", scan_layers=False)  # param_dtype float32: the master
+  master = _init_params(config, jax.random.key(0))
+  on_mesh = sharding.shard_params(master, sharding.param_shardings(config, mesh))
+  updated = jax.tree.map(lambda x: x + 1e-3, on_mesh)  # an update's output: new arrays on the same shardings
+
+  def check_copy(copy, of):
+    for c, m in zip(jax.tree.leaves(copy), jax.tree.leaves(of), strict=True):
+      assert c.dtype == jnp.bfloat16 and c.sharding == m.sharding
+      np.testing.assert_array_equal(np.asarray(c), np.asarray(m.astype(jnp.bfloat16)))
+
+  sampler = Sampler(config, on_mesh, mesh=mesh)
+  check_copy(sampler.params, on_mesh)
+  assert sampler.params["lm_head"].sharding.spec == P("fsdp", "tensor")
+  with CompileClock() as clock:
+    sampler.params = updated
+  assert clock.programs_since(0) == 0
+  check_copy(sampler.params, updated)
+
+  device = jax.devices()[3]
+  off_mesh = jax.device_put(master, device)
+  check_copy(Sampler(config, off_mesh).params, off_mesh)
+
+  for held, placement in ((on_mesh, mesh), (off_mesh, None)):
+    same = Sampler(config.replace(dtype="float32"), held, mesh=placement)
+    assert all(a is b for a, b in zip(jax.tree.leaves(same.params), jax.tree.leaves(held), strict=True))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The sharded forward pass equals the unsharded one
 
