@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from envace_jax.config.choices import ATTENTION
+from envace_jax.model import kvcache
 
 REFERENCE, XLA, CUDNN, PALLAS_TPU = ATTENTION[1:]
 # cuDNN's flash attention takes head dims that are multiples of 8 up to 128 on every supported GPU (256 from Hopper
@@ -77,9 +78,26 @@ class CausalMask:
     return cls(dense=(idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :], valid=valid)
 
 
+@struct.dataclass
+class CacheMask:
+  """The mask of a chunk over a KV cache with its structure (what the kernels' routes read instead of a dense mask):
+  row b's valid new tokens fill own slots lengths[b], lengths[b] + 1, ... in chunk order, and each sees the row's
+  own slots up to its own (and every filled slot of the row's prefix levels).
+
+  Attributes:
+    dense: bool[B, T, S], that mask over a dense cache's S attended slots (what the reference reads); None for pages.
+    lengths: int32[B], own slots filled before the call.
+    valid: bool[B, T], the chunk's tokens that are written (False: padding).
+  """
+
+  dense: jax.Array | None
+  lengths: jax.Array
+  valid: jax.Array
+
+
 def dense(mask) -> jax.Array:
-  """bool[B, T, S] of a bool array or a `CausalMask`."""
-  return mask.dense if isinstance(mask, CausalMask) else mask
+  """bool[B, T, S] of a bool array, a `CausalMask` or a `CacheMask` (None for pages)."""
+  return mask.dense if isinstance(mask, (CausalMask, CacheMask)) else mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,15 +233,16 @@ def select(
 
 
 def _select(setting, backend, dtype, head_dim, q_len, kv_len, cached, causal_mask, prefix_levels, paged) -> str:
-  if prefix_levels or paged:
-    return REFERENCE
-  if setting == REFERENCE or (cached and q_len != 1):
+  del prefix_levels, paged  # a cached call takes the same kernels with or without them (`cached_attention`)
+  if setting == REFERENCE:
     return REFERENCE
   if setting == "auto":
     setting = {"gpu": CUDNN, "cuda": CUDNN, "tpu": PALLAS_TPU}.get(backend, REFERENCE)
   if setting == CUDNN and not _cudnn_fits(dtype, head_dim, q_len, kv_len, cached):
     return REFERENCE
-  if setting == PALLAS_TPU and (cached or not causal_mask or q_len % TPU_BLOCK or kv_len % TPU_BLOCK):
+  if setting == PALLAS_TPU and cached and head_dim > TPU_BLOCK and head_dim % TPU_BLOCK:
+    return REFERENCE
+  if setting == PALLAS_TPU and not cached and (not causal_mask or q_len % TPU_BLOCK or kv_len % TPU_BLOCK):
     return REFERENCE
   return setting
 
@@ -265,3 +284,100 @@ def tpu_flash(q_btnh, k_btkh, v_btkh, valid_bt, kernel: Callable | None = None) 
     q_btnh.transpose(0, 2, 1, 3), heads(k_btkh), heads(v_btkh), None, segments, causal=True, sm_scale=h**-0.5
   )
   return out.transpose(0, 2, 1, 3)
+
+
+# ------------------------------------------------------------------------------------------------ cached calls
+
+
+def _tpu_flash_lse(q_bnqh, k_bnsh, v_bnsh, q_segments, kv_segments, causal: bool):
+  """The Pallas TPU flash kernel's forward with its residuals (``_flash_attention`` with ``save_residuals``, as its
+  own backward calls it: jax/experimental/pallas/ops/tpu/flash_attention.py), padded to its blocks: queries to a
+  multiple of 8 (and of 128 past 128), keys to a multiple of `TPU_BLOCK` (padding keys get segment 0, seen by no
+  query). Returns (out dtype[B, N, Q, H], float32 log-sum-exp of the scaled scores [B, N, Q])."""
+  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+  b, n, q_len, h = q_bnqh.shape
+  s = k_bnsh.shape[2]
+  block_q = min(TPU_BLOCK, -(-q_len // 8) * 8)
+  q_pad, s_pad = -(-q_len // block_q) * block_q - q_len, -(-s // TPU_BLOCK) * TPU_BLOCK - s
+  if causal:  # the kernel's causal mask compares query and key indices: pad both alike
+    q_pad = s_pad = max(q_pad, s_pad)
+  pad = lambda x, n, axis: x if not n else jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+  segments = pallas_flash.SegmentIds(q=pad(q_segments, q_pad, 1), kv=pad(kv_segments, s_pad, 1))
+  blocks = pallas_flash.BlockSizes(block_q=block_q, block_k_major=TPU_BLOCK, block_k=TPU_BLOCK, block_b=1)
+  q, k, v = pad(q_bnqh, q_pad, 2), pad(k_bnsh, s_pad, 2), pad(v_bnsh, s_pad, 2)
+  out, total, best = pallas_flash._flash_attention(q, k, v, None, segments, True, causal, h**-0.5, blocks, False)
+  lse = best + jnp.log(jnp.where(total > 0, total, 1.0))
+  return out[:, :, :q_len], lse[:, :, :q_len]
+
+
+def _clean(out, lse, seen):
+  """A part's (out, lse) where queries that see no key of it get out 0 and lse ``kvcache.MASKED`` (the kernels give
+  such rows anything from a mean of the values to NaN, and a log-sum-exp anywhere from -inf to +inf)."""
+  return jnp.where(seen[..., None], out.astype(jnp.float32), 0.0), jnp.where(
+    seen, lse.astype(jnp.float32), kvcache.MASKED
+  )
+
+
+def rows_part(impl: str, q_btnh, k_bskh, v_bskh, lengths):
+  """Queries over rows of keys where key slot s of row r is seen iff s < lengths[r], by the kernel ``impl``: one
+  part of a softmax split over key sets, merged with the others by `merge`.
+
+  Args:
+    impl: "xla" or "cudnn" (``jax.nn.dot_product_attention(..., return_residual=True)``, padding mask by
+      ``key_value_seq_lengths``: no bias), or "pallas_tpu" (`_tpu_flash_lse`, the mask as segment ids).
+    q_btnh: dtype[B, T, N, H] queries; query row b reads key row b // m (m = B / R: the m rows that continue one
+      shared prefix row read it together, their m * T queries as one kernel row: its keys are read once for them).
+    k_bskh, v_bskh: dtype[R, S, K, H] (R divides B). lengths: int32[R].
+  Returns:
+    (float32 out [B, T, N, H], float32 log-sum-exp of the scaled scores [B, T, N]); a query that sees no key gets
+    out 0 and log-sum-exp ``kvcache.MASKED``.
+  """
+  b, t, n, h = q_btnh.shape
+  r, s, k, _ = k_bskh.shape
+  m, g = b // r, n // k
+  if impl == PALLAS_TPU:  # KV heads as the kernel's heads, each one's m * T * G queries as its rows: no repeat
+    q = q_btnh.reshape(r, m, t, k, g, h).transpose(0, 3, 1, 2, 4, 5).reshape(r, k, m * t * g, h)
+    kv_segments = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.int32)
+    q_segments = jnp.ones((r, m * t * g), jnp.int32)
+    out, lse = _tpu_flash_lse(
+      q, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3), q_segments, kv_segments, False
+    )
+    out = out.reshape(r, k, m, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
+    lse = lse.reshape(r, k, m, t, g).transpose(0, 2, 3, 1, 4).reshape(b, t, n)
+  else:
+    out, lse = jax.nn.dot_product_attention(
+      q_btnh.reshape(r, m * t, n, h), k_bskh, v_bskh, key_value_seq_lengths=lengths, implementation=impl,
+      return_residual=True,
+    )  # fmt: skip
+    out, lse = out.reshape(b, t, n, h), lse.reshape(b, t, n)
+  seen = jnp.broadcast_to(jnp.repeat(lengths > 0, m, total_repeat_length=b)[:, None, None], (b, t, n))
+  return _clean(out, lse, seen)
+
+
+def chunk_part(impl: str, q_btnh, k_btkh, v_btkh, valid):
+  """A chunk's queries over its own keys, causal over the chunk's order and restricted to its valid keys (the new
+  tokens' share of a prefill over a cache: they fill the row's next slots in that order). As `rows_part`, with
+  keys and values dtype[B, T, K, H] and valid bool[B, T]; "xla"/"cudnn" take the mask as a [B, 1, T, T] bias (a
+  chunk's size, not the cache's), "pallas_tpu" repeats each KV head G times (the kernel's causal mask needs
+  query and key rows alike)."""
+  b, t, n, h = q_btnh.shape
+  mask = CausalMask.of(valid).dense
+  if impl == PALLAS_TPU:
+    heads = lambda x: jnp.repeat(x, n // x.shape[2], axis=2).transpose(0, 2, 1, 3)  # noqa: E731  [B, N, T, H]
+    ones = jnp.ones((b, t), jnp.int32)
+    out, lse = _tpu_flash_lse(heads(q_btnh), heads(k_btkh), heads(v_btkh), ones, valid.astype(jnp.int32), True)
+    out, lse = out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+  else:
+    out, lse = jax.nn.dot_product_attention(
+      q_btnh, k_btkh, v_btkh, mask=mask[:, None], is_causal=True, implementation=impl, return_residual=True
+    )
+  return _clean(out, lse, jnp.broadcast_to(mask.any(-1)[:, :, None], (b, t, n)))
+
+
+def merge(parts, dtype) -> jax.Array:
+  """Softmax attention over the union of the parts' key sets from their (out, log-sum-exp) pairs, by max and sum
+  (`kvcache.merge_parts`: a part is the triple (lse, 1, out)). Returns dtype[B, T, N, H]."""
+  if len(parts) == 1:
+    return parts[0][0].astype(dtype)
+  return kvcache.merge_parts([(lse, jnp.ones_like(lse), out) for out, lse in parts], dtype)

@@ -312,7 +312,7 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
   return pool.at[dst].set(pool[src])
 
 
-def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
+def attention_part(q_bkgth, pool, table, kv_lens, q_slots, *, static: bool = False):
   """The queries' share of softmax attention over their rows' pages, on every backend (what `transformer.apply`
   runs): `kvcache.softmax_part`'s triple (running max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values
   [B, K, G, T, H]), so it merges with other key sets (shared prefix levels) by log-sum-exp.
@@ -325,10 +325,13 @@ def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
   Args:
     q_bkgth: dtype[B, K, G, T, H] queries, rotary-embedded.
     pool: dtype[P, Z, 2K, H]; table: int32[B, W]; kv_lens: int32[B]; q_slots: int32[B, T] (module docstring).
+    static: loop over all W pages (a trip count known when tracing; the pages past every row's length are masked
+      and change nothing) instead of up to the longest row's last page (a trip count read from data: XLA:GPU then
+      copies the loop's condition to the host every iteration). What `transformer.Attention` asks for on GPU and TPU.
   """
   b, k, g, t, h = q_bkgth.shape
   p, z = pool.shape[0], pool.shape[1]
-  used = jnp.minimum((jnp.max(kv_lens) + z - 1) // z, table.shape[1])
+  used = table.shape[1] if static else jnp.minimum((jnp.max(kv_lens) + z - 1) // z, table.shape[1])
 
   def body(w, carry):
     pages = jax.lax.dynamic_index_in_dim(table, w, axis=1, keepdims=False)  # [B]; P: no page, masked

@@ -116,31 +116,79 @@ def _attend(q_bkgth, k_bkhs, v_bksh, mask_bts, head_dim: int):
   return jnp.einsum("bkgts,bksh->bkgth", probs_bkgts, v_bksh)
 
 
+def _static_loops() -> bool:
+  """Whether the key-block loops (`_attention_part`) run a static trip count: on every backend but the CPU
+  (`attention.current_backend`, so an `attention.backend` block traces another backend's loops). A ``fori_loop``
+  whose bound is read from data lowers to a ``while`` whose condition XLA:GPU copies to the host each iteration; with
+  Python bounds it lowers to a ``scan``. The CPU keeps the data-dependent bound, which skips the blocks past the last
+  one any query sees."""
+  return attention.current_backend() != "cpu"
+
+
+def _key_blocks(q_len: int, kv_len: int) -> int | None:
+  """The key block of a multi-token chunk over ``kv_len`` cached slots (`KEY_BLOCK`, when it attends over more than
+  two blocks and they tile the slots), or None: one matmul (a decode step, T == 1, always)."""
+  if q_len > 1 and kv_len > 2 * KEY_BLOCK and kv_len % KEY_BLOCK == 0:
+    return KEY_BLOCK
+  return None
+
+
+def _attention_part(
+  q_bk_h, k_bkhs, v_bksh, visible, scale: float, block: int | None = None, static: bool | None = None
+):
+  """`kvcache.softmax_part`'s triple of the queries over one key set, to merge with other sets' (`kvcache.combine`):
+  as one matmul, or given ``block``, one key block of ``block`` slots at a time with a running max and sum (the online
+  softmax of FlashAttention, Dao et al. 2022), so that the float32 scores alive are [B, K, *Q, block], not
+  [B, K, *Q, S].
+
+  Args:
+    q_bk_h: dtype[B, K, *Q, H], one or two query axes Q (`_attend`'s [G, T], `_attend_prefix`'s [m*G*T]).
+    k_bkhs: dtype[B, K, H, S] and v_bksh: dtype[B, K, S, H] (S a multiple of ``block``), read in their stored layout.
+    visible: bool, broadcastable to [B, K, *Q, S]: which keys each query sees.
+    scale: multiplies the scores (head_dim**-0.5).
+    block: None, or the key block (`_key_blocks`).
+    static: loop over all S / block blocks, masked (True), or only up to the last block any query sees (False: a
+      trip count read from data); None: `_static_loops`. The results are the same either way (a block no query sees
+      adds exact zeros).
+  Returns:
+    (float32 max [B, K, *Q], float32 sum [B, K, *Q], float32 weighted values [B, K, *Q, H]); a query that sees no
+    key gets (``kvcache.MASKED``, 0, 0).
+  """
+  mid = "gt"[: q_bk_h.ndim - 3]
+  score_spec, value_spec = f"bk{mid}h,bkhs->bk{mid}s", f"bk{mid}s,bksh->bk{mid}h"
+  if block is None:
+    scores = jnp.einsum(score_spec, q_bk_h, k_bkhs, preferred_element_type=jnp.float32) * scale
+    return kvcache.softmax_part(scores, visible, v_bksh, value_spec)
+  s = k_bkhs.shape[-1]
+  last_axis = visible.ndim - 1
+
+  def body(j, carry):  # carry: the triple over the blocks so far
+    k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, j * block, block, axis=3)
+    v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
+    seen = jax.lax.dynamic_slice_in_dim(visible, j * block, block, axis=last_axis)
+    scores = jnp.einsum(score_spec, q_bk_h, k_blk, preferred_element_type=jnp.float32) * scale
+    return kvcache.combine(carry, kvcache.softmax_part(scores, seen, v_blk, value_spec))
+
+  rows = q_bk_h.shape[:-1]
+  init = (
+    jnp.full(rows, kvcache.MASKED, jnp.float32),
+    jnp.zeros(rows, jnp.float32),
+    jnp.zeros(q_bk_h.shape, jnp.float32),
+  )
+  if _static_loops() if static is None else static:
+    return jax.lax.fori_loop(0, s // block, body, init)
+  seen = jnp.any(visible, axis=tuple(range(last_axis)))  # [S]: slots some query attends to
+  last = jnp.max(jnp.where(seen, jnp.arange(s), -1))
+  return jax.lax.fori_loop(0, (last + block) // block, body, init)
+
+
 def _online_softmax(q_bkgth, k_bkhs, v_bksh, mask_bts, scale: float, block: int):
-  """Softmax attention one key block of ``block`` slots at a time with a running max and sum (the online softmax of
-  FlashAttention, Dao et al. 2022), over the blocks up to the last one any query sees.
+  """Softmax attention one key block of ``block`` slots at a time (`_attention_part`).
 
   Shapes as `_attend`'s, S a multiple of ``block``. Returns (float32 out [B, K, G, T, H], float32 log-sum-exp of the
   scaled scores [B, K, G, T]); a query that sees no key gets out 0 and log-sum-exp ``kvcache.MASKED``.
   """
-  b, k, g, t, h = q_bkgth.shape
-  s = k_bkhs.shape[-1]
-  seen = jnp.any(mask_bts, axis=(0, 1))  # [S]: slots some query attends to
-  last = jnp.max(jnp.where(seen, jnp.arange(s), -1))
-
-  def body(j, carry):  # carry: `_softmax_part`'s triple over the blocks so far
-    k_blk = jax.lax.dynamic_slice_in_dim(k_bkhs, j * block, block, axis=3)
-    v_blk = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
-    mask = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)[:, None, None]
-    scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_blk, preferred_element_type=jnp.float32) * scale
-    return kvcache.combine(carry, kvcache.softmax_part(scores, mask, v_blk, "bkgts,bksh->bkgth"))
-
-  init = (
-    jnp.full((b, k, g, t), kvcache.MASKED, jnp.float32),
-    jnp.zeros((b, k, g, t), jnp.float32),
-    jnp.zeros((b, k, g, t, h), jnp.float32),
-  )
-  best, total, acc = jax.lax.fori_loop(0, (last + block) // block, body, init)
+  best, total, acc = _attention_part(q_bkgth, k_bkhs, v_bksh, mask_bts[:, None, None], scale, block)
   lse = jnp.where(total > 0, best + jnp.log(jnp.where(total > 0, total, 1.0)), kvcache.MASKED)
   return acc / jnp.where(total > 0, total, 1.0)[..., None], lse
 
@@ -234,17 +282,23 @@ def _tiled_backward(head_dim, q_block, k_block, residuals, d_out):
 _tiled_attention.defvjp(_tiled_forward, _tiled_backward)
 
 
-def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int):
+def _attend_prefix(q_bkgth, k_pkhs, v_pksh, visible_ps, head_dim: int, block: int | None = None):
   """The queries' share of attention over a shared prefix: rows b*m .. b*m+m-1 (m = B / P) all read prefix row b,
   as one [m*G*T, H] x [H, S] matmul per (prefix, KV head), so the prefix's keys and values are read once for its m
-  rows. Returns `_softmax_part`'s triple, with leading axes [B, K, G, T]."""
+  rows; given ``block`` (`_key_blocks`), one key block at a time (`_attention_part`).
+
+  Args:
+    q_bkgth: dtype[B, K, G, T, H]. k_pkhs: dtype[P, K, H, S], v_pksh: dtype[P, K, S, H], P dividing B.
+    visible_ps: bool[P, S], the prefix slots its rows see (its filled ones). head_dim: H.
+  Returns:
+    `kvcache.softmax_part`'s triple, with leading axes [B, K, G, T].
+  """
   b, k, g, t, h = q_bkgth.shape
   p = k_pkhs.shape[0]
   # The group's queries as one [P, K, m*G*T, H] operand, so both matmuls read the prefix in its stored layout (as
   # `_attend` does); an einsum over the 6-d query let XLA transpose (copy) the prefix's keys and values instead.
   q_pkqh = q_bkgth.reshape(p, b // p, k, g * t, h).transpose(0, 2, 1, 3, 4).reshape(p, k, -1, h)
-  scores = jnp.einsum("pkqh,pkhs->pkqs", q_pkqh, k_pkhs, preferred_element_type=jnp.float32) * head_dim**-0.5
-  part = kvcache.softmax_part(scores, visible_ps[:, None, None, :], v_pksh, "pkqs,pksh->pkqh")
+  part = _attention_part(q_pkqh, k_pkhs, v_pksh, visible_ps[:, None, None, :], head_dim**-0.5, block)
   unflat = lambda x: x.reshape(p, k, b // p, g, t, *x.shape[3:]).swapaxes(1, 2).reshape(b, k, g, t, *x.shape[3:])  # noqa: E731
   return tuple(unflat(x) for x in part)
 
@@ -284,10 +338,12 @@ class Attention(nn.Module):
 
     b, t = x_btd.shape[:2]
     causal_valid = mask.valid if isinstance(mask, attention.CausalMask) else None
+    chunk = mask if isinstance(mask, attention.CacheMask) else None
     mask = attention.dense(mask)
+    backend = attention.current_backend()
     impl = attention.select(
       cfg.attention,
-      attention.current_backend(),
+      backend,
       jnp.dtype(dtype).name,
       h,
       t,
@@ -326,31 +382,54 @@ class Attention(nn.Module):
     else:
       k_bkhs, v_bksh = k_bkth.transpose(0, 1, 3, 2), v_bkth
 
-    if impl == attention.PALLAS_TPU:
+    if impl != attention.REFERENCE and cache is None and impl == attention.PALLAS_TPU:
       out_btnh = attention.tpu_flash(q_btnh, k_btkh, v_btkh, causal_valid)
     elif impl != attention.REFERENCE and cache is None:
       out_btnh = attention.dot_product(q_btnh, k_btkh, v_btkh, mask, impl, causal=True)
-    elif impl != attention.REFERENCE:  # one token per row over the cache: keys to cuDNN's [B, S, K, H]
-      out_btnh = attention.dot_product(q_btnh, k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2), mask, impl, False)
+    elif impl != attention.REFERENCE:  # over a cache: own slots or pages, the chunk, prefix levels (attention.py)
+      if pages is not None:  # the rows' pages gathered into one contiguous view (attention.py says why)
+        kv = jnp.take(cache, pages[0], axis=0, mode="clip")  # [B, W, Z, 2K, H]; P (no page): masked by length
+        kv = kv.reshape(b, -1, k, 2, h).astype(dtype)
+        own_k, own_v = kv[:, :, :, 0], kv[:, :, :, 1]
+      else:
+        own_k, own_v = k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2)
+      if t == 1:  # the new token is in the own slots: one part over them
+        parts = [attention.rows_part(impl, q_btnh, own_k, own_v, chunk.lengths + chunk.valid[:, 0])]
+      else:  # the slots filled before, and the chunk over itself
+        parts = [attention.rows_part(impl, q_btnh, own_k, own_v, chunk.lengths)]
+        parts.append(attention.chunk_part(impl, q_btnh, k_btkh, v_btkh, chunk.valid))
+      for pk, pv, seen in prefixes:
+        lengths = jnp.sum(seen, axis=1, dtype=jnp.int32)
+        parts.append(
+          attention.rows_part(
+            impl, q_btnh, pk.transpose(0, 3, 1, 2).astype(dtype), pv.swapaxes(1, 2).astype(dtype), lengths
+          )
+        )
+      out_btnh = attention.merge(parts, dtype)
     if impl != attention.REFERENCE:
       return out_btnh.reshape(b, t, n * h) @ o_weight_nhd.reshape(n * h, d).astype(dtype), cache
 
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
-      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots)]
-      parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, static=backend != "cpu")]
+      parts += [
+        _attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h, _key_blocks(t, pk.shape[-1]))
+        for pk, pv, seen in prefixes
+      ]
       out_bkgth = kvcache.merge_parts(parts, dtype)
     elif prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
-      scores = jnp.einsum("bkgth,bkhs->bkgts", q_bkgth, k_bkhs, preferred_element_type=jnp.float32) * h**-0.5
-      parts = [kvcache.softmax_part(scores, mask[:, None, None], v_bksh, "bkgts,bksh->bkgth")]
-      parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
+      parts = [_attention_part(q_bkgth, k_bkhs, v_bksh, mask[:, None, None], h**-0.5, _key_blocks(t, k_bkhs.shape[-1]))]
+      parts += [
+        _attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h, _key_blocks(t, pk.shape[-1]))
+        for pk, pv, seen in prefixes
+      ]
       out_bkgth = kvcache.merge_parts(parts, dtype)
     elif cache is None and t > block and t % block == 0:
       # Long self-contained sequences (training rows): tile by tile, skipping the tiles of the masked upper triangle,
       # one tile of scores alive at a time in the forward and the backward.
       out_bkgth = _tiled_attention(q_bkgth, k_bkhs, v_bksh, mask, h, block, math.gcd(block, KEY_BLOCK))
-    elif cache is not None and t > 1 and k_bkhs.shape[-1] > 2 * KEY_BLOCK and k_bkhs.shape[-1] % KEY_BLOCK == 0:
+    elif cache is not None and _key_blocks(t, k_bkhs.shape[-1]):
       out_bkgth = _attend_key_blocks(q_bkgth, k_bkhs, v_bksh, mask, h, KEY_BLOCK)
     else:
       out_bkgth = _attend(q_bkgth, k_bkhs, v_bksh, mask, h)
@@ -425,7 +504,8 @@ class Transformer(nn.Module):
       write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       read = cache.table if attend_len is None else cache.trimmed(min(attend_len, cache.capacity)).table
-      pages, mask, levels = (read, new_lengths, q_slots), None, cache.levels()
+      pages, levels = (read, new_lengths, q_slots), cache.levels()
+      mask = attention.CacheMask(dense=None, lengths=cache.lengths, valid=valid)
       default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
     elif cache is not None:
@@ -433,6 +513,7 @@ class Transformer(nn.Module):
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       slots = jnp.arange(cache.capacity if attend_len is None else min(attend_len, cache.capacity))
       mask = (slots[None, None, :] <= write_slots[:, :, None]) & (slots[None, None, :] < new_lengths[:, None, None])
+      mask = attention.CacheMask(dense=mask, lengths=cache.lengths, valid=valid)
       levels = cache.levels()
       if levels and cfg.scan_layers:
         raise ValueError("a KVCache with a prefix needs the per-layer layout (scan_layers=False).")

@@ -26,13 +26,13 @@ B, K, G, H = 3, 2, 3, 16
     ("auto", "cpu", "float32", 64, 1, 300, True, False, "reference"),
     ("xla", "cpu", "float32", 64, 64, 64, False, False, "xla"),
     ("xla", "cpu", "float32", 64, 1, 300, True, False, "xla"),
-    ("xla", "cpu", "float32", 64, 16, 300, True, False, "reference"),  # prefill over a cache: never routed
+    ("xla", "cpu", "float32", 64, 16, 300, True, False, "xla"),  # prefill over a cache: parts merged by lse
     ("reference", "gpu", "bfloat16", 128, 512, 512, False, True, "reference"),
     # GPU: cuDNN for half-precision self-attention (T, S even) and decode; not for float32 or odd rows.
     ("auto", "gpu", "bfloat16", 128, 512, 512, False, False, "cudnn"),
     ("auto", "cuda", "float16", 64, 1, 301, True, False, "cudnn"),
     ("auto", "gpu", "bfloat16", 128, 1, 4096, True, False, "cudnn"),
-    ("auto", "gpu", "bfloat16", 128, 512, 4096, True, False, "reference"),
+    ("auto", "gpu", "bfloat16", 128, 512, 4096, True, False, "cudnn"),
     ("auto", "gpu", "float32", 128, 512, 512, False, True, "reference"),
     ("auto", "gpu", "bfloat16", 128, 511, 511, False, True, "reference"),
     ("auto", "gpu", "bfloat16", 256, 512, 512, False, True, "reference"),
@@ -41,7 +41,8 @@ B, K, G, H = 3, 2, 3, 16
     ("auto", "tpu", "bfloat16", 128, 1024, 1024, False, True, "pallas_tpu"),
     ("auto", "tpu", "bfloat16", 128, 1024, 1024, False, False, "reference"),  # packed segments
     ("auto", "tpu", "bfloat16", 128, 1000, 1000, False, True, "reference"),
-    ("auto", "tpu", "bfloat16", 128, 1, 1024, True, False, "reference"),
+    ("auto", "tpu", "bfloat16", 128, 1, 1000, True, False, "pallas_tpu"),  # keys padded to its blocks
+    ("auto", "tpu", "bfloat16", 192, 1, 1024, True, False, "reference"),  # head dim: <= 128 or a multiple
     ("pallas_tpu", "cpu", "float32", 64, 256, 256, False, True, "pallas_tpu"),
   ],
 )
@@ -220,3 +221,166 @@ def test_recording_and_backend_name():
   assert cpu == [dataclasses.replace(want, impl="reference", backend=jax.default_backend())] * config.num_layers
   assert outer == gpu + cpu
   assert attention.current_backend() == jax.default_backend()
+
+
+def _forked_caches(config, params, own: int, page: int):
+  """A two-level history as the rollouts lay it out: 2 task openings prefilled in a root cache (prefix level), forked
+  into G = 2 rows each whose own slots are a dense `KVCache` or pages of a pool (`paged.PagedKVCache`); rows 0 and 3
+  have room for fewer own slots (pages) than the others."""
+  from envace_jax.model import paged
+
+  tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 21), 0, config.vocab_size), np.int32)
+  valid = np.ones((2, 21), bool)
+  valid[1, 17:] = False  # openings of 21 and 17 tokens
+  _, root = jit_apply(config, params, tokens, cache=transformer.init_cache(config, 2, 32), valid=valid)
+  dense = transformer.init_cache(config, 4, own).replace(prefix=root)
+  pool = paged.PagePool(num_pages=4 * own // page + 1, page_size=page)
+  for row, room in enumerate([own - page, own, own, own - 2 * page]):
+    pool.grow(row, room)
+  pages = paged.init_cache(config, pool, range(4), width=own // page).replace(prefix=root)
+  pages = pages.replace(lengths=jnp.zeros(4, jnp.int32))
+  return dense, pages
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", BF16_MAX_ABS)])
+def test_routed_rollout_calls_equal_the_reference(tiny, dtype, tol):
+  """The rollout's cached calls (a ragged prefill chunk over own slots or pages after a shared prefix level, then a
+  decode step) routed through the kernels' parts with ``jax.nn.dot_product_attention(implementation="xla",
+  return_residual=True)`` (the cuDNN route's CPU form: the same call, the same log-sum-exp merge) give the reference
+  path's logits at every valid position. float32: to rounding (measured max |Δ| 1.5e-7); bfloat16: within
+  `BF16_MAX_ABS` (measured 0.0028, about what bfloat16 compute itself moves them: the merge reads a bfloat16
+  log-sum-exp, ``jax.nn`` casts it to the compute dtype)."""
+  config, params, _, _ = tiny
+  config = config.replace(scan_layers=False, dtype=dtype)
+  params = transformer.unstack_layers(params)
+  rng = np.random.default_rng(3)
+  chunk = rng.integers(0, config.vocab_size, (4, 6)).astype(np.int32)
+  valid = np.ones((4, 6), bool)
+  valid[0, :2] = False  # left padding
+  valid[2, 4:] = False  # right padding
+  step = rng.integers(0, config.vocab_size, (4, 1)).astype(np.int32)
+  for cache in _forked_caches(config, params, own=16, page=4):
+    got = []
+    for impl in ("reference", "xla"):
+      cfg = config.replace(attention=impl)
+      logits, after = jit_apply(cfg, params, chunk, cache=cache, valid=valid)
+      decoded, _ = jit_apply(cfg, params, step, cache=after)
+      got.append((np.asarray(logits)[valid], np.asarray(decoded)))
+    for ref, routed in zip(*got, strict=True):
+      np.testing.assert_allclose(routed, ref, atol=tol, rtol=0)
+
+
+def _union_reference(q_btnh, prefix, own, chunk):
+  """NumPy softmax attention of each query over the union of its visible keys: its prefix row's first lengths
+  (row b reads prefix row b // m), its own first lengths slots, and the chunk's keys causal & valid."""
+  (pk, pv, plen), (ok, ov, olen), (ck, cv, valid) = prefix, own, chunk
+  b, t, n, h = q_btnh.shape
+  m, g = b // pk.shape[0], n // pk.shape[2]
+  out = np.zeros((b, t, n, h))
+  for i in range(b):
+    for j in range(t):
+      seen = valid[i] & (np.arange(t) <= j)
+      keys = np.concatenate([pk[i // m, : plen[i // m]], ok[i, : olen[i]], ck[i, seen]])
+      values = np.concatenate([pv[i // m, : plen[i // m]], ov[i, : olen[i]], cv[i, seen]])
+      for head in range(n):
+        scores = keys[:, head // g] @ q_btnh[i, j, head] / np.sqrt(h)
+        probs = np.exp(scores - scores.max())
+        out[i, j, head] = probs @ values[:, head // g] / probs.sum()
+  return out
+
+
+def test_kernel_parts_merge_to_the_union():
+  """`attention.rows_part` (a shared prefix read by m = 2 rows each, own slots) and `attention.chunk_part`, merged
+  by log-sum-exp (`attention.merge`), equal softmax attention over the union of the key sets: through
+  ``jax.nn.dot_product_attention(implementation="xla", return_residual=True)`` (the cuDNN route's CPU form) and
+  through the Pallas TPU flash kernel in Pallas' TPU interpret mode (``pltpu.force_tpu_interpret_mode``), key rows
+  padded to its 128-key blocks. float32, to 2e-6. A row with no own slot yet (lengths 0) is exact too."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  b, t, n, k, h = 4, 3, 4, 2, 16
+  rng = np.random.default_rng(5)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+  q = normal(b, t, n, h)
+  prefix = (normal(2, 20, k, h), normal(2, 20, k, h), np.array([20, 9], np.int32))
+  own = (normal(b, 12, k, h), normal(b, 12, k, h), np.array([5, 0, 12, 3], np.int32))
+  valid = np.array([[1, 1, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1]], bool)
+  chunk = (normal(b, t, k, h), normal(b, t, k, h), valid)
+  want = _union_reference(q, prefix, own, chunk)
+
+  def routed(impl):
+    parts = [attention.rows_part(impl, q, *prefix), attention.rows_part(impl, q, *own)]
+    parts.append(attention.chunk_part(impl, q, *chunk))
+    return attention.merge(parts, jnp.float32)
+
+  np.testing.assert_allclose(np.asarray(routed("xla")), want, atol=2e-6, rtol=0)
+  with pltpu.force_tpu_interpret_mode():
+    got = jax.jit(routed, static_argnums=0)("pallas_tpu")
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0)
+
+
+def _whiles(jaxpr, found):
+  """Every ``while`` equation in a jaxpr and its sub-jaxprs, except inside Pallas kernels (their loops run within
+  the kernel on the device: no host round trip)."""
+  from jax.extend.core import jaxprs_in_params
+
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "while":
+      found.append(eqn)
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for sub in jaxprs_in_params(eqn.params):
+      _whiles(sub, found)
+  return found
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_rollout_programs_on_kernels_without_data_loops(backend):
+  """Traced (not run) for a GPU and a TPU: a tiny bfloat16 rollout's programs as the `Sampler` compiles them (a
+  prefill chunk and the decode loop over forked caches with a shared-prefix level: own slots dense and in pages)
+  and the update's training forward. Every rollout prefill and decode call is on a kernel, and so is the training
+  forward (its rows a multiple of 128 tokens); the decode loop's only ``while`` is the generation loop itself, and
+  its body (one decode step per layer) has none (the kernels' routes have no loop; the same walk finds the paged
+  reference's loop over pages, a ``while`` with a trip count read from data, in the CPU's program)."""
+  import functools
+
+  from envace_jax.model import paged
+  from envace_jax.rl import logprobs as logprobs_lib
+  from envace_jax.sampling.sampler import Sampler, SamplingParams
+
+  config = config_lib.PRESETS["tiny"].replace(dtype="bfloat16")
+  params = jax.eval_shape(lambda: transformer.unstack_layers(transformer.init_params(config, jax.random.key(0))))
+  sampler = Sampler(config, None, min_bucket=16)
+  c = sampler.config
+  root = jax.eval_shape(lambda: transformer.init_cache(c, 2, 128))
+  dense = jax.eval_shape(lambda: transformer.init_cache(c, 4, 128)).replace(prefix=root)
+  pool = paged.PagePool(num_pages=33, page_size=16)
+  pages = jax.eval_shape(lambda: paged.init_cache(c, pool, range(4), width=8)).replace(prefix=root)
+  rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((4, *shape), dtype)  # noqa: E731
+  keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 4))
+  sampling = SamplingParams()
+  with attention.backend(backend), attention.recording() as calls:
+    for cache in (dense, pages):
+      prefill = functools.partial(sampler._prefill_chunk, attend=128)
+      jax.make_jaxpr(prefill)(
+        params, cache, rows(c.vocab_size, dtype=jnp.float32), rows(16), rows(16), rows(16, dtype=bool), rows(),
+        rows(dtype=bool),
+      )  # fmt: skip
+      state = jax.eval_shape(lambda x: sampler._initial_state(x, 8, ()), cache).replace(cache=cache)
+      decode = functools.partial(sampler._decode_loop, sampling=sampling, stop_strings=(), attend=128)
+      jaxpr = jax.make_jaxpr(decode)(params, state, rows(), keys, rows(), jax.ShapeDtypeStruct((), jnp.int32))
+      loops = _whiles(jaxpr.jaxpr, [])
+      assert len(loops) == 1  # the generation loop
+      assert _whiles(loops[0].params["body_jaxpr"].jaxpr, []) == []
+    tokens = rows(128)
+    index = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    train = functools.partial(logprobs_lib.training_hidden, config, remat=True)
+    jax.make_jaxpr(train)(params, tokens, tokens, rows(128, dtype=bool), index)
+  kinds = {(call.kind, call.paged, call.prefix_levels) for call in calls}
+  assert kinds == {
+    ("prefill", False, 1),
+    ("decode", False, 1),
+    ("prefill", True, 1),
+    ("decode", True, 1),
+    ("train", False, 0),
+  }
+  assert {call.impl for call in calls} == {"cudnn" if backend == "gpu" else "pallas_tpu"}

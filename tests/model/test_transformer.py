@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from envace_jax.model import attention as attention_lib
 from envace_jax.model import config as config_lib
-from envace_jax.model import transformer, weights
+from envace_jax.model import kvcache, transformer, weights
 from envace_jax.model.roles import Role
 from tests.conftest import TINY_HF_FAMILIES, jit_apply, tiny_hf_pair, torch_logits
 
@@ -239,6 +242,97 @@ def test_tiled_attention_equals_dense_with_gradients():
   for name, want, got in zip("qkv", dense_grads, tiled_grads, strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
   assert np.abs(np.asarray(dense_grads[1])[0]).sum() > 1.0  # the comparison is not between zeros
+
+
+def _loops(fn, *args) -> set[str]:
+  """The loop primitives at the top of ``fn``'s jaxpr: "while" (a trip count read from data) or "scan" (static)."""
+  return {e.primitive.name for e in jax.make_jaxpr(fn)(*args).eqns} & {"while", "scan"}
+
+
+def test_prefix_attention_in_key_blocks_equals_one_matmul():
+  """`_attend_prefix` one key block at a time gives the one-matmul attention (out and log-sum-exp to 1e-5) for m = 2
+  rows per prefix row, ragged prefix rows and one with nothing filled (its rows: sum 0, out 0), both with the trip
+  count read from data (a ``while`` that skips the blocks past the last filled slot, the CPU's) and static (a ``scan``
+  over every block, masked: what a GPU or TPU traces), which agree to 1e-6."""
+  p, m, k, g, t, h, s = 2, 2, 2, 2, 3, 8, 32
+  keys = jax.random.split(jax.random.key(12), 3)
+  q = jax.random.normal(keys[0], (p * m, k, g, t, h))
+  kk = jax.random.normal(keys[1], (p, k, h, s))
+  v = jax.random.normal(keys[2], (p, k, s, h))
+  visible = np.arange(s)[None, :] < np.array([[13], [0]])
+
+  def attend(block):  # (out, log-sum-exp, sum) of the triple, and the loop it ran
+    fn = lambda *a: transformer._attend_prefix(*a, h, block)  # noqa: E731
+    best, total, acc = fn(q, kk, v, visible)
+    out = kvcache.merge_parts([(best, total, acc)], jnp.float32)
+    return (
+      np.asarray(out),
+      np.asarray(best + jnp.log(jnp.where(total > 0, total, 1.0))),
+      np.asarray(total),
+      _loops(fn, q, kk, v, visible),
+    )
+
+  want_out, want_lse, want_total, none = attend(None)
+  dynamic_out, dynamic_lse, dynamic_total, dynamic = attend(4)
+  with attention_lib.backend("tpu"):
+    static_out, static_lse, static_total, static = attend(4)
+  assert (none, dynamic, static) == (set(), {"while"}, {"scan"})
+  np.testing.assert_allclose(dynamic_out, want_out, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(dynamic_lse[:m], want_lse[:m], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(static_out, dynamic_out, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(static_lse, dynamic_lse, atol=1e-6, rtol=0)
+  for total in (want_total, dynamic_total, static_total):  # the rows of the empty prefix row see nothing
+    assert (total[:m] > 0).all() and (total[m:] == 0).all()
+  for out in (want_out, dynamic_out, static_out):
+    np.testing.assert_array_equal(out[m:], 0.0)
+
+
+def test_prefix_attention_in_key_blocks_holds_one_block_of_scores():
+  """Compiled (XLA's memory_analysis on CPU, nothing allocated), `_attend_prefix` over 1024 prefix slots in key blocks
+  of 64 holds less than a quarter of one float32 score matrix [P, K, m*G*T, S] in temporaries; the one-matmul version
+  holds more than the whole matrix."""
+  p, m, k, g, t, h, s = 2, 2, 2, 2, 16, 8, 1024
+  spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  args = spec(p * m, k, g, t, h), spec(p, k, h, s), spec(p, k, s, h), spec(p, s, dtype=bool)
+
+  def temp(block):
+    fn = jax.jit(functools.partial(transformer._attend_prefix, head_dim=h, block=block))
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  scores = p * k * m * g * t * s * 4
+  blocked, whole = temp(64), temp(None)
+  assert blocked < scores // 4 and whole > scores, (blocked, whole, scores)
+
+
+def test_prefill_over_a_shared_prefix_in_key_blocks_equals_one_matmul(monkeypatch):
+  """A chunk attending over a shared prefix level (2 ragged rows, 4 rows continuing them) and its own slots, both
+  longer than two key blocks: the logits and the cache equal one matmul over each, with the blocks' trip count read
+  from data (CPU) or static (other backends)."""
+  config = config_lib.get_model_config("tiny").replace(scan_layers=False)
+  params = transformer.unstack_layers(transformer.init_params(config, jax.random.key(13)))
+  opening = _tokens((2, 20), config.vocab_size, seed=14)
+  prefix = transformer.init_cache(config, batch=2, capacity=32)
+  _, prefix = jit_apply(config, params, opening, cache=prefix, valid=np.arange(20)[None, :] < np.array([[20], [7]]))
+  tokens = _tokens((4, 12), config.vocab_size, seed=15)
+  valid = np.arange(12)[None, :] < np.array([[12], [5], [12], [1]])
+
+  def run():  # a fresh jit: KEY_BLOCK and the loops' kind are read when tracing
+    cache = transformer.init_cache(config, batch=4, capacity=32).replace(prefix=prefix)
+    logits, cache = jax.jit(transformer.apply, static_argnames="config")(
+      config, params, tokens, cache=cache, valid=valid
+    )
+    return np.asarray(logits), cache
+
+  monkeypatch.setattr(transformer, "KEY_BLOCK", 1 << 20)
+  dense, dense_cache = run()
+  monkeypatch.setattr(transformer, "KEY_BLOCK", 8)
+  blocked, blocked_cache = run()
+  monkeypatch.setattr(transformer, "_static_loops", lambda: True)  # a GPU's or TPU's loops, with the CPU's routing
+  static, static_cache = run()
+  np.testing.assert_allclose(blocked[valid], dense[valid], atol=2e-5, rtol=0)
+  np.testing.assert_allclose(static[valid], blocked[valid], atol=1e-6, rtol=0)
+  jax.tree.map(np.testing.assert_array_equal, blocked_cache, dense_cache)
+  jax.tree.map(np.testing.assert_array_equal, static_cache, dense_cache)
 
 
 def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
