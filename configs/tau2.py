@@ -45,11 +45,39 @@ MOCK_HELDOUT_IDS = (
 )
 
 
+# Recipes sized by the memory plan (experiments/recipes.py writes their tables to experiments/results/plan_*.md):
+# τ² airline with bf16 compute over fp32 master weights, the paper's lr, the default view capacities (ACT 8192,
+# REHEARSE 6144) and a reference user of 6144 slots (its view holds the whole conversation; the plan assumes a
+# 5000-token opening shared by a task's rollouts in every view). Pass the weights with
+# --config.model_path=/path/to/Qwen3-... (the tokenizer is the model's own).
+RECIPES = {
+  # One H200: Qwen3-1.7B EnvACE, the largest B×G the plan fits (experiments/results/plan_h200_qwen3_1p7b.md).
+  "h200_qwen3_1p7b": {"model": "qwen3-1.7b", "mesh.data": 1, "mesh.fsdp": 1, "train.tasks_per_step": 4,
+                      "train.group_size": 4, "grpo.micro_batch_size": 1},
+  # 8 H200s: Qwen3-8B at the paper's B=16 × G=4, fully sharded (experiments/results/plan_h200x8_qwen3_8b.md).
+  "h200x8_qwen3_8b": {"model": "qwen3-8b", "mesh.data": 1, "mesh.fsdp": 8, "train.tasks_per_step": 16,
+                      "train.group_size": 4, "grpo.micro_batch_size": 8},
+}  # fmt: skip
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """τ² training on the domain ``arg`` (default "airline"); an unknown domain is reported by config_check."""
+  """τ² training on the domain ``arg`` (default "airline"), or a recipe of `RECIPES` (τ² airline); an unknown domain
+  is reported by config_check."""
+  recipe = RECIPES.get(arg)
+  arg = "airline" if recipe is not None else arg
   c = base.get_config()
   c.env.benchmark = "tau2"
   c.env.domain = {"mock_heldout": "mock"}.get(arg, arg or "airline")
+  if recipe is not None:
+    c.tokenizer = ""  # the model directory's own
+    c.dtype, c.param_dtype, c.grpo.learning_rate = "bfloat16", "float32", 1e-6
+    c.rollout.user_capacity = 6144
+    for dotted, value in recipe.items():
+      *path, leaf = dotted.split(".")
+      node = c
+      for key in path:
+        node = node[key]
+      node[leaf] = value
   if c.env.domain == "mock":
     # The mock domain has one split, "base" (9 tasks), and a ≈0.5k-token system prompt.
     c.env.split = "base"

@@ -30,6 +30,9 @@ _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo", "plan"], "W
 _DEVICE_GB = flags.DEFINE_float(
   "device_memory_gb", 0.0, "--mode=plan: device memory in GB to compare with (0: the limit JAX reports, if any)."
 )
+_PLAN_BACKEND = flags.DEFINE_enum(
+  "plan_backend", "", ["", "cpu", "gpu", "tpu"], "--mode=plan: the backend planned for (default: this process's)."
+)
 _OPENING = flags.DEFINE_integer(
   "opening_tokens", 0, "--mode=plan: tokens of each view's opening, stored once for a task's G rollouts (0: none)."
 )
@@ -85,7 +88,7 @@ def main(argv: list[str]) -> None:
     elif _MODE.value == "plan":
       from envace_jax import plan
 
-      plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value)
+      plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value, _PLAN_BACKEND.value)
   except config_check.ConfigError as e:
     console.config_error(e)
   if joined:

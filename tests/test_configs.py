@@ -89,6 +89,21 @@ def test_every_config_loads_and_validates(spec, benchmark, domain, split):
   assert config.sampler.capacity > 0 and config.demo.num_samples >= 1 and config.demo.tools_json
 
 
+@pytest.mark.parametrize("name", ["h200_qwen3_1p7b", "h200x8_qwen3_8b"])
+def test_the_recipes_are_their_committed_plans(name):
+  """configs/tau2.py's recipes (τ² airline, bf16 compute over fp32 master weights at the paper's lr) validate, and
+  each is the B×G, mesh and model of the plan committed for it (experiments/recipes.py), which fits its H200s."""
+  config = load(f"tau2.py:{name}")
+  config_check.validate(config, weights=False)
+  assert (config.env.domain, config.dtype, config.param_dtype, config.grpo.learning_rate) == (
+    "airline", "bfloat16", "float32", 1e-6)  # fmt: skip
+  result = json.loads((ROOT / "experiments" / "results" / f"plan_{name}.json").read_text())
+  assert result["model"] == config.model and result["fits"] and result["backend"] == "gpu"
+  assert (result["batch"]["tasks"], result["batch"]["group"]) == (config.train.tasks_per_step, config.train.group_size)
+  assert result["batch"]["micro_batch"] == config.grpo.micro_batch_size
+  assert result["mesh"] == {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "tensor": config.mesh.tensor}
+
+
 def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
   """configs/tau2.py:mock_heldout (the README's main job, experiments/evidence.py's protocol): training draws one task
   of each template, evaluation the four that continue a logged conversation; no held-out gold call is a trained one

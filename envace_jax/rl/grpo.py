@@ -719,7 +719,10 @@ def make_update_step(
     donate: donate the state's buffers (the old state is unusable after the call).
   Returns:
     ``step(state, batch) -> (state, metrics)`` with ``batch`` [K, M, ...]; ``step.compiled_shapes()`` lists the
-    micro-batch shapes (M, T, I) compiled so far.
+    micro-batch shapes (M, T, I) compiled so far; ``step.programs`` maps "micro" (``(params, micro-batch) ->
+    (grads, sums)``), "add" (the accumulator: ``(acc, new) -> acc + new``, ``acc`` donated) and "finish"
+    (``(state, grads, sums) -> (state, metrics)``) to the jitted programs ``step`` calls (``envace_jax/plan.py``
+    lowers them, a test wraps them).
   Raises (when step is called):
     ValueError: the batch is not [K, M, T], M is not a multiple of the batch shards, or per_role micro-batches
       mix roles.
@@ -771,14 +774,17 @@ def make_update_step(
       kept = [distributed.place(mb, mb_sh) for mb in kept]
     return kept
 
+  programs = {"micro": micro_jit, "add": add_jit, "finish": finish_jit}
+
   def step(state: TrainState, batch: TrainBatch):
     _check_step_batch(batch, cfg, shards)
     acc = None
     for mb in micro_batches(batch):
       shapes.add((int(np.shape(mb.tokens)[0]), int(np.shape(mb.tokens)[1]), int(np.shape(mb.target_index)[1])))
-      out = micro_jit(state.params, mb)
-      acc = out if acc is None else add_jit(acc, out)
-    return finish_jit(state, *acc)
+      out = programs["micro"](state.params, mb)
+      acc = out if acc is None else programs["add"](acc, out)
+    return programs["finish"](state, *acc)
 
   step.compiled_shapes = lambda: sorted(shapes)
+  step.programs = programs
   return step
