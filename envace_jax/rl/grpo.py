@@ -552,11 +552,11 @@ def fresh_optimizer_state(cfg: GrpoConfig, state: TrainState) -> TrainState:
   """``state`` with its optimizer state re-initialised (AdamW's moments and count zeroed; per_role: both trees'),
   each leaf placed like the one it replaces (same sharding); params and step are kept. Used at the first RL update
   after the supervised warm-up (``fresh_optimizer_after_sft``)."""
-  fresh = _init_opt_state(cfg, state.params)
-  placed = jax.tree.map(
-    lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new, fresh, state.opt_state
-  )
-  return state.replace(opt_state=placed)
+  # Created on the old leaves' shardings by one program: no device ever holds a whole moment (Qwen3-8B's two are
+  # 64 GB in float32).
+  shardings = jax.tree.map(lambda old: old.sharding, state.opt_state)
+  fresh = jax.jit(functools.partial(_init_opt_state, cfg), out_shardings=shardings)(state.params)
+  return state.replace(opt_state=fresh)
 
 
 def _is_split(params: Any) -> bool:

@@ -928,3 +928,8 @@ def test_sharded_update_equals_unsharded(params):
     np.testing.assert_allclose(metrics[k], plain_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
   with pytest.raises(ValueError, match="batch shards"):
     step(new_state, split_micro_batches(collate(_varied_rows(rng), [1.0] * 4, trained_roles=(ACT,)), 2))
+  # A fresh optimizer state (after the warm-up) is made on the old one's shardings, equal to an unsharded init.
+  fresh = grpo.fresh_optimizer_state(cfg, new_state).opt_state
+  for new, old in zip(jax.tree.leaves(fresh), jax.tree.leaves(new_state.opt_state), strict=True):
+    assert new.sharding == old.sharding and new.dtype == old.dtype
+  assert tree_max_diff(fresh, grpo.init_train_state(cfg, params).opt_state) == 0.0
