@@ -328,6 +328,10 @@ def plan(
   if ucfg.user_mode == "reference" and placed:
     parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes, sample_sh), "persistent",
                       f"{compute}, sharded like the reference user's sampler, which reads it"))  # fmt: skip
+  elif update_mesh is not None:  # runtime.initial_state builds it on the train state's parameter shardings
+    ref_sh = sharding.param_shardings(sample_cfg, update_mesh)
+    parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes, ref_sh), "persistent",
+                      f"{compute}, sharded like the train state's parameters"))  # fmt: skip
   else:
     parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes), "persistent",
                       f"{compute}, whole, on the default device"))  # fmt: skip
