@@ -131,7 +131,7 @@ def test_device_check_dry_run(tmp_path, data_dir):
   assert model["model"] == name and report["peaks"] is None
   assert {layout: sorted(rows) for layout, rows in model["decode"].items()} == {
     "dense": ["auto", "xla"],
-    "rollout": ["auto", "xla"],
+    "rollout": ["auto"],
   }
   # The tiny preset's multiplying parameters: 2 layers of q, o (4 heads x 16 x 64), k, v (2 heads), the MLP
   # (3 x 64 x 128) and two norms (64), the final norm, the untied 64 x 512 head; not the embedding tables.
