@@ -10,6 +10,11 @@ N query heads, G = N / K, H head dim):
     kv_lens    int32[B]             filled slots per row (after the call's writes)
     q_slots    int32[B, T]          each query's own slot; it sees the row's slots <= its own
 
+On a mesh (`Shards`) the rows and the pages split over the mesh's batch axes together, so a row's pages are on its
+device: N shards, row b on shard b // (B / N), page g on shard g % N (a `PagePool` of N shards gives a row only pages
+of its shard), stored at position g // N of that shard's block of the pools' leading axis (the pools' global order is
+shard-major: `Shards.positions`). Writes and attention run per shard (``jax.shard_map``): no page crosses devices.
+
 A page that is only partly filled belongs to one row: `PagePool.fork` shares a row's full pages (a reference count
 per page) and copies its last, partial page, so a fork's writes never touch another row's slots. A table's unused
 entries hold P, no page: a write there is dropped (a row never writes into pages it does not hold) and reads of it
@@ -18,6 +23,8 @@ are masked (slots a row has not filled are never attended).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +34,44 @@ import numpy as np
 from flax import struct
 
 from envace_jax.model import kvcache
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+  """The mesh axes a paged cache's rows and pages split over (the module docstring): ``axes`` of ``mesh`` (the
+  sampler's batch axes, `sampling.sharding.batch_axes`), N = their product shards."""
+
+  mesh: jax.sharding.Mesh
+  axes: tuple[str, ...]
+
+  @property
+  def count(self) -> int:
+    """N, the number of shards."""
+    return math.prod(self.mesh.shape[a] for a in self.axes)
+
+  @property
+  def spec(self) -> jax.sharding.PartitionSpec:
+    """A leading axis split over the shards, the others replicated."""
+    return jax.sharding.PartitionSpec(self.axes)
+
+  def positions(self, pages: jax.Array, num_pages: int) -> jax.Array:
+    """The pools' leading-axis index of each page id (int32, any shape): g % N * (P / N) + g // N; P (no page) stays
+    P."""
+    n = self.count
+    return jnp.where(pages < num_pages, pages % n * (num_pages // n) + pages // n, num_pages)
+
+  def local(self, pages: jax.Array, num_pages: int) -> jax.Array:
+    """Inside ``jax.shard_map`` over ``axes``: this shard's index (in its block of P / N pages) of each page id, or
+    P / N (no page) for a page of another shard or none."""
+    n = self.count
+    mine = (pages < num_pages) & (pages % n == jax.lax.axis_index(self.axes))
+    return jnp.where(mine, pages // n, num_pages // n)
+
+  def map(self, fn: Callable, *args):
+    """``fn(*args)`` per shard: every argument and result split on its leading axis over ``axes`` (``jax.shard_map``
+    over the whole mesh; the other axes' copies are the same)."""
+    specs = (self.spec,) * len(args)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=self.spec, check_vma=False)(*args)
 
 
 @struct.dataclass
@@ -42,12 +87,14 @@ class PagedKVCache:
       slots a row may hold after it (W * Z).
     lengths: int32[B], filled own slots per row.
     prefix: None, or a dense `transformer.KVCache` of shared prefix levels, as `KVCache.prefix`.
+    shards: None (one device), or the mesh axes the rows and pages split over (static; module docstring).
   """
 
   pools: tuple[jax.Array, ...]
   table: jax.Array
   lengths: jax.Array
   prefix: kvcache.KVCache | None = None
+  shards: Shards | None = struct.field(pytree_node=False, default=None)
 
   def levels(self) -> list[kvcache.KVCache]:
     return kvcache.KVCache.levels(self)
@@ -102,6 +149,17 @@ class PagedKVCache:
     if num_pages < old:
       raise ValueError(f"extended: the pools hold {old} pages; they cannot shrink to {num_pages}.")
     grow = lambda pool: jnp.concatenate([pool, jnp.zeros((num_pages - old, *pool.shape[1:]), pool.dtype)])  # noqa: E731
+    if self.shards is not None:  # each shard's block grows at its end (page ids keep their shard: module docstring)
+      n = self.shards.count
+      if num_pages % n:
+        raise ValueError(f"extended: {num_pages} pages do not split over {n} shards.")
+      block = lambda pool: pool.reshape(n, old // n, *pool.shape[1:])  # noqa: E731
+      pad = lambda pool: jnp.zeros((n, (num_pages - old) // n, *pool.shape[1:]), pool.dtype)  # noqa: E731
+      sharding = jax.sharding.NamedSharding(self.shards.mesh, self.shards.spec)
+      grow = jax.jit(
+        lambda pool: jnp.concatenate([block(pool), pad(pool)], axis=1).reshape(num_pages, *pool.shape[1:]),
+        out_shardings=sharding,
+      )
     table = jnp.where(self.table >= old, num_pages, self.table)
     return self.replace(pools=tuple(grow(p) for p in self.pools), table=table)
 
@@ -110,8 +168,10 @@ class PagedKVCache:
     holds none) and the same prefix levels; for inspection and tests (``dense().flatten()`` puts the levels in
     front)."""
 
+    table = self.table if self.shards is None else self.shards.positions(self.table, self.pools[0].shape[0])
+
     def rows(pool):
-      kv = jnp.take(pool, self.table, axis=0, mode="fill", fill_value=0)  # [B, W, Z, 2K, H]
+      kv = jnp.take(pool, table, axis=0, mode="fill", fill_value=0)  # [B, W, Z, 2K, H]
       b, w, z, kk, h = kv.shape
       kv = kv.reshape(b, w * z, kk, h)
       return kv[:, :, 0::2].transpose(0, 2, 3, 1), kv[:, :, 1::2].transpose(0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
@@ -130,12 +190,21 @@ class PagedKVCache:
     return self.replace(pools=part.pools, lengths=lengths)
 
 
-def init_cache(config, pool: PagePool, rows: Sequence[object], width: int, dtype=None) -> PagedKVCache:
+def init_cache(
+  config, pool: PagePool, rows: Sequence[object], width: int, dtype=None, shards: Shards | None = None
+) -> PagedKVCache:
   """A paged cache over zeroed pools for ``config``'s layers, holding ``rows`` of ``pool`` (their pages and
-  lengths as the pool has them now). dtype defaults to the config's compute dtype."""
+  lengths as the pool has them now). dtype defaults to the config's compute dtype. With ``shards`` (a pool of as
+  many shards) the pools are made split over them (no whole pool on one device); the table and lengths are host
+  values for the caller to place. Raises ValueError when the pool's shards are not ``shards``'s."""
   zeros = lambda: init_pool(pool.num_pages, pool.page_size, config.num_kv_heads, config.head_dim, dtype or config.dtype)  # noqa: E731
+  if (shards.count if shards is not None else 1) != pool.shards:
+    raise ValueError(f"init_cache: a pool of {pool.shards} shards for a cache over {shards}.")
+  if shards is not None:
+    zeros = jax.jit(zeros, out_shardings=jax.sharding.NamedSharding(shards.mesh, shards.spec))
   lengths = jnp.asarray([pool.lengths.get(r, 0) for r in rows], jnp.int32)
-  return PagedKVCache(tuple(zeros() for _ in range(config.num_layers)), jnp.asarray(pool.table(rows, width)), lengths)
+  pools = tuple(zeros() for _ in range(config.num_layers))
+  return PagedKVCache(pools, jnp.asarray(pool.table(rows, width)), lengths, shards=shards)
 
 
 class PagesExhausted(RuntimeError):
@@ -150,16 +219,29 @@ class PagePool:
   Args:
     num_pages: P, the pool's size.
     page_size: Z, slots per page.
+    shards: N, for a cache split over N shards (`Shards`): row r (an int in [0, rows)) takes only pages of shard
+      r // (rows / N), the ids g with g % N equal to it. P, and every size `extend` grows to, is a multiple of N.
+    rows: B, the cache's rows (with shards > 1; a multiple of N).
+
+  Raises:
+    ValueError: P or Z below 1; P or B not a multiple of N.
   """
 
-  def __init__(self, num_pages: int, page_size: int):
+  def __init__(self, num_pages: int, page_size: int, shards: int = 1, rows: int | None = None):
     if num_pages < 1 or page_size < 1:
       raise ValueError(f"PagePool needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
-    self.num_pages, self.page_size = num_pages, page_size
-    self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest free page
+    if shards > 1 and (num_pages % shards or rows is None or rows % shards):
+      raise ValueError(f"PagePool of {shards} shards: num_pages={num_pages} and rows={rows} must be multiples of it.")
+    self.num_pages, self.page_size, self.shards = num_pages, page_size, shards
+    self._rows_per_shard = rows // shards if shards > 1 else None
+    self._free = [list(range(num_pages - shards + s, -1, -shards)) for s in range(shards)]  # stacks: lowest last
     self._refs = np.zeros(num_pages, np.int64)
     self.pages: dict[object, list[int]] = {}
     self.lengths: dict[object, int] = {}
+
+  def shard(self, row: object) -> int:
+    """The shard whose pages ``row`` takes (0 without shards)."""
+    return 0 if self._rows_per_shard is None else int(row) // self._rows_per_shard
 
   def allocated(self) -> int:
     """Pages held by at least one row."""
@@ -167,24 +249,38 @@ class PagePool:
 
   def free(self) -> int:
     """Pages no row holds."""
-    return len(self._free)
+    return sum(map(len, self._free))
+
+  def pages_needed(self, needs: Sequence[tuple[object, int]]) -> int:
+    """How many pages `extend` must add (a multiple of the shards; 0 when none) before every (row, slots) of
+    ``needs`` can `grow` to its slots: with shards, each shard's rows take from its own free pages."""
+    short = [-len(free) for free in self._free]
+    for row, length in needs:
+      short[self.shard(row)] += max(-(-length // self.page_size) - len(self.pages.get(row, ())), 0)
+    return self.shards * max(*short, 0)
 
   def extend(self, num_pages: int) -> None:
     """Grows the pool to ``num_pages`` pages, the new ones free (`PagedKVCache.extended` grows the device pools to
-    match). Raises ValueError below the current size."""
-    if num_pages < self.num_pages:
-      raise ValueError(f"the pool holds {self.num_pages} pages; it cannot shrink to {num_pages}.")
-    self._free = sorted(self._free + list(range(self.num_pages, num_pages)), reverse=True)
+    match). Raises ValueError below the current size, or for a size that is not a multiple of the shards."""
+    if num_pages < self.num_pages or num_pages % self.shards:
+      raise ValueError(
+        f"the pool holds {self.num_pages} pages in {self.shards} shards; it cannot become {num_pages} pages."
+      )
+    for g in range(self.num_pages, num_pages):
+      self._free[g % self.shards].append(g)
+    self._free = [sorted(free, reverse=True) for free in self._free]
     self._refs = np.concatenate([self._refs, np.zeros(num_pages - self.num_pages, np.int64)])
     self.num_pages = num_pages
 
   def _take(self, n: int, row: object) -> list[int]:
-    if n > len(self._free):
+    free = self._free[self.shard(row)]
+    if n > len(free):
+      where = f" of shard {self.shard(row)}" if self.shards > 1 else ""
       raise PagesExhausted(
-        f"row {row!r} needs {n} more pages of {self.page_size} slots; {len(self._free)} of {self.num_pages} are free. "
-        "Release finished rows first, or give the pool more pages."
+        f"row {row!r} needs {n} more pages of {self.page_size} slots; {len(free)} of {self.num_pages}{where} are "
+        "free. Release finished rows first, or give the pool more pages."
       )
-    taken = [self._free.pop() for _ in range(n)]
+    taken = [free.pop() for _ in range(n)]
     self._refs[taken] += 1
     return taken
 
@@ -221,8 +317,9 @@ class PagePool:
     for page in pages:
       self._refs[page] -= 1
       if self._refs[page] == 0:
-        self._free.append(page)
-    self._free.sort(reverse=True)
+        self._free[page % self.shards].append(page)
+    for free in self._free:
+      free.sort(reverse=True)
 
   def fork(self, row: object, new_rows: Sequence[object]) -> list[tuple[int, int]]:
     """New rows that continue ``row``: each shares its full pages and gets a copy of its partly filled last page.
@@ -238,10 +335,14 @@ class PagePool:
     clash = [new for new in new_rows if new in self.pages] or [new for new in new_rows if list(new_rows).count(new) > 1]
     if clash:
       raise ValueError(f"fork: row {clash[0]!r} already holds pages or is named twice; release it first.")
-    if partial and len(new_rows) > len(self._free):
+    apart = [new for new in new_rows if self.shard(new) != self.shard(row)]
+    if apart:
+      raise ValueError(f"fork: row {apart[0]!r} is on another shard than row {row!r}, whose pages it would share.")
+    free = len(self._free[self.shard(row)])
+    if partial and len(new_rows) > free:
       raise PagesExhausted(
         f"fork of row {row!r} into {len(new_rows)} rows needs {len(new_rows)} pages for their copies of its last page; "
-        f"{len(self._free)} of {self.num_pages} are free."
+        f"{free} of {self.num_pages} are free."
       )
     copies = []
     for new in new_rows:
@@ -289,20 +390,31 @@ def flat_slots(table: jax.Array, slots: jax.Array, valid: jax.Array, num_pages: 
   return jnp.where(inside, pages * page_size + slots % page_size, num_pages * page_size)
 
 
-def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array) -> jax.Array:
+def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, shards: Shards | None = None):
   """The pool with new keys [B, T, K, H] and values [B, T, K, H] written at ``slots`` int32[B, T] (`flat_slots`);
-  out-of-range slots are dropped."""
+  out-of-range slots are dropped. With ``shards``, each shard writes its rows into its block of the pool."""
+  if shards is not None:
+    num_pages, z = pool.shape[:2]
+
+    def local(pool, slots, k_btkh, v_btkh):
+      pages = shards.local(slots // z, num_pages)  # P / N: out of this block, dropped
+      return write(pool, pages * z + jnp.where(slots < num_pages * z, slots % z, 0), k_btkh, v_btkh)
+
+    return shards.map(local, pool, slots, k_btkh, v_btkh)
   p, z, kk, h = pool.shape
   b, t = slots.shape
   kv = jnp.stack([k_btkh, v_btkh], axis=3).reshape(b, t, kk, h).astype(pool.dtype)  # k, v interleaved per head
   return pool.reshape(p * z, kk, h).at[slots].set(kv, mode="drop").reshape(pool.shape)
 
 
-def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
+def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]], shards: Shards | None = None) -> jax.Array:
   """The pool with `PagePool.fork`'s or `shrink`'s (source, destination) page copies made, in the order given (a copy
-  whose source is an earlier copy's destination reads what that copy wrote)."""
+  whose source is an earlier copy's destination reads what that copy wrote); page ids placed by ``shards``."""
   if not copies:
     return pool
+  if shards is not None:
+    place = lambda g: int(shards.positions(np.asarray(g), pool.shape[0]))  # noqa: E731
+    copies = [(place(src), place(dst)) for src, dst in copies]
   if {d for _, d in copies} & {s for s, _ in copies}:
     for src, dst in copies:
       pool = pool.at[dst].set(pool[src])
@@ -311,7 +423,7 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
   return pool.at[dst].set(pool[src])
 
 
-def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
+def attention_part(q_bkgth, pool, table, kv_lens, q_slots, shards: Shards | None = None):
   """The queries' share of softmax attention over their rows' pages, on every backend (what `transformer.apply`
   runs): `kvcache.softmax_part`'s triple (running max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values
   [B, K, G, T, H]), so it merges with other key sets (shared prefix levels) by log-sum-exp.
@@ -324,7 +436,14 @@ def attention_part(q_bkgth, pool, table, kv_lens, q_slots):
   Args:
     q_bkgth: dtype[B, K, G, T, H] queries, rotary-embedded.
     pool: dtype[P, Z, 2K, H]; table: int32[B, W]; kv_lens: int32[B]; q_slots: int32[B, T] (module docstring).
+    shards: None, or the shards the rows and pages split over: each shard attends its rows over its block.
   """
+  if shards is not None:
+    num_pages = pool.shape[0]
+    local = lambda q, pool, table, kv_lens, q_slots: attention_part(  # noqa: E731
+      q, pool, shards.local(table, num_pages), kv_lens, q_slots
+    )
+    return shards.map(local, q_bkgth, pool, table, kv_lens, q_slots)
   b, k, g, t, h = q_bkgth.shape
   p, z = pool.shape[0], pool.shape[1]
   used = jnp.minimum((jnp.max(kv_lens) + z - 1) // z, table.shape[1])

@@ -299,8 +299,8 @@ class Attention(nn.Module):
       )
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
-      table, kv_lens, q_slots = pages
-      cache = paged.write(cache, write_slots, k_btkh, v_btkh)
+      table, kv_lens, q_slots, shards = pages
+      cache = paged.write(cache, write_slots, k_btkh, v_btkh, shards)
     elif cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
       # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are
@@ -338,7 +338,7 @@ class Attention(nn.Module):
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
-      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots)]
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, shards)]
       parts += [_attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h) for pk, pv, seen in prefixes]
       out_bkgth = kvcache.merge_parts(parts, dtype)
     elif prefixes:  # own slots and each shared prefix attended apart, merged by log-sum-exp
@@ -425,7 +425,7 @@ class Transformer(nn.Module):
       write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       read = cache.table if attend_len is None else cache.trimmed(min(attend_len, cache.capacity)).table
-      pages, mask, levels = (read, new_lengths, q_slots), None, cache.levels()
+      pages, mask, levels = (read, new_lengths, q_slots, cache.shards), None, cache.levels()
       default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
     elif cache is not None:
