@@ -76,10 +76,10 @@ class Shards:
 
 @struct.dataclass
 class PagedKVCache:
-  """A KV cache whose own slots live in pages: `transformer.apply` and the `Sampler` (prefill, generate, `Stream`; off
-  a mesh) take it where they take a `transformer.KVCache`. A row may fill the slots of the pages it holds
-  (`row_capacity`; the caller grows it with `PagePool.grow` and sets ``table``); work on a few rows (`gather`, `put`)
-  slices the table instead of copying keys and values.
+  """A KV cache whose own slots live in pages: `transformer.apply` and the `Sampler` (prefill, generate, `Stream`; on
+  a mesh too, split by ``shards``) take it where they take a `transformer.KVCache`. A row may fill the slots of the
+  pages it holds (`row_capacity`; the caller grows it with `PagePool.grow` and sets ``table``); work on a few rows
+  (`gather`, `put`) slices the table instead of copying keys and values.
 
   Attributes:
     pools: a tuple of L dtype[P, Z, 2K, H], one pool per layer (`init_pool`); every layer uses the same pages.
