@@ -381,8 +381,8 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
 
 
 def test_a_paged_rollout_on_a_mesh_equals_one_device(tiny_model, tokenizer, mock_tasks):
-  """The policy-played user's rollout (ACT, REHEARSE and USER views: 3 x 2 tasks x G=2 = 12 rows) with paged views
-  (pages of 16 from pools of 32, grown as generations need) on a 2x2x2 mesh, the pool one shard per batch shard
+  """The policy-played user's rollout (ACT, REHEARSE and USER views: 3 x 2 tasks x G=2 = 12 rows, 16 on the mesh)
+  with paged views (pages of 16) on a 2x2x2 mesh, the pool one shard per batch shard
   (data x fsdp = 4): the same trajectories as on one device, token for token (messages, training rows' ids and
   roles; logprobs <= 1e-4); the policy's cache split over the batch axes."""
   from envace_jax.sampling import sharding
@@ -391,7 +391,9 @@ def test_a_paged_rollout_on_a_mesh_equals_one_device(tiny_model, tokenizer, mock
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
   tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
   config, params = tiny_model
-  rollout = dataclasses.replace(REAL, user_mode="policy", max_turns=2, kv_page_size=16, kv_pages=_PAGES)
+  # Pools as large as every row at the largest capacity: no growth (each pool size compiles the programs again;
+  # growth on a mesh is tested in tests/sampling/test_sampler.py).
+  rollout = dataclasses.replace(REAL, user_mode="policy", max_turns=2, kv_page_size=16, kv_pages=1024)
   outs, caches = {}, {}
   for mesh in (None, sharding.make_mesh(data=2, fsdp=2, tensor=2)):
     policy = Sampler(config, params, eos_ids=[*tokenizer.eos_ids, *range(2000)], token_bytes=tokenizer.token_bytes(),
