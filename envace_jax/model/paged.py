@@ -11,9 +11,10 @@ N query heads, G = N / K, H head dim):
     q_slots    int32[B, T]          each query's own slot; it sees the row's slots <= its own
 
 On a mesh (`Shards`) the rows and the pages split over the mesh's batch axes together, so a row's pages are on its
-device: N shards, row b on shard b // (B / N), page g on shard g % N (a `PagePool` of N shards gives a row only pages
-of its shard), stored at position g // N of that shard's block of the pools' leading axis (the pools' global order is
-shard-major: `Shards.positions`). Writes and attention run per shard (``jax.shard_map``): no page crosses devices.
+device: N shards, row b on shard b // (B / N), pages [s * P / N, (s + 1) * P / N) on shard s, the block of the pools'
+leading axis that device holds (a `PagePool` of N shards gives a row only pages of its shard; growing the pool
+renumbers the pages, `PagePool.extend` and `PagedKVCache.extended` alike). A page id is its index in the pools
+whether or not they are split. Writes and attention run per shard (``jax.shard_map``): no page crosses devices.
 
 A page that is only partly filled belongs to one row: `PagePool.fork` shares a row's full pages (a reference count
 per page) and copies its last, partial page, so a fork's writes never touch another row's slots. A table's unused
@@ -54,18 +55,12 @@ class Shards:
     """A leading axis split over the shards, the others replicated."""
     return jax.sharding.PartitionSpec(self.axes)
 
-  def positions(self, pages: jax.Array, num_pages: int) -> jax.Array:
-    """The pools' leading-axis index of each page id (int32, any shape): g % N * (P / N) + g // N; P (no page) stays
-    P."""
-    n = self.count
-    return jnp.where(pages < num_pages, pages % n * (num_pages // n) + pages // n, num_pages)
-
   def local(self, pages: jax.Array, num_pages: int) -> jax.Array:
-    """Inside ``jax.shard_map`` over ``axes``: this shard's index (in its block of P / N pages) of each page id, or
-    P / N (no page) for a page of another shard or none."""
-    n = self.count
-    mine = (pages < num_pages) & (pages % n == jax.lax.axis_index(self.axes))
-    return jnp.where(mine, pages // n, num_pages // n)
+    """Inside ``jax.shard_map`` over ``axes``: each page id's index in this shard's block of M = P / N pages, or M
+    (no page) for a page of another shard or none."""
+    block = num_pages // self.count
+    start = jax.lax.axis_index(self.axes) * block
+    return jnp.where((pages >= start) & (pages < start + block), pages - start, block)
 
   def map(self, fn: Callable, *args):
     """``fn(*args)`` per shard: every argument and result split on its leading axis over ``axes`` (``jax.shard_map``
@@ -149,10 +144,12 @@ class PagedKVCache:
     if num_pages < old:
       raise ValueError(f"extended: the pools hold {old} pages; they cannot shrink to {num_pages}.")
     grow = lambda pool: jnp.concatenate([pool, jnp.zeros((num_pages - old, *pool.shape[1:]), pool.dtype)])  # noqa: E731
-    if self.shards is not None:  # each shard's block grows at its end (page ids keep their shard: module docstring)
+    table = jnp.where(self.table >= old, num_pages, self.table)
+    if self.shards is not None:  # each shard's block grows at its end, its pages renumbered as `PagePool.extend` does
       n = self.shards.count
       if num_pages % n:
         raise ValueError(f"extended: {num_pages} pages do not split over {n} shards.")
+      table = jnp.where(table < num_pages, table // (old // n) * (num_pages // n) + table % (old // n), num_pages)
       block = lambda pool: pool.reshape(n, old // n, *pool.shape[1:])  # noqa: E731
       pad = lambda pool: jnp.zeros((n, (num_pages - old) // n, *pool.shape[1:]), pool.dtype)  # noqa: E731
       sharding = jax.sharding.NamedSharding(self.shards.mesh, self.shards.spec)
@@ -160,7 +157,6 @@ class PagedKVCache:
         lambda pool: jnp.concatenate([block(pool), pad(pool)], axis=1).reshape(num_pages, *pool.shape[1:]),
         out_shardings=sharding,
       )
-    table = jnp.where(self.table >= old, num_pages, self.table)
     return self.replace(pools=tuple(grow(p) for p in self.pools), table=table)
 
   def dense(self) -> kvcache.KVCache:
@@ -168,10 +164,8 @@ class PagedKVCache:
     holds none) and the same prefix levels; for inspection and tests (``dense().flatten()`` puts the levels in
     front)."""
 
-    table = self.table if self.shards is None else self.shards.positions(self.table, self.pools[0].shape[0])
-
     def rows(pool):
-      kv = jnp.take(pool, table, axis=0, mode="fill", fill_value=0)  # [B, W, Z, 2K, H]
+      kv = jnp.take(pool, self.table, axis=0, mode="fill", fill_value=0)  # [B, W, Z, 2K, H]
       b, w, z, kk, h = kv.shape
       kv = kv.reshape(b, w * z, kk, h)
       return kv[:, :, 0::2].transpose(0, 2, 3, 1), kv[:, :, 1::2].transpose(0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
@@ -220,7 +214,8 @@ class PagePool:
     num_pages: P, the pool's size.
     page_size: Z, slots per page.
     shards: N, for a cache split over N shards (`Shards`): row r (an int in [0, rows)) takes only pages of shard
-      r // (rows / N), the ids g with g % N equal to it. P, and every size `extend` grows to, is a multiple of N.
+      s = r // (rows / N), the ids [s * P / N, (s + 1) * P / N). P, and every size `extend` grows to, is a multiple of
+      N.
     rows: B, the cache's rows (with shards > 1; a multiple of N).
 
   Raises:
@@ -234,10 +229,14 @@ class PagePool:
       raise ValueError(f"PagePool of {shards} shards: num_pages={num_pages} and rows={rows} must be multiples of it.")
     self.num_pages, self.page_size, self.shards = num_pages, page_size, shards
     self._rows_per_shard = rows // shards if shards > 1 else None
-    self._free = [list(range(num_pages - shards + s, -1, -shards)) for s in range(shards)]  # stacks: lowest last
+    block = num_pages // shards
+    self._free = [list(range((s + 1) * block - 1, s * block - 1, -1)) for s in range(shards)]  # stacks: lowest last
     self._refs = np.zeros(num_pages, np.int64)
     self.pages: dict[object, list[int]] = {}
     self.lengths: dict[object, int] = {}
+
+  def _shard_of_page(self, page: int) -> int:
+    return page // (self.num_pages // self.shards)
 
   def shard(self, row: object) -> int:
     """The shard whose pages ``row`` takes (0 without shards)."""
@@ -261,16 +260,20 @@ class PagePool:
 
   def extend(self, num_pages: int) -> None:
     """Grows the pool to ``num_pages`` pages, the new ones free (`PagedKVCache.extended` grows the device pools to
-    match). Raises ValueError below the current size, or for a size that is not a multiple of the shards."""
+    match). With shards, each shard's block grows at its end and the held pages are renumbered (page s * M + i
+    becomes s * M' + i, M and M' the blocks before and after: `PagedKVCache.extended` renumbers its table the same
+    way); without, ids stay. Raises ValueError below the current size, or for a size not a multiple of the shards."""
     if num_pages < self.num_pages or num_pages % self.shards:
       raise ValueError(
         f"the pool holds {self.num_pages} pages in {self.shards} shards; it cannot become {num_pages} pages."
       )
-    for g in range(self.num_pages, num_pages):
-      self._free[g % self.shards].append(g)
-    self._free = [sorted(free, reverse=True) for free in self._free]
-    self._refs = np.concatenate([self._refs, np.zeros(num_pages - self.num_pages, np.int64)])
-    self.num_pages = num_pages
+    old, new = self.num_pages // self.shards, num_pages // self.shards
+    moved = lambda g: g // old * new + g % old  # noqa: E731
+    self.pages = {row: [moved(g) for g in held] for row, held in self.pages.items()}
+    refs = np.zeros(num_pages, np.int64)
+    refs[[moved(g) for g in range(self.num_pages)]] = self._refs
+    self._refs, self.num_pages = refs, num_pages
+    self._free = [[g for g in range((s + 1) * new - 1, s * new - 1, -1) if refs[g] == 0] for s in range(self.shards)]
 
   def _take(self, n: int, row: object) -> list[int]:
     free = self._free[self.shard(row)]
@@ -317,7 +320,7 @@ class PagePool:
     for page in pages:
       self._refs[page] -= 1
       if self._refs[page] == 0:
-        self._free[page % self.shards].append(page)
+        self._free[self._shard_of_page(page)].append(page)
     for free in self._free:
       free.sort(reverse=True)
 
@@ -407,14 +410,11 @@ def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Arra
   return pool.reshape(p * z, kk, h).at[slots].set(kv, mode="drop").reshape(pool.shape)
 
 
-def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]], shards: Shards | None = None) -> jax.Array:
+def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
   """The pool with `PagePool.fork`'s or `shrink`'s (source, destination) page copies made, in the order given (a copy
-  whose source is an earlier copy's destination reads what that copy wrote); page ids placed by ``shards``."""
+  whose source is an earlier copy's destination reads what that copy wrote)."""
   if not copies:
     return pool
-  if shards is not None:
-    place = lambda g: int(shards.positions(np.asarray(g), pool.shape[0]))  # noqa: E731
-    copies = [(place(src), place(dst)) for src, dst in copies]
   if {d for _, d in copies} & {s for s, _ in copies}:
     for src, dst in copies:
       pool = pool.at[dst].set(pool[src])

@@ -260,7 +260,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=(), pages=None):
+  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=(), pages=None, shards=None):
     cfg = self.config
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = x_btd.dtype
@@ -299,8 +299,8 @@ class Attention(nn.Module):
       )
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
-      table, kv_lens, q_slots, shards = pages
-      cache = paged.write(cache, write_slots, k_btkh, v_btkh, shards)
+      table, kv_lens, q_slots = pages
+      cache = paged.write(cache, write_slots, k_btkh, v_btkh, shards)  # per shard on a mesh (`paged.Shards`)
     elif cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
       # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are
@@ -382,10 +382,10 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=(), pages=None):
+  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=(), pages=None, shards=None):
     x_btd, cache = carry
     attn_out, cache = Attention(self.config, name="attn")(
-      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes, pages
+      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes, pages, shards
     )
     x_btd = x_btd + attn_out
     x_btd = x_btd + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x_btd))
@@ -416,8 +416,9 @@ class Transformer(nn.Module):
     valid = valid.astype(bool)
     # Slot (cache) or chunk index (no cache) of each valid token, in chunk order.
     rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-    pages = None
+    pages = shards = None
     if isinstance(cache, paged.PagedKVCache):
+      shards = cache.shards  # a paged cache split over a mesh's batch axes: its pages written and read per shard
       if cfg.scan_layers:
         raise ValueError("a PagedKVCache needs the per-layer layout (scan_layers=False).")
       pool_pages, page_size = cache.pools[0].shape[:2]
@@ -425,7 +426,7 @@ class Transformer(nn.Module):
       write_slots = paged.flat_slots(cache.table, q_slots, valid, pool_pages, page_size)
       new_lengths = cache.lengths + valid.sum(axis=1, dtype=jnp.int32)
       read = cache.table if attend_len is None else cache.trimmed(min(attend_len, cache.capacity)).table
-      pages, mask, levels = (read, new_lengths, q_slots, cache.shards), None, cache.levels()
+      pages, mask, levels = (read, new_lengths, q_slots), None, cache.levels()
       default_positions = cache.offsets()[:, None] + cache.lengths[:, None] + rank
       layer_cache = (cache.pools, None)  # a layer's pool holds its keys and values
     elif cache is not None:
@@ -472,7 +473,7 @@ class Transformer(nn.Module):
           carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
         prefixes = tuple((c.k[i], c.v[i], visible) for c, visible in zip(levels, seen, strict=True))
         layer = DecoderLayer(cfg, name=f"layers_{i}")
-        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages)
+        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages, shards)
         per_layer.append(written)
       if pages is not None:
         layer_cache = tuple(per_layer), None

@@ -358,7 +358,7 @@ class _Unfolder:
     lengths = np.asarray(jax.device_get(cache.lengths))
     copies = [c for row in rows for c in pool.shrink(row, int(lengths[row]))]  # none: rows never share pages here
     if copies:
-      cache = cache.replace(pools=tuple(paged.copy_pages(p, copies, cache.shards) for p in cache.pools))
+      cache = cache.replace(pools=tuple(paged.copy_pages(p, copies) for p in cache.pools))
     return self._table(name, cache)
 
   def _table(self, name: str, cache):
