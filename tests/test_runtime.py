@@ -107,3 +107,32 @@ def test_compile_clock_counts_each_new_program_once_and_its_seconds():
   f(np.ones(11, np.float32)).block_until_ready()  # closed: no longer listening
   assert clock.programs_since(mark) == 2
   clock.close()  # a second close does nothing
+
+
+def test_a_sampler_off_the_mesh_warns_naming_the_values(caplog):
+  """B x G rows that do not split over the mesh's batch shards (data x fsdp) put the sampler on one device, with a
+  WARNING naming the rows, the shards and the mesh sizes; rows that split sample on the mesh, without one."""
+  import logging
+
+  import jax
+  import ml_collections
+
+  from envace_jax.model.config import get_model_config
+  from envace_jax.sampling import sharding
+
+  if len(jax.devices()) != 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
+  config = ml_collections.ConfigDict({"sampler": {"prefill_chunk": 16}})
+  model = runtime.Model(config=get_model_config("tiny"), params=None, tokenizer=None, source="abstract")
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  caplog.set_level(logging.INFO)
+  assert runtime.make_sampler(config, model, None, mesh, rows=6).mesh is None
+  (warning,) = [r for r in caplog.records if "sampler on one device" in r.getMessage()]
+  assert warning.levelno == logging.WARNING
+  assert warning.getMessage() == (
+    "sampler on one device of the 8-device mesh: its 6 rows (tasks x group_size) do not split over the 4 batch "
+    "shards (mesh.data=2 x mesh.fsdp=2); make the rows a multiple of 4 to sample on the whole mesh"
+  )
+  caplog.clear()
+  assert runtime.make_sampler(config, model, None, mesh, rows=8).mesh is mesh
+  assert not [r for r in caplog.records if "sampler on one device" in r.getMessage()]

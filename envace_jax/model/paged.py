@@ -10,6 +10,12 @@ N query heads, G = N / K, H head dim):
     kv_lens    int32[B]             filled slots per row (after the call's writes)
     q_slots    int32[B, T]          each query's own slot; it sees the row's slots <= its own
 
+On a mesh (`Shards`) the rows and the pages split over the mesh's batch axes together, so a row's pages are on its
+device: N shards, row b on shard b // (B / N), pages [s * P / N, (s + 1) * P / N) on shard s, the block of the pools'
+leading axis that device holds (a `PagePool` of N shards gives a row only pages of its shard; growing the pool
+renumbers the pages, `PagePool.extend` and `PagedKVCache.extended` alike). A page id is its index in the pools
+whether or not they are split. Writes and attention run per shard (``jax.shard_map``): no page crosses devices.
+
 A page that is only partly filled belongs to one row: `PagePool.fork` shares a row's full pages (a reference count
 per page) and copies its last, partial page, so a fork's writes never touch another row's slots. A table's unused
 entries hold P, no page: a write there is dropped (a row never writes into pages it does not hold) and reads of it
@@ -18,6 +24,8 @@ are masked (slots a row has not filled are never attended).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,12 +38,44 @@ from envace_jax.model import attention as attention_lib
 from envace_jax.model import kvcache
 
 
+@dataclasses.dataclass(frozen=True)
+class Shards:
+  """The mesh axes a paged cache's rows and pages split over (the module docstring): ``axes`` of ``mesh`` (the
+  sampler's batch axes, `sampling.sharding.batch_axes`), N = their product shards."""
+
+  mesh: jax.sharding.Mesh
+  axes: tuple[str, ...]
+
+  @property
+  def count(self) -> int:
+    """N, the number of shards."""
+    return math.prod(self.mesh.shape[a] for a in self.axes)
+
+  @property
+  def spec(self) -> jax.sharding.PartitionSpec:
+    """A leading axis split over the shards, the others replicated."""
+    return jax.sharding.PartitionSpec(self.axes)
+
+  def local(self, pages: jax.Array, num_pages: int) -> jax.Array:
+    """Inside ``jax.shard_map`` over ``axes``: each page id's index in this shard's block of M = P / N pages, or M
+    (no page) for a page of another shard or none."""
+    block = num_pages // self.count
+    start = jax.lax.axis_index(self.axes) * block
+    return jnp.where((pages >= start) & (pages < start + block), pages - start, block)
+
+  def map(self, fn: Callable, *args):
+    """``fn(*args)`` per shard: every argument and result split on its leading axis over ``axes`` (``jax.shard_map``
+    over the whole mesh; the other axes' copies are the same)."""
+    specs = (self.spec,) * len(args)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=self.spec, check_vma=False)(*args)
+
+
 @struct.dataclass
 class PagedKVCache:
-  """A KV cache whose own slots live in pages: `transformer.apply` and the `Sampler` (prefill, generate, `Stream`; off
-  a mesh) take it where they take a `transformer.KVCache`. A row may fill the slots of the pages it holds
-  (`row_capacity`; the caller grows it with `PagePool.grow` and sets ``table``); work on a few rows (`gather`, `put`)
-  slices the table instead of copying keys and values.
+  """A KV cache whose own slots live in pages: `transformer.apply` and the `Sampler` (prefill, generate, `Stream`; on
+  a mesh too, split by ``shards``) take it where they take a `transformer.KVCache`. A row may fill the slots of the
+  pages it holds (`row_capacity`; the caller grows it with `PagePool.grow` and sets ``table``); work on a few rows
+  (`gather`, `put`) slices the table instead of copying keys and values.
 
   Attributes:
     pools: a tuple of L dtype[P, Z, 2K, H], one pool per layer (`init_pool`); every layer uses the same pages.
@@ -43,12 +83,14 @@ class PagedKVCache:
       slots a row may hold after it (W * Z).
     lengths: int32[B], filled own slots per row.
     prefix: None, or a dense `transformer.KVCache` of shared prefix levels, as `KVCache.prefix`.
+    shards: None (one device), or the mesh axes the rows and pages split over (static; module docstring).
   """
 
   pools: tuple[jax.Array, ...]
   table: jax.Array
   lengths: jax.Array
   prefix: kvcache.KVCache | None = None
+  shards: Shards | None = struct.field(pytree_node=False, default=None)
 
   def levels(self) -> list[kvcache.KVCache]:
     return kvcache.KVCache.levels(self)
@@ -104,6 +146,18 @@ class PagedKVCache:
       raise ValueError(f"extended: the pools hold {old} pages; they cannot shrink to {num_pages}.")
     grow = lambda pool: jnp.concatenate([pool, jnp.zeros((num_pages - old, *pool.shape[1:]), pool.dtype)])  # noqa: E731
     table = jnp.where(self.table >= old, num_pages, self.table)
+    if self.shards is not None:  # each shard's block grows at its end, its pages renumbered as `PagePool.extend` does
+      n = self.shards.count
+      if num_pages % n:
+        raise ValueError(f"extended: {num_pages} pages do not split over {n} shards.")
+      table = jnp.where(table < num_pages, table // (old // n) * (num_pages // n) + table % (old // n), num_pages)
+      block = lambda pool: pool.reshape(n, old // n, *pool.shape[1:])  # noqa: E731
+      pad = lambda pool: jnp.zeros((n, (num_pages - old) // n, *pool.shape[1:]), pool.dtype)  # noqa: E731
+      sharding = jax.sharding.NamedSharding(self.shards.mesh, self.shards.spec)
+      grow = jax.jit(
+        lambda pool: jnp.concatenate([block(pool), pad(pool)], axis=1).reshape(num_pages, *pool.shape[1:]),
+        out_shardings=sharding,
+      )
     return self.replace(pools=tuple(grow(p) for p in self.pools), table=table)
 
   def dense(self) -> kvcache.KVCache:
@@ -131,12 +185,21 @@ class PagedKVCache:
     return self.replace(pools=part.pools, lengths=lengths)
 
 
-def init_cache(config, pool: PagePool, rows: Sequence[object], width: int, dtype=None) -> PagedKVCache:
+def init_cache(
+  config, pool: PagePool, rows: Sequence[object], width: int, dtype=None, shards: Shards | None = None
+) -> PagedKVCache:
   """A paged cache over zeroed pools for ``config``'s layers, holding ``rows`` of ``pool`` (their pages and
-  lengths as the pool has them now). dtype defaults to the config's compute dtype."""
+  lengths as the pool has them now). dtype defaults to the config's compute dtype. With ``shards`` (a pool of as
+  many shards) the pools are made split over them (no whole pool on one device); the table and lengths are host
+  values for the caller to place. Raises ValueError when the pool's shards are not ``shards``'s."""
   zeros = lambda: init_pool(pool.num_pages, pool.page_size, config.num_kv_heads, config.head_dim, dtype or config.dtype)  # noqa: E731
+  if (shards.count if shards is not None else 1) != pool.shards:
+    raise ValueError(f"init_cache: a pool of {pool.shards} shards for a cache over {shards}.")
+  if shards is not None:
+    zeros = jax.jit(zeros, out_shardings=jax.sharding.NamedSharding(shards.mesh, shards.spec))
   lengths = jnp.asarray([pool.lengths.get(r, 0) for r in rows], jnp.int32)
-  return PagedKVCache(tuple(zeros() for _ in range(config.num_layers)), jnp.asarray(pool.table(rows, width)), lengths)
+  pools = tuple(zeros() for _ in range(config.num_layers))
+  return PagedKVCache(pools, jnp.asarray(pool.table(rows, width)), lengths, shards=shards)
 
 
 class PagesExhausted(RuntimeError):
@@ -151,16 +214,34 @@ class PagePool:
   Args:
     num_pages: P, the pool's size.
     page_size: Z, slots per page.
+    shards: N, for a cache split over N shards (`Shards`): row r (an int in [0, rows)) takes only pages of shard
+      s = r // (rows / N), the ids [s * P / N, (s + 1) * P / N). P, and every size `extend` grows to, is a multiple of
+      N.
+    rows: B, the cache's rows (with shards > 1; a multiple of N).
+
+  Raises:
+    ValueError: P or Z below 1; P or B not a multiple of N.
   """
 
-  def __init__(self, num_pages: int, page_size: int):
+  def __init__(self, num_pages: int, page_size: int, shards: int = 1, rows: int | None = None):
     if num_pages < 1 or page_size < 1:
       raise ValueError(f"PagePool needs num_pages >= 1 and page_size >= 1, got {num_pages} and {page_size}.")
-    self.num_pages, self.page_size = num_pages, page_size
-    self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest free page
+    if shards > 1 and (num_pages % shards or rows is None or rows % shards):
+      raise ValueError(f"PagePool of {shards} shards: num_pages={num_pages} and rows={rows} must be multiples of it.")
+    self.num_pages, self.page_size, self.shards = num_pages, page_size, shards
+    self._rows_per_shard = rows // shards if shards > 1 else None
+    block = num_pages // shards
+    self._free = [list(range((s + 1) * block - 1, s * block - 1, -1)) for s in range(shards)]  # stacks: lowest last
     self._refs = np.zeros(num_pages, np.int64)
     self.pages: dict[object, list[int]] = {}
     self.lengths: dict[object, int] = {}
+
+  def _shard_of_page(self, page: int) -> int:
+    return page // (self.num_pages // self.shards)
+
+  def shard(self, row: object) -> int:
+    """The shard whose pages ``row`` takes (0 without shards)."""
+    return 0 if self._rows_per_shard is None else int(row) // self._rows_per_shard
 
   def allocated(self) -> int:
     """Pages held by at least one row."""
@@ -168,24 +249,42 @@ class PagePool:
 
   def free(self) -> int:
     """Pages no row holds."""
-    return len(self._free)
+    return sum(map(len, self._free))
+
+  def pages_needed(self, needs: Sequence[tuple[object, int]]) -> int:
+    """How many pages `extend` must add (a multiple of the shards; 0 when none) before every (row, slots) of
+    ``needs`` can `grow` to its slots: with shards, each shard's rows take from its own free pages."""
+    short = [-len(free) for free in self._free]
+    for row, length in needs:
+      short[self.shard(row)] += max(-(-length // self.page_size) - len(self.pages.get(row, ())), 0)
+    return self.shards * max(*short, 0)
 
   def extend(self, num_pages: int) -> None:
     """Grows the pool to ``num_pages`` pages, the new ones free (`PagedKVCache.extended` grows the device pools to
-    match). Raises ValueError below the current size."""
-    if num_pages < self.num_pages:
-      raise ValueError(f"the pool holds {self.num_pages} pages; it cannot shrink to {num_pages}.")
-    self._free = sorted(self._free + list(range(self.num_pages, num_pages)), reverse=True)
-    self._refs = np.concatenate([self._refs, np.zeros(num_pages - self.num_pages, np.int64)])
-    self.num_pages = num_pages
+    match). With shards, each shard's block grows at its end and the held pages are renumbered (page s * M + i
+    becomes s * M' + i, M and M' the blocks before and after: `PagedKVCache.extended` renumbers its table the same
+    way); without, ids stay. Raises ValueError below the current size, or for a size not a multiple of the shards."""
+    if num_pages < self.num_pages or num_pages % self.shards:
+      raise ValueError(
+        f"the pool holds {self.num_pages} pages in {self.shards} shards; it cannot become {num_pages} pages."
+      )
+    old, new = self.num_pages // self.shards, num_pages // self.shards
+    moved = lambda g: g // old * new + g % old  # noqa: E731
+    self.pages = {row: [moved(g) for g in held] for row, held in self.pages.items()}
+    refs = np.zeros(num_pages, np.int64)
+    refs[[moved(g) for g in range(self.num_pages)]] = self._refs
+    self._refs, self.num_pages = refs, num_pages
+    self._free = [[g for g in range((s + 1) * new - 1, s * new - 1, -1) if refs[g] == 0] for s in range(self.shards)]
 
   def _take(self, n: int, row: object) -> list[int]:
-    if n > len(self._free):
+    free = self._free[self.shard(row)]
+    if n > len(free):
+      where = f" of shard {self.shard(row)}" if self.shards > 1 else ""
       raise PagesExhausted(
-        f"row {row!r} needs {n} more pages of {self.page_size} slots; {len(self._free)} of {self.num_pages} are free. "
-        "Release finished rows first, or give the pool more pages."
+        f"row {row!r} needs {n} more pages of {self.page_size} slots; {len(free)} of {self.num_pages}{where} are "
+        "free. Release finished rows first, or give the pool more pages."
       )
-    taken = [self._free.pop() for _ in range(n)]
+    taken = [free.pop() for _ in range(n)]
     self._refs[taken] += 1
     return taken
 
@@ -222,8 +321,9 @@ class PagePool:
     for page in pages:
       self._refs[page] -= 1
       if self._refs[page] == 0:
-        self._free.append(page)
-    self._free.sort(reverse=True)
+        self._free[self._shard_of_page(page)].append(page)
+    for free in self._free:
+      free.sort(reverse=True)
 
   def fork(self, row: object, new_rows: Sequence[object]) -> list[tuple[int, int]]:
     """New rows that continue ``row``: each shares its full pages and gets a copy of its partly filled last page.
@@ -239,10 +339,14 @@ class PagePool:
     clash = [new for new in new_rows if new in self.pages] or [new for new in new_rows if list(new_rows).count(new) > 1]
     if clash:
       raise ValueError(f"fork: row {clash[0]!r} already holds pages or is named twice; release it first.")
-    if partial and len(new_rows) > len(self._free):
+    apart = [new for new in new_rows if self.shard(new) != self.shard(row)]
+    if apart:
+      raise ValueError(f"fork: row {apart[0]!r} is on another shard than row {row!r}, whose pages it would share.")
+    free = len(self._free[self.shard(row)])
+    if partial and len(new_rows) > free:
       raise PagesExhausted(
         f"fork of row {row!r} into {len(new_rows)} rows needs {len(new_rows)} pages for their copies of its last page; "
-        f"{len(self._free)} of {self.num_pages} are free."
+        f"{free} of {self.num_pages} are free."
       )
     copies = []
     for new in new_rows:
@@ -290,9 +394,17 @@ def flat_slots(table: jax.Array, slots: jax.Array, valid: jax.Array, num_pages: 
   return jnp.where(inside, pages * page_size + slots % page_size, num_pages * page_size)
 
 
-def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array) -> jax.Array:
+def write(pool: jax.Array, slots: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, shards: Shards | None = None):
   """The pool with new keys [B, T, K, H] and values [B, T, K, H] written at ``slots`` int32[B, T] (`flat_slots`);
-  out-of-range slots are dropped."""
+  out-of-range slots are dropped. With ``shards``, each shard writes its rows into its block of the pool."""
+  if shards is not None:
+    num_pages, z = pool.shape[:2]
+
+    def local(pool, slots, k_btkh, v_btkh):
+      pages = shards.local(slots // z, num_pages)  # P / N: out of this block, dropped
+      return write(pool, pages * z + jnp.where(slots < num_pages * z, slots % z, 0), k_btkh, v_btkh)
+
+    return shards.map(local, pool, slots, k_btkh, v_btkh)
   p, z, kk, h = pool.shape
   b, t = slots.shape
   kv = jnp.stack([k_btkh, v_btkh], axis=3).reshape(b, t, kk, h).astype(pool.dtype)  # k, v interleaved per head
@@ -312,7 +424,7 @@ def copy_pages(pool: jax.Array, copies: Sequence[tuple[int, int]]) -> jax.Array:
   return pool.at[dst].set(pool[src])
 
 
-def attention_part(q_bkgth, pool, table, kv_lens, q_slots, *, static: bool = False):
+def attention_part(q_bkgth, pool, table, kv_lens, q_slots, shards: Shards | None = None, *, static: bool = False):
   """The queries' share of softmax attention over their rows' pages, on every backend (what `transformer.apply`
   runs): `kvcache.softmax_part`'s triple (running max [B, K, G, T], sum of exp [B, K, G, T], float32 weighted values
   [B, K, G, T, H]), so it merges with other key sets (shared prefix levels) by log-sum-exp.
@@ -325,10 +437,17 @@ def attention_part(q_bkgth, pool, table, kv_lens, q_slots, *, static: bool = Fal
   Args:
     q_bkgth: dtype[B, K, G, T, H] queries, rotary-embedded.
     pool: dtype[P, Z, 2K, H]; table: int32[B, W]; kv_lens: int32[B]; q_slots: int32[B, T] (module docstring).
+    shards: None, or the shards the rows and pages split over: each shard attends its rows over its block.
     static: loop over all W pages (a trip count known when tracing; the pages past every row's length are masked
       and change nothing) instead of up to the longest row's last page (a trip count read from data: XLA:GPU then
       copies the loop's condition to the host every iteration). What `transformer.Attention` asks for on GPU and TPU.
   """
+  if shards is not None:
+    num_pages = pool.shape[0]
+    local = lambda q, pool, table, kv_lens, q_slots: attention_part(  # noqa: E731
+      q, pool, shards.local(table, num_pages), kv_lens, q_slots, static=static
+    )
+    return shards.map(local, q_bkgth, pool, table, kv_lens, q_slots)
   b, k, g, t, h = q_bkgth.shape
   p, z = pool.shape[0], pool.shape[1]
   used = table.shape[1] if static else jnp.minimum((jnp.max(kv_lens) + z - 1) // z, table.shape[1])

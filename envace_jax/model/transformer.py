@@ -315,7 +315,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=(), pages=None):
+  def __call__(self, x_btd, positions, layer, cache, write_slots, mask, prefixes=(), pages=None, shards=None):
     cfg = self.config
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = x_btd.dtype
@@ -357,7 +357,7 @@ class Attention(nn.Module):
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
     if pages is not None:  # ``cache`` is this layer's page pool, ``write_slots`` its flat slots (`paged`)
       table, kv_lens, q_slots = pages
-      cache = paged.write(cache, write_slots, k_btkh, v_btkh)
+      cache = paged.write(cache, write_slots, k_btkh, v_btkh, shards)  # per shard on a mesh (`paged.Shards`)
     elif cache is not None:
       # Write the new keys/values into their slots (padding carries slot S and is dropped), then attend over the
       # whole cache. ``layer`` indexes a stacked cache; None means this layer's own arrays. The index arrays are
@@ -391,12 +391,17 @@ class Attention(nn.Module):
       impl == attention.PALLAS_TPU
       and pages is not None
       and not prefixes
+      and shards is None
       and paged.kernel_applies(backend, heads=(n, k, cache.dtype))
     ):  # pages alone: the ragged paged attention kernel reads them in place (it returns no log-sum-exp to merge)
       out_btnh = paged.kernel_attention(q_btnh, cache, *pages, chunk.valid)
     elif impl != attention.REFERENCE:  # over a cache: own slots or pages, the chunk, prefix levels (attention.py)
       if pages is not None:  # the rows' pages gathered into one contiguous view (attention.py says why)
-        kv = jnp.take(cache, pages[0], axis=0, mode="clip")  # [B, W, Z, 2K, H]; P (no page): masked by length
+        if shards is None:
+          kv = jnp.take(cache, pages[0], axis=0, mode="clip")  # [B, W, Z, 2K, H]; P (no page): masked by length
+        else:  # each shard gathers its rows' pages from its own block: no page leaves its device
+          local = lambda pool, table: jnp.take(pool, shards.local(table, cache.shape[0]), axis=0, mode="clip")  # noqa: E731
+          kv = shards.map(local, cache, pages[0])
         kv = kv.reshape(b, -1, k, 2, h).astype(dtype)
         own_k, own_v = kv[:, :, :, 0], kv[:, :, :, 1]
       else:
@@ -420,7 +425,7 @@ class Attention(nn.Module):
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
-      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, static=backend != "cpu")]
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, shards, static=backend != "cpu")]
       parts += [
         _attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h, _key_blocks(t, pk.shape[-1]))
         for pk, pv, seen in prefixes
@@ -469,10 +474,10 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=(), pages=None):
+  def __call__(self, carry, layer, positions, write_slots, mask, prefixes=(), pages=None, shards=None):
     x_btd, cache = carry
     attn_out, cache = Attention(self.config, name="attn")(
-      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes, pages
+      RMSNorm(self.config, name="attn_norm")(x_btd), positions, layer, cache, write_slots, mask, prefixes, pages, shards
     )
     x_btd = x_btd + attn_out
     x_btd = x_btd + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x_btd))
@@ -503,8 +508,9 @@ class Transformer(nn.Module):
     valid = valid.astype(bool)
     # Slot (cache) or chunk index (no cache) of each valid token, in chunk order.
     rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-    pages = None
+    pages = shards = None
     if isinstance(cache, paged.PagedKVCache):
+      shards = cache.shards  # a paged cache split over a mesh's batch axes: its pages written and read per shard
       if cfg.scan_layers:
         raise ValueError("a PagedKVCache needs the per-layer layout (scan_layers=False).")
       pool_pages, page_size = cache.pools[0].shape[:2]
@@ -561,7 +567,7 @@ class Transformer(nn.Module):
           carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
         prefixes = tuple((c.k[i], c.v[i], visible) for c, visible in zip(levels, seen, strict=True))
         layer = DecoderLayer(cfg, name=f"layers_{i}")
-        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages)
+        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages, shards)
         per_layer.append(written)
       if pages is not None:
         layer_cache = tuple(per_layer), None

@@ -230,13 +230,15 @@ class _Unfolder:
     eighth = -(-full // 8)
     own = min(full, -(-max(own, 1) // eighth) * eighth)
     z = self.cfg.kv_page_size
-    if z and getattr(first, "mesh", None) is None:
+    if z:
       # Pages: the table spans the largest capacity and the pool's sizes (rollout.kv_pages, `_reserve`) are run
       # constants, not this batch's openings, so every rollout with as many rows compiles the same programs (a row
-      # holds only its pages; `_schedule` keeps a view within its capacity).
-      rows = len(prompts) * self.cfg.group_size
+      # holds only its pages; `_schedule` keeps a view within its capacity). On a mesh, one shard of the pool per
+      # batch shard (`Sampler.fork`): its sizes are multiples of the shards.
+      rows, shards = len(prompts) * self.cfg.group_size, first.batch_multiple
       most = rows * -(-full // z)
-      pool = paged.PagePool(min(self.cfg.kv_pages or -(-most // 4), most), z)
+      size = min(self.cfg.kv_pages or -(-most // 4), most)
+      pool = paged.PagePool(size + (-size % shards), z, shards=shards, rows=rows)
       forked = first.fork(cache, self.cfg.group_size, capacity=full, pages=pool)
       if isinstance(forked, paged.PagedKVCache):  # a sampler without paged caches (a test's stand-in) ignores pool
         self.pages[name] = (pool, most)
@@ -332,7 +334,7 @@ class _Unfolder:
       return cache
     pool, most = self.pages[name]
     needs = [(row, pool.lengths.get(row, 0) + len(job.ids) + job.max_new) for job, row in placed]
-    short = sum(max(-(-n // pool.page_size) - len(pool.pages.get(row, ())), 0) for row, n in needs) - pool.free()
+    short = pool.pages_needed(needs)
     if short > 0:
       size = pool.num_pages
       while size - pool.num_pages < short and size < most:

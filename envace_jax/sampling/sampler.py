@@ -248,8 +248,6 @@ class Sampler:
   def _jit(self, kind: str, cache: KVCache):
     """The jitted prefill, decode or admit function; on a mesh, with explicit shardings for this cache's shape."""
     shapes = tuple((c.lengths.shape[0], c.capacity) for c in (cache, *cache.levels()))
-    if self.mesh is not None and not isinstance(cache, KVCache):
-      raise ValueError("a paged cache (paged.PagedKVCache) runs off the mesh only, for now; use a KVCache.")
     # On a mesh a program's shardings follow the cache's shapes; admit never takes the cache, so one jit serves all
     # (a jit per cache shape would compile it again for each, and again after `runtime.release_host_memory`).
     key = (kind, shapes if self.mesh is not None and kind != "admit" else None)
@@ -317,13 +315,15 @@ class Sampler:
     context is then its history plus ``capacity``; the caller keeps it within the model's (unfold's views stop at
     their role's capacity).
 
-    With ``pages`` (a `paged.PagePool`; off a mesh), the new rows' own slots are pages of that pool instead: a
+    With ``pages`` (a `paged.PagePool`), the new rows' own slots are pages of that pool instead: a
     `paged.PagedKVCache` whose row i is pool row i, holding the pages the pool gives it (none for a new row) and
-    addressing up to ``capacity`` slots (rounded up to whole pages); the caller grows rows before they write.
+    addressing up to ``capacity`` slots (rounded up to whole pages); the caller grows rows before they write. On a
+    mesh the pool has one shard per batch shard (``PagePool(..., shards=batch_multiple, rows=B*G)``) and the cache
+    splits its rows and pages over them (`paged.Shards`: a row's pages on its device).
 
     Raises:
       ValueError: capacity exceeds the model's context; on a mesh, B*G is not a multiple of the batch shards, or
-        ``pages`` is given.
+        ``pages`` has not as many shards.
     """
     capacity = cache.capacity if capacity is None else int(capacity)
     longest = int(np.asarray(jax.device_get(cache.lengths)).max(initial=0))
@@ -334,10 +334,14 @@ class Sampler:
     if capacity > self.config.max_seq_len:
       raise ValueError(f"fork: capacity={capacity} exceeds the model's context of {self.config.max_seq_len} tokens.")
     if pages is not None:
-      if self.mesh is not None:
-        raise ValueError("fork: paged own slots run off the mesh only, for now; fork without pages.")
       width = -(-capacity // pages.page_size)
-      return paged.init_cache(self.config, pages, range(rows), width).replace(prefix=parent)
+      if self.mesh is None:
+        return paged.init_cache(self.config, pages, range(rows), width).replace(prefix=parent)
+      if rows % self.batch_multiple:
+        raise ValueError(f"fork: {rows} rows do not split over {self.batch_multiple} batch shards.")
+      shards = sharding.paged_shards(self.mesh, self.rules)
+      cache = paged.init_cache(self.config, pages, range(rows), width, shards=shards).replace(prefix=parent)
+      return jax.device_put(cache, sharding.cache_shardings(self.config, self.mesh, cache, self.rules))
     return self.init_cache(batch=rows, capacity=capacity).replace(prefix=parent)
 
   def copy_rows(self, cache: KVCache, source: Sequence[int]) -> KVCache:

@@ -33,7 +33,7 @@ from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from envace_jax.config.choices import MESH_AXES
-from envace_jax.model import transformer
+from envace_jax.model import paged, transformer
 from envace_jax.model.config import ModelConfig
 
 MeshAxes = str | tuple[str, ...] | None
@@ -283,6 +283,16 @@ def batch_size_multiple(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:
   return 1
 
 
+def batch_axes(rules: Rules = LOGICAL_RULES) -> tuple[str, ...]:
+  """The mesh axes of the first 'batch' rule (empty if none): what rows split over."""
+  return next((_as_axes(m) for n, m in rules if n == "batch"), ())
+
+
+def paged_shards(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> paged.Shards:
+  """The shards of a paged cache on ``mesh``: its rows and pages split over the batch axes (`paged.Shards`)."""
+  return paged.Shards(mesh, batch_axes(rules))
+
+
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = LOGICAL_RULES) -> NamedSharding:
   """The sharding of an array of rank ``ndim`` whose leading axis is the batch (split per the 'batch' rule).
 
@@ -290,7 +300,7 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = LOGICAL_RULES) -> Named
   """
   if ndim < 1:
     raise ValueError(f"batch_sharding needs an array with a leading batch axis, got ndim={ndim}.")
-  axes = next((_as_axes(m) for n, m in rules if n == "batch"), ())
+  axes = batch_axes(rules)
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
   return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
 
@@ -300,7 +310,9 @@ def cache_shardings(
 ) -> transformer.KVCache:
   """A ``KVCache`` whose fields are ``NamedSharding``s: k by ``K_CACHE_AXES``, v by ``CACHE_AXES``, lengths on the
   batch; its ``prefix`` levels likewise (a level whose rows do not split over the batch shards is replicated over
-  them: `logical_to_spec`).
+  them: `logical_to_spec`). For a `paged.PagedKVCache` (of ``paged_shards(mesh, rules)``), a PagedKVCache whose
+  pools' pages, table and lengths split over the batch axes (each shard holds its rows' pages: `paged.Shards`), its
+  prefix levels as above.
 
   Args:
     config: the model's config (checks the cache's layer and head counts).
@@ -310,6 +322,16 @@ def cache_shardings(
     ValueError: the cache's shape does not match ``config``.
   """
   lengths = logical_to_sharding(("batch",), tuple(cache.lengths.shape), mesh, rules)
+  if isinstance(cache, paged.PagedKVCache):
+    shards = paged_shards(mesh, rules)
+    if cache.shards != shards or cache.lengths.shape[0] % shards.count or cache.pools[0].shape[0] % shards.count:
+      raise ValueError(
+        f"a paged cache of {cache.lengths.shape[0]} rows and {cache.pools[0].shape[0]} pages split over "
+        f"{cache.shards} cannot lie on {shards.count} batch shards {shards.axes} of mesh {dict(mesh.shape)}."
+      )
+    rows = NamedSharding(mesh, shards.spec)
+    prefix = None if cache.prefix is None else cache_shardings(config, mesh, cache.prefix, rules)
+    return cache.replace(pools=(rows,) * len(cache.pools), table=rows, lengths=rows, prefix=prefix)
   per_layer = isinstance(cache.v, tuple)
   shape = tuple(cache.v[0].shape) if per_layer else tuple(cache.v.shape)
   layers = len(cache.v) if per_layer else shape[0]

@@ -154,6 +154,38 @@ def test_pool_errors_name_the_problem_and_leave_the_pool_unchanged():
     pool.table(["y"], 0)
 
 
+def test_a_sharded_pool_gives_each_row_pages_of_its_shard():
+  """A pool of 2 shards over 4 rows (rows 0, 1: shard 0, pages 0-2; rows 2, 3: shard 1, pages 3-5): a row takes only
+  its shard's pages, lowest first; a shard runs out on its own (the other's free pages do not help), `pages_needed`
+  says how much to grow (twice the fullest shard's shortfall), `extend` grows each shard's block at its end and
+  renumbers the held pages as `PagedKVCache.extended` renumbers a table, and a fork across shards is refused."""
+  pool = paged.PagePool(6, 4, shards=2, rows=4)
+  pool.grow(0, 8)
+  pool.grow(2, 4)
+  assert pool.pages == {0: [0, 1], 2: [3]} and pool.free() == 3
+  with pytest.raises(paged.PagesExhausted, match="needs 2 more pages of 4 slots; 1 of 6 of shard 0 are free"):
+    pool.grow(1, 8)
+  assert pool.pages_needed([(1, 8), (3, 4)]) == 2 and pool.pages_needed([(3, 8)]) == 0
+  pool.extend(8)  # blocks of 4: page 3 (shard 1's first) becomes 4
+  assert pool.pages == {0: [0, 1], 2: [4]} and pool.allocated() == 3
+  pool.grow(1, 8)
+  pool.grow(3, 12)
+  assert pool.pages == {0: [0, 1], 2: [4], 1: [2, 3], 3: [5, 6, 7]} and pool.free() == 0
+  pool.release(0)
+  assert pool.pages_needed([(0, 4)]) == 0 and pool.pages_needed([(3, 16)]) == 2
+  with pytest.raises(ValueError, match="row 0 is on another shard than row 2"):
+    pool.fork(2, [0])
+  with pytest.raises(ValueError, match="cannot become 9 pages"):
+    pool.extend(9)
+  with pytest.raises(ValueError, match="must be multiples of it"):
+    paged.PagePool(5, 4, shards=2, rows=4)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",))
+  shards = paged.Shards(mesh, ("data",))
+  table = jnp.asarray([[0, 1, 8], [4, 8, 8]], jnp.int32)  # page ids of a pool of 8, 8: no page
+  cache = paged.PagedKVCache((jnp.zeros((8, 4, 2, 2)),), table, jnp.zeros(2, jnp.int32), shards=shards)
+  np.testing.assert_array_equal(cache.extended(12).table, [[0, 1, 12], [6, 12, 12]])  # blocks of 6
+
+
 def test_a_shrunk_fork_writes_its_own_copy_of_a_shared_page():
   """A fork cut back into a page it shares (a generation that reserved more than it wrote) gets its own copy of that
   page: its next writes leave the source row's slots as they were (checked against the dense rows)."""

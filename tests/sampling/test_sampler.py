@@ -402,6 +402,51 @@ def test_sharded_sampler_equals_unsharded(tiny_with_roles):
   assert cache.prefix.k[0].sharding.spec[0] == ("data", "fsdp") and cache.prefix.lengths.shape == (4,)
 
 
+def test_paged_rows_on_a_mesh_equal_one_device(tiny_with_roles):
+  """Mesh 2x2x2 on 8 fake CPU devices: 4 tasks' openings forked 2 ways into pages, as unfold lays them out, the pool
+  one shard per batch shard (data x fsdp = 4) and grown mid-run (`paged.PagedKVCache.extended`): two turns give
+  the one-device paged run's greedy tokens exactly; every row's pages are of its shard, the pools split over the
+  batch axes, and the histories (`dense`) equal the one-device ones."""
+  from envace_jax.model import paged
+  from envace_jax.sampling import sharding
+
+  if len(jax.devices()) != 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
+  config, params = tiny_with_roles
+  openings, g, own, z = PROMPTS + [[9, 8, 7, 6]], 2, 24, 4
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  turns = [([[o[-1]] for o in openings for _ in range(g)], 10), ([[5], [6, 7], [8], [9], [], [3, 4], [2], [1]], 6)]
+  runs = {}
+  for name, sampler in (("one", Sampler(config, params)), ("mesh", Sampler(config, params, mesh=mesh))):
+    tasks, _, _, _ = sampler.prefill(sampler.init_cache(4, 64), [o[:-1] for o in openings], Role.USER)
+    pool = paged.PagePool(8, z, shards=sampler.batch_multiple, rows=8)
+    cache = sampler.fork(tasks, g, capacity=own, pages=pool)
+    tokens = []
+    for i, (prompts, max_new) in enumerate(turns):
+      needs = [(r, pool.lengths.get(r, 0) + len(p) + max_new) for r, p in enumerate(prompts) if p]
+      if pool.pages_needed(needs):  # the first turn: 8 pages cannot hold 8 rows of 11 slots
+        size = pool.num_pages + pool.pages_needed(needs)
+        pool.extend(size)
+        cache = cache.extended(size)
+      for r, n in needs:
+        pool.grow(r, n)
+      cache = cache.replace(table=jnp.asarray(pool.table(range(8), own // z)))
+      kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
+      out, cache = sampler.generate(cache, prompts, Role.OBSERVATION, **kw)
+      tokens.append(out.tokens)
+    runs[name] = (tokens, cache, pool)
+  (want, one, _), (got, sharded, pool) = runs["one"], runs["mesh"]
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
+  # Shard s holds rows 2s and 2s + 1; the fullest shards' rows hold 1 + 10 + 2 + 6 slots (5 pages) each: 10 pages.
+  assert pool.shards == 4 and pool.num_pages == 4 * 10 and pool.allocated() == 7 * 5 + 3
+  assert all(page // 10 == r // 2 for r, pages in pool.pages.items() for page in pages)  # shard s: pages 10s ..
+  assert sharded.pools[0].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+  assert sharded.prefix.k[0].sharding.spec[0] == ("data", "fsdp")
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # noqa: E731
+  jax.tree.map(close, (sharded.dense().k, sharded.lengths), (one.dense().k, one.lengths))
+
+
 def test_out_of_range_input_is_refused_before_the_cache_is_touched(tiny_with_roles):
   config, params = tiny_with_roles
   sampler = Sampler(config, params)

@@ -285,3 +285,33 @@ def test_cache_shardings_checks_shape(mesh):
   unrolled = TINY.replace(scan_layers=False)
   per_layer = sharding.cache_shardings(unrolled, mesh, jax.eval_shape(lambda: transformer.init_cache(unrolled, 4, 8)))
   assert len(per_layer.k) == 2 and per_layer.k[1].spec == P(("data", "fsdp"), "tensor", None, None)
+
+
+@needs_8
+def test_a_paged_decode_step_moves_no_page_between_devices():
+  """A decode step over a paged cache on a 2x2x2 mesh (rows and pages over data x fsdp, `paged.Shards`): no
+  collective XLA compiles carries page contents (a shape with the page's slots and KV heads, Z = 8 then K or 2K,
+  and the head dim last), which GSPMD's own partitioning of the page gathers does (a masked gather on every device,
+  then an all-reduce of f32[B, Z, K, H]): the pages are written and attended where they lie."""
+  import re
+
+  from envace_jax.model import paged
+
+  config = config_lib.get_model_config("tiny").replace(scan_layers=False)
+  z, k, h = 8, config.num_kv_heads, config.head_dim
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  params = jax.eval_shape(lambda: transformer.unstack_layers(transformer.init_params(config, jax.random.key(0))))
+  pool = paged.PagePool(64, z, shards=4, rows=8)
+  for r in range(8):
+    pool.grow(r, 12)
+  cache = paged.init_cache(config, pool, range(8), 4, shards=sharding.paged_shards(mesh))
+  c_shardings = sharding.cache_shardings(config, mesh, cache)
+  assert c_shardings.pools[0].spec == P(("data", "fsdp")) and c_shardings.table.spec == P(("data", "fsdp"))
+  step = jax.jit(
+    lambda p, c, t: transformer.apply(config, p, t, cache=c),
+    in_shardings=(sharding.param_shardings(config, mesh), c_shardings, sharding.batch_sharding(mesh, 2)),
+  )
+  text = step.lower(params, cache, jnp.ones((8, 1), jnp.int32)).compile().as_text()
+  shapes = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-to-all|collective-permute|all-reduce)", text)
+  pages = [s for s in shapes if s.endswith(f",{h}") and (f"{z},{k}," in s or f"{z},{2 * k}," in s)]
+  assert shapes and not pages, pages
