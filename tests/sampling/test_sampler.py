@@ -402,22 +402,26 @@ def test_sharded_sampler_equals_unsharded(tiny_with_roles):
   assert cache.prefix.k[0].sharding.spec[0] == ("data", "fsdp") and cache.prefix.lengths.shape == (4,)
 
 
-def test_paged_rows_on_a_mesh_equal_one_device(tiny_with_roles):
+@pytest.mark.parametrize("route", ["reference", "xla"])
+def test_paged_rows_on_a_mesh_equal_one_device(tiny_with_roles, route):
   """Mesh 2x2x2 on 8 fake CPU devices: 4 tasks' openings forked 2 ways into pages, as unfold lays them out, the pool
   one shard per batch shard (data x fsdp = 4) and grown mid-run (`paged.PagedKVCache.extended`): two turns give
   the one-device paged run's greedy tokens exactly; every row's pages are of its shard, the pools split over the
-  batch axes, and the histories (`dense`) equal the one-device ones."""
-  from envace_jax.model import paged
+  batch axes, and the histories (`dense`) equal the one-device ones. ``route="xla"``: the mesh sampler's attention
+  takes the accelerators' route (own pages gathered inside each shard, prefix levels and chunk as parts merged by
+  log-sum-exp; `transformer.Attention`) in its CPU-runnable form, against the one-device reference."""
+  from envace_jax.model import attention, paged
   from envace_jax.sampling import sharding
 
   if len(jax.devices()) != 8:
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
   config, params = tiny_with_roles
+  mesh_config = config.replace(attention=route)
   openings, g, own, z = PROMPTS + [[9, 8, 7, 6]], 2, 24, 4
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   turns = [([[o[-1]] for o in openings for _ in range(g)], 10), ([[5], [6, 7], [8], [9], [], [3, 4], [2], [1]], 6)]
-  runs = {}
-  for name, sampler in (("one", Sampler(config, params)), ("mesh", Sampler(config, params, mesh=mesh))):
+  runs, calls = {}, []
+  for name, sampler in (("one", Sampler(config, params)), ("mesh", Sampler(mesh_config, params, mesh=mesh))):
     tasks, _, _, _ = sampler.prefill(sampler.init_cache(4, 64), [o[:-1] for o in openings], Role.USER)
     pool = paged.PagePool(8, z, shards=sampler.batch_multiple, rows=8)
     cache = sampler.fork(tasks, g, capacity=own, pages=pool)
@@ -432,9 +436,12 @@ def test_paged_rows_on_a_mesh_equal_one_device(tiny_with_roles):
         pool.grow(r, n)
       cache = cache.replace(table=jnp.asarray(pool.table(range(8), own // z)))
       kw = dict(role=Role.ACT, key=jax.random.key(i), max_new_tokens=max_new)
-      out, cache = sampler.generate(cache, prompts, Role.OBSERVATION, **kw)
+      with attention.recording() as recorded:
+        out, cache = sampler.generate(cache, prompts, Role.OBSERVATION, **kw)
+      calls += recorded if name == "mesh" else []
       tokens.append(out.tokens)
     runs[name] = (tokens, cache, pool)
+  assert calls and {c.impl for c in calls if c.paged} == {route}  # traced here (a new config: new programs)
   (want, one, _), (got, sharded, pool) = runs["one"], runs["mesh"]
   for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(a, b)
