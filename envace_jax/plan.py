@@ -393,8 +393,9 @@ def plan(
   num_new = next_pow2(max(ucfg.max_new_tokens(r) for r in views), 1)
   cache = _cache(sample_cfg, on_mesh, rows, capacity, len(views) * b, opening_tokens, sampler.min_bucket)
   names = "+".join(r.name for r in views)
-  # Dense own slots, the layout on a mesh; off one, a view's own slots are pages (rollout.kv_page_size).
-  bound = "; off a mesh, pages as the rows need them" if on_mesh is None and ucfg.kv_page_size else ""
+  # Dense own slots: the most pages can hold (a pool grows up to every row at the largest capacity); with
+  # rollout.kv_page_size a view's own slots are pages, held as the rows need them.
+  bound = "; pages as the rows need them, at most this" if ucfg.kv_page_size else ""
   parts.append(Part("KV cache: policy", device_bytes(cache), "rollout",
                     f"{rows} rows ({names} × {b}×{g}) × {cache.capacity} slots" + _shared(cache, names, b)
                     + f", {compute}{bound}"))  # fmt: skip

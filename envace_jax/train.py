@@ -142,6 +142,16 @@ class Trainer:
     update_mesh = self.mesh if shards > 1 and self.grpo_cfg.micro_batch_size % shards == 0 else None
     self.processes = jax.process_count()
     self.sample_mesh = self._process_mesh(update_mesh, shards)  # the mesh itself in a single-process run
+    if update_mesh is None and shards > 1:  # a multi-process run refuses this (`_process_mesh`)
+      logging.warning(
+        "update on one device of the %d-device mesh: grpo.micro_batch_size=%d is not a multiple of its %d batch "
+        "shards (mesh.data x mesh.fsdp), so the weights, the train state and AdamW's moments are whole on that "
+        "device; set grpo.micro_batch_size to a multiple of %d to shard them over the mesh",
+        self.mesh.size,
+        self.grpo_cfg.micro_batch_size,
+        shards,
+        shards,
+      )
     # On a mesh, every tensor is created on its own parts of the mesh, layers apart (the samplers' and the train
     # state's layout), and the train state and the reference are built there (`runtime.initial_state`): no device
     # ever holds more than its parts. Off a mesh, the stacked load on the default device.

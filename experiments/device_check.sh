@@ -6,7 +6,8 @@
 #   1. experiments/device_check.py: random-init Qwen3-1.7B- and Qwen3-8B-shaped models in bfloat16, decode tok/s and
 #      its fraction of HBM bandwidth over a dense cache and over a rollout's (a shared prefix level and paged own
 #      slots), with the backend's attention and with the reference, update MFU;
-#   2. `python -m envace_jax.main --mode=plan`: the memory table of a Qwen3-8B run sized for this one device;
+#   2. `python -m envace_jax.main --mode=plan`: the memory table of a Qwen3-1.7B run on this one device (a Qwen3-8B
+#      run's float32 master weights and moments alone are 96 GB: one device does not hold it; see the recipes);
 #   3. the tiny main job (configs/tiny.py).
 # Each step has its own time limit (5 + 2 + 2.5 minutes); the output and OUTDIR/device_check.json hold the figures.
 # On a CPU backend (JAX's CPU build, or no device visible) it stops at once with status 1 and one line, unless --dry:
@@ -23,7 +24,12 @@ fi
 OUTDIR=${1:-/tmp/envace_device_check}
 PYTHON=${PYTHON:-python}
 export LITELLM_LOCAL_MODEL_COST_MAP=True PYTHONUNBUFFERED=1
-if [[ $DRY == 0 && $("$PYTHON" -c 'import jax; print(jax.default_backend())') == cpu ]]; then
+if ! backend=$("$PYTHON" -c 'import jax; print(jax.default_backend())' 2>/dev/null); then
+  echo "device_check.sh: $PYTHON cannot import jax and name its backend; install the project first (make install," \
+    "EXTRAS=cuda12 or tpu on an accelerator) or set PYTHON to that environment's python" >&2
+  exit 1
+fi
+if [[ $DRY == 0 && $backend == cpu ]]; then
   echo "device_check.sh: JAX's backend is cpu, not an accelerator (JAX's CPU build, or no device visible; install" \
     "the accelerator build: make install EXTRAS=cuda12, or tpu); pass --dry to check the script on CPU" >&2
   exit 1
@@ -49,10 +55,10 @@ if [[ $DRY == 1 ]]; then
     --config.train.steps=1 --config.train.eval_tasks=0
 else
   step 300 "decode and update" "$PYTHON" experiments/device_check.py --out "$OUTDIR/device_check.json"
-  # Qwen3-8B, bfloat16 compute over float32 master weights, 2 tasks x 4 rollouts, 12k slots per view with a shared
+  # Qwen3-1.7B, bfloat16 compute over float32 master weights, 2 tasks x 4 rollouts, 12k slots per view with a shared
   # 5k-token opening, on this device.
   step 120 "plan" "$PYTHON" -m envace_jax.main --config=configs/tau2.py:mock --mode=plan "$DATA" \
-    --config.model=qwen3-8b --config.dtype=bfloat16 \
+    --config.model=qwen3-1.7b --config.dtype=bfloat16 \
     --config.train.tasks_per_step=2 --config.train.group_size=4 --config.grpo.micro_batch_size=1 \
     --config.rollout.act_capacity=12288 --config.rollout.rehearse_capacity=12288 \
     --config.rollout.user_capacity=12288 --opening_tokens=5000

@@ -487,14 +487,20 @@ def test_training_loop_on_a_2x2x2_mesh_matches_one_device_and_two_processes(tmp_
   assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and meshed.update_mesh is mesh
   assert all(s.mesh is mesh for s in meshed.samplers.values())
   assert {id(s) for s, *_ in calls} == {id(s) for s in meshed.samplers.values()}
+  paged_calls = 0
   for s, params, before, after, expected in calls:
     _assert_placed(params, sharding.param_shardings(s.config, mesh), "sampler params")
     embed = dict((path, sh) for path, sh, _ in params)["['embed']"]  # [vocab, embed]: over tensor and fsdp
     assert embed.spec == PartitionSpec("tensor", "fsdp") and len(embed.device_set) == 8
     _assert_placed(before, expected, "cache passed in")
     _assert_placed(after, expected, "cache returned")
-    layer0_v = dict((path, sh) for path, sh, _ in after)[".v[0]"]  # [B, K, S, H]: rows over data x fsdp, heads
-    assert layer0_v.is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "tensor")), 4)
+    placed = dict((path, sh) for path, sh, _ in after)
+    if ".pools[0]" in placed:  # pages (rollout.kv_page_size): rows and pages together over data x fsdp (paged.Shards)
+      assert placed[".pools[0]"].is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), 4)
+      paged_calls += 1
+    else:  # dense rows: [B, K, S, H] rows over data x fsdp, heads over tensor
+      assert placed[".v[0]"].is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "tensor")), 4)
+  assert paged_calls  # the views' own slots are pages on the mesh too
   assert batches and {m for _, m, _ in batches} == {4} and single_batches == batches
   state_shardings = grpo.train_state_shardings(meshed.model.config, meshed.grpo_cfg, mesh)
   _assert_placed(_placement(meshed.state.params), state_shardings.params, "params")

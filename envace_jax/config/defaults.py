@@ -200,7 +200,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.continuous_batching = False
   # Each view's own KV slots in pages of this many slots: reserved for a generation, kept as its tokens fill them,
   # given back when its trajectory ends (model/paged.py); 0: a dense row per view at the roomiest view's capacity.
-  # Off a mesh only.
+  # On a mesh the rows and their pages split over the batch shards together (`paged.Shards`).
   c.rollout.kv_page_size = 64
   # Pages a pool starts with (0: a quarter of every row at the largest capacity); a pool that runs out doubles, up to
   # every row at that capacity, and each size compiles the sampler's programs once per run.

@@ -48,8 +48,10 @@ Where a kernel applies (everything else stays on the reference, on every backend
     over itself (causal: heads repeated, the chunk only). Keys are padded to its 128-key blocks (a copy where the
     cache's slots are not a multiple of 128) and the mask given as segment ids. Pages without prefix levels go to
     JAX's ragged paged attention kernel (`paged.kernel_attention`, under ``jit``: it reads the pages in place),
-    where its tiling takes the heads (`paged.kernel_applies`); pages with prefix levels are gathered as on GPU (the
-    ragged kernel returns no log-sum-exp).
+    where its tiling takes the heads (`paged.kernel_applies`), off a mesh; pages with prefix levels, or split over
+    a mesh, are gathered as on GPU (the ragged kernel returns no log-sum-exp).
+    On a mesh (`paged.Shards`: rows and their pages split over the batch axes together) each shard gathers its
+    rows' pages from its own block of the pool inside ``jax.shard_map``: no page leaves its device.
     No loop in these routes: a decode step has no ``while`` (the kernels' grids iterate). Where the reference serves
     a call on GPU or TPU (a float32 run on GPU, say), its loop over pages runs over the table's static width
     (`paged.attention_part` with ``static``): XLA:GPU would copy a data-dependent trip count to the host every

@@ -364,7 +364,7 @@ class _Unfolder:
   def _table(self, name: str, cache):
     pool, _ = self.pages[name]
     table = pool.table(range(int(cache.lengths.shape[0])), int(cache.table.shape[1]))
-    return cache.replace(table=jax.device_put(table))
+    return cache.replace(table=jax.device_put(table, cache.table.sharding))  # split over a mesh like the old one
 
   def _release(self, episodes: list[Episode], stream) -> None:
     """Gives back every page of the trajectories that ended (their views' rows in every paged cache)."""

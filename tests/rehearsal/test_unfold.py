@@ -380,40 +380,6 @@ def test_continuous_batching_and_paged_views_give_the_lockstep_dense_trajectorie
   assert 0 < peak <= sum(p.num_pages for p in pools) and paged_run.stats["kv_slots"] < paged_run.stats["kv_slots_dense"]
 
 
-def test_a_paged_rollout_on_a_mesh_equals_one_device(tiny_model, tokenizer, mock_tasks):
-  """The policy-played user's rollout (ACT, REHEARSE and USER views: 3 x 2 tasks x G=2 = 12 rows, 16 on the mesh)
-  with paged views (pages of 16) on a 2x2x2 mesh, the pool one shard per batch shard
-  (data x fsdp = 4): the same trajectories as on one device, token for token (messages, training rows' ids and
-  roles; logprobs <= 1e-4); the policy's cache split over the batch axes."""
-  from envace_jax.sampling import sharding
-
-  if len(jax.devices()) != 8:
-    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
-  tasks = [_task(mock_tasks, "create_task_1"), _task(mock_tasks, "update_task_with_message_history")]
-  config, params = tiny_model
-  # Pools as large as every row at the largest capacity: no growth (each pool size compiles the programs again;
-  # growth on a mesh is tested in tests/sampling/test_sampler.py).
-  rollout = dataclasses.replace(REAL, user_mode="policy", max_turns=2, kv_page_size=16, kv_pages=1024)
-  outs, caches = {}, {}
-  for mesh in (None, sharding.make_mesh(data=2, fsdp=2, tensor=2)):
-    policy = Sampler(config, params, eos_ids=[*tokenizer.eos_ids, *range(2000)], token_bytes=tokenizer.token_bytes(),
-                     pad_id=tokenizer.pad_id, mesh=mesh)  # fmt: skip
-    out = unfold(tasks, policy, tokenizer, rollout, jax.random.key(5), return_caches=True)
-    outs[mesh is not None], caches[mesh is not None] = out, out.caches["policy"]
-  one, sharded = outs[False], outs[True]
-  assert isinstance(caches[True], paged.PagedKVCache) and caches[True].shards.count == 4
-  assert caches[True].pools[0].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
-  assert [t.termination for t in sharded.trajectories] == [t.termination for t in one.trajectories]
-  for a, b in zip(sharded.trajectories, one.trajectories, strict=True):
-    assert a.messages == b.messages and a.rows.keys() == b.rows.keys() and a.rows
-    for role, row in a.rows.items():
-      np.testing.assert_array_equal(row.tokens, b.rows[role].tokens)
-      np.testing.assert_array_equal(row.roles, b.rows[role].roles)
-      np.testing.assert_allclose(row.logprobs, b.rows[role].logprobs, atol=1e-4)
-  generated = [sum(v for k, v in o.stats.items() if k.startswith("generated_tokens_")) for o in (sharded, one)]
-  assert generated[0] == generated[1] > 0
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Scripted behaviour (no model).
 
