@@ -72,12 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.tokenizer = ""  # the model directory's own
     c.dtype, c.param_dtype, c.grpo.learning_rate = "bfloat16", "float32", 1e-6
     c.rollout.user_capacity = 6144
-    for dotted, value in recipe.items():
-      *path, leaf = dotted.split(".")
-      node = c
-      for key in path:
-        node = node[key]
-      node[leaf] = value
+    c.update_from_flattened_dict(recipe)
   if c.env.domain == "mock":
     # The mock domain has one split, "base" (9 tasks), and a ≈0.5k-token system prompt.
     c.env.split = "base"
