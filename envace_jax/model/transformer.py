@@ -425,7 +425,7 @@ class Attention(nn.Module):
     q_bkgth = q_btnh.reshape(b, t, k, cfg.num_groups, h).transpose(0, 2, 3, 1, 4)
     block = ATTENTION_BLOCK
     if pages is not None:  # own pages and each shared prefix attended apart, merged by log-sum-exp
-      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, shards, static=backend != "cpu")]
+      parts = [paged.attention_part(q_bkgth, cache, table, kv_lens, q_slots, shards, static=_static_loops())]
       parts += [
         _attend_prefix(q_bkgth, pk.astype(dtype), pv.astype(dtype), seen, h, _key_blocks(t, pk.shape[-1]))
         for pk, pv, seen in prefixes
