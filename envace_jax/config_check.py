@@ -29,6 +29,7 @@ from envace_jax.config.choices import (
   ENV_MODES,
   KL_ESTIMATORS,
   MESH_AXES,
+  OLD_LOGPROBS,
   REHEARSAL_USERS,
   REWARD_KINDS,
   ROLES,
@@ -488,6 +489,7 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
   ck.integer("grpo.max_packed_length", 0)
   ck.boolean("grpo.dynamic_sampling")
   ck.integer("grpo.dynamic_sampling_max_draws", 0)
+  ck.one_of("grpo.old_logprobs", OLD_LOGPROBS)
   # How the pieces fit together.
   if mode == "grpo_real_env":
     if env_mode in ENV_MODES and env_mode != "real":

@@ -124,7 +124,9 @@ class Trainer:
     phase: what `step` wraps each of its phases in: ``phase(name)`` is a context manager yielding a dict, which the
       phase fills with what it produced. Names and what they put there: "rollout" (``trajectories``, ``stats``: the
       step's first batch), "dynamic_sampling" (``trajectories``, ``metrics``), "batch" (``advantages``, ``batch``:
-      None when nothing is trainable), "reference" (``batch`` with the reference logprobs; ``grpo.use_kl`` only),
+      None when nothing is trainable), "old_logprobs" (``batch`` with recomputed old logprobs;
+      ``grpo.old_logprobs="recompute"`` only), "reference" (``batch`` with the reference logprobs; ``grpo.use_kl``
+      only),
       "update" (``metrics``). The default times nothing; ``experiments/throughput.py`` times each phase with it.
   """
 
@@ -515,6 +517,9 @@ class Trainer:
       out["batch"] = batch
     scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
     if batch is not None:
+      if self.grpo_cfg.old_logprobs == "recompute":  # verl's: the ratio's denominator from the update's own forward
+        with self.phase("old_logprobs") as out:
+          batch = out["batch"] = batch.replace(old_logprobs=self.policy_logprobs(batch))
       update_metrics = self.apply_update(batch, supervised=False)
       scalars.update({f"update/{k}": v for k, v in update_metrics.items()})
       trained = update_metrics.get("tokens", 0.0)

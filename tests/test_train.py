@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -218,6 +219,30 @@ def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mod
     held = jax.tree.leaves(trainer.samplers[name].params)
     assert all(a is b for a, b in zip(held, jax.tree.leaves(tree), strict=True)), name
   assert jax.tree.leaves(trainer.model.params)[0] is jax.tree.leaves(trainer.ref_params)[0]
+
+
+def test_recomputed_old_logprobs_are_the_samplers_up_to_numerics(tmp_path, data_dir):
+  """grpo.old_logprobs="recompute" (verl's, the official code's): before the update, a forward of the current
+  parameters replaces the sampler's logprobs as the ratio's denominator; in float32 they agree with the sampler's."""
+  config = tiny_config(data_dir, **{"grpo.old_logprobs": "recompute", "train.group_size": 2})
+  trainer = train.Trainer(config, str(tmp_path))
+  seen = {}
+
+  @contextlib.contextmanager
+  def phase(name):
+    out = {}
+    yield out
+    seen[name] = out
+
+  trainer.phase = phase
+  trainer.step(1)
+  sampled, recomputed = seen["batch"]["batch"], seen["old_logprobs"]["batch"]
+  mask = np.asarray(sampled.loss_mask)
+  assert mask.sum() > 0
+  np.testing.assert_allclose(
+    np.asarray(recomputed.old_logprobs)[mask], np.asarray(sampled.old_logprobs)[mask], atol=2e-4, rtol=0
+  )
+  assert np.all(np.asarray(recomputed.old_logprobs)[~mask] == 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

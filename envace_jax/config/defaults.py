@@ -264,6 +264,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # extra batches are spent (train.Trainer.dynamic_sampling).
   c.grpo.dynamic_sampling = False
   c.grpo.dynamic_sampling_max_draws = 4
+  # The "old" logprobs of the clipped ratio: "sampler" (the rollout's own, recorded as each token was sampled:
+  # log p under the unmodified policy, whatever the sampling settings) or "recompute" (a forward of the current
+  # parameters over the batch before the update, as verl does: the official code, one forward more per step). They
+  # differ only by the sampler's numerics (e.g. bfloat16 decode vs the update's forward).
+  c.grpo.old_logprobs = "sampler"
 
   # --- evaluation (evaluate.py; --mode=eval) ------------------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()

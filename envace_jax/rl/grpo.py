@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from envace_jax import distributed
 from envace_jax.config import choices, defaults
 from envace_jax.config.choices import GRPO_MODES as MODES
-from envace_jax.config.choices import KL_ESTIMATORS, WEIGHTINGS
+from envace_jax.config.choices import KL_ESTIMATORS, OLD_LOGPROBS, WEIGHTINGS
 from envace_jax.model import transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
@@ -109,9 +109,11 @@ class GrpoConfig:
   max_packed_length: int
   dynamic_sampling: bool
   dynamic_sampling_max_draws: int
+  old_logprobs: str
 
   def __post_init__(self):
-    for name, valid in (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS)):
+    named = (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS), ("old_logprobs", OLD_LOGPROBS))
+    for name, valid in named:
       if getattr(self, name) not in valid:
         raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; valid values: {valid}.")
     roles = self.trained_roles
