@@ -112,7 +112,12 @@ class GrpoConfig:
   old_logprobs: str
 
   def __post_init__(self):
-    named = (("mode", MODES), ("weighting", WEIGHTINGS), ("kl_estimator", KL_ESTIMATORS), ("old_logprobs", OLD_LOGPROBS))
+    named = (
+      ("mode", MODES),
+      ("weighting", WEIGHTINGS),
+      ("kl_estimator", KL_ESTIMATORS),
+      ("old_logprobs", OLD_LOGPROBS),
+    )
     for name, valid in named:
       if getattr(self, name) not in valid:
         raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; valid values: {valid}.")
