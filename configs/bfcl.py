@@ -21,10 +21,11 @@ _spec.loader.exec_module(base)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """BFCL on the category ``arg`` (default "multi_turn_base"); an unknown category is reported by config_check."""
+  arg, presets = base.presets.split(arg)
   c = base.get_config()
   c.env.benchmark = "bfcl"
   c.env.domain = arg or "multi_turn_base"
   c.env.split = "test"  # the only split
   c.env.eval_split = "test"
   c.rollout.user_capacity = 1024  # unused: user turns come from the data
-  return c
+  return base.presets.apply(c, presets)

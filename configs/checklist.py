@@ -21,6 +21,7 @@ _spec.loader.exec_module(base)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Checklist data at ``arg`` or ``--config.env.data_path`` (config_check refuses an empty path)."""
+  arg, presets = base.presets.split(arg)
   c = base.get_config()
   c.env.benchmark = "checklist"
   c.env.domain = ""  # unused: the data path names the dataset
@@ -28,4 +29,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.split = "train"
   c.env.eval_split = "train"  # checklist data is training data; evaluate on a benchmark config instead
   c.rollout.user_capacity = 1024  # unused: user turns come from the data
-  return c
+  return base.presets.apply(c, presets)

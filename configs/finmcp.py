@@ -24,6 +24,7 @@ _spec.loader.exec_module(base)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """FinMCP-Bench samples of type ``arg`` (default "all"); the data path comes from ``--config.env.data_path``."""
+  arg, presets = base.presets.split(arg)
   c = base.get_config()
   c.env.benchmark = "finmcp"
   c.env.domain = arg or "all"
@@ -32,4 +33,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.eval_split = "test"
   c.rollout.env_mode = "rehearse"  # no live MCP servers: REHEARSE stands in for them
   c.rollout.user_capacity = 1024  # unused: user turns come from the data
-  return c
+  return base.presets.apply(c, presets)

@@ -63,6 +63,7 @@ RECIPES = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """τ² training on the domain ``arg`` (default "airline"), or a recipe of `RECIPES` (τ² airline); an unknown domain
   is reported by config_check."""
+  arg, presets = base.presets.split(arg)
   recipe = RECIPES.get(arg)
   arg = "airline" if recipe is not None else arg
   c = base.get_config()
@@ -99,4 +100,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.grounding_max_tokens = 0
     c.rollout.max_turns = 3
     c.rollout.user_max_new_tokens = 96
-  return c
+  return base.presets.apply(c, presets)

@@ -22,6 +22,7 @@ _spec.loader.exec_module(base)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg, presets = base.presets.split(arg)
   c = base.get_config(arg)
   c.model = "tiny"
   c.tokenizer = "smollm2-135m"
@@ -44,4 +45,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.assessment_max_tokens = 16
   c.eval.memory_max_tokens = 16
   c.eval.digest_max_tokens = 64
-  return c
+  return base.presets.apply(c, presets)

@@ -25,6 +25,7 @@ _spec.loader.exec_module(base)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """VitaBench on the domain ``arg`` (default "delivery"); data path and judge come from flags."""
+  arg, presets = base.presets.split(arg)
   c = base.get_config()
   c.env.benchmark = "vitabench"
   c.env.domain = arg or "delivery"
@@ -32,4 +33,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.split = "test"  # the only split
   c.env.eval_split = "test"
   c.reward.kind = "judge"  # the rubric judge; judge_url / judge_model are required
-  return c
+  return base.presets.apply(c, presets)

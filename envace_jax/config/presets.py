@@ -1,0 +1,75 @@
+"""Named sets of settings a config can take on top of its own: ``--config=configs/<file>.py:<arg>+<preset>`` (or
+``:<preset>`` alone), applied after the config's own values and before ``--config.*`` flags, which still win.
+
+``official``: the semantics of the official implementation (Within-yao/EnvACE at 173e941, the verl fork the paper's
+numbers come from) for every setting that has an official value. docs/departures.md lists each setting where our
+defaults differ, what the official code does, and why; tests/test_official_preset.py checks that each setting it names
+exists here and in ``defaults.py``, and tests/data/official/ holds the official code's outputs the preset reproduces.
+The preset changes semantics only: sizes (model, batch, view capacities, token budgets) stay the config's.
+
+``paper``: ``official`` and the paper's sizes (Qwen3-8B in bfloat16 over float32 master weights, B=16 tasks × G=4
+rollouts, lr 1e-6, the official turn and token budgets); it needs ``--config.model_path=/path/to/Qwen3-8B`` and
+accelerators (the memory plan: configs/tau2.py's recipes, experiments/results/plan_*.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+OFFICIAL: dict[str, Any] = {
+  # the update (verl/workers/actor/dp_actor.py, verl/trainer/ppo/core_algos.py)
+  "grpo.old_logprobs": "recompute",
+  # the rollout's sampling (examples/drmas_trainer/run_checklist_share.sh: tool_temperature, tool_top_p)
+  "rollout.rehearse_sampling.temperature": 0.6,
+  "rollout.rehearse_sampling.top_p": 0.8,
+}
+
+PAPER: dict[str, Any] = {
+  **OFFICIAL,
+  "model": "qwen3-8b",
+  "tokenizer": "",
+  "dtype": "bfloat16",
+  "param_dtype": "float32",
+  "train.tasks_per_step": 16,
+  "train.group_size": 4,
+  "grpo.learning_rate": 1e-6,
+  "grpo.use_kl": False,
+  # env.checklist.max_assistant_turns; env.max_steps=200 micro-steps bounds ACT + REHEARSE generations together
+  "rollout.max_turns": 30,
+  # data.max_response_length: tokens of one generation
+  "rollout.act_max_new_tokens": 8000,
+  "rollout.rehearse_max_new_tokens": 8000,
+  # env.checklist.max_model_len: a view's whole sequence
+  "rollout.act_capacity": 20000,
+  "rollout.rehearse_capacity": 20000,
+  "rollout.user_capacity": 20000,
+}
+
+PRESETS: Mapping[str, Mapping[str, Any]] = {"official": OFFICIAL, "paper": PAPER}
+
+
+def split(arg: str | None) -> tuple[str | None, tuple[str, ...]]:
+  """A config argument ``"<arg>+<preset>+..."`` as (arg, presets); an argument that is only a preset name gives
+  (None, (name,)). Unknown names are not checked here (``apply`` raises)."""
+  if not arg:
+    return arg, ()
+  head, *tail = arg.split("+")
+  if head in PRESETS:
+    return None, (head, *tail)
+  return head or None, tuple(tail)
+
+
+def apply(config: ml_collections.ConfigDict, names: Sequence[str]) -> ml_collections.ConfigDict:
+  """``config`` with the settings of each preset in ``names`` (in order), set in place and returned.
+
+  Raises:
+    ValueError: an unknown preset name (the message lists the known ones).
+  """
+  for name in names:
+    if name not in PRESETS:
+      raise ValueError(f"unknown config preset {name!r} (after '+' in --config=...); known: {sorted(PRESETS)}")
+    config.update_from_flattened_dict(dict(PRESETS[name]))
+  return config
