@@ -180,8 +180,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the grpo_real_env baseline).
   c.rollout.env_mode = "rehearse"
   # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
-  # or "end" (the trajectory ends with `malformed`). Counted in metrics either way.
+  # or "end" (the trajectory ends with `malformed`; the official code's, which also scores the unfinished turn 0).
+  # Counted in metrics either way. Ours by default: a small model's malformed call is often followed by a good one,
+  # and the error text teaches the format as a real tool layer's errors do; the rule reward penalises it already.
   c.rollout.on_malformed = "continue"
+  # How an ACT message becomes calls (rehearsal/views.py: parse_act): "ours" (one tolerant block: any whitespace
+  # around the tags, a code fence, a stringified arguments object; unknown tool names and missing arguments are
+  # malformed, "arguments" wins over "parameters") or "official" (the official parser's rules: blocks exactly
+  # "\n<tool_call>\n...\n</tool_call>", a list of calls per block, "parameters" wins, missing arguments and unknown
+  # names allowed through to REHEARSE; tests/data/official/act_parse.json). Ours by default: the official blocks need
+  # a newline before the tag, which a model that does not think first (SmolLM2, Qwen3 without thinking) never writes.
+  # Several calls per message need rollout.parallel_calls too.
+  c.rollout.act_parser = "ours"
   # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
   # observation) or "end".
   c.rollout.on_invalid_rehearsal = "as_is"
@@ -189,7 +199,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
   # task's reference interactions. 0: no grounding.
   c.rollout.grounding_max_tokens = 1024
-  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message
+  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message. official: True
   c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too
   # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
   # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
