@@ -15,6 +15,7 @@ import pytest
 
 from envace_jax import config_check
 from envace_jax.config import defaults
+from envace_jax.envs import tau2
 from envace_jax.envs.base import Task
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
@@ -54,12 +55,17 @@ def test_official_rules_reproduce_the_official_parser(name):
 
 
 def test_where_the_official_parser_raises_the_official_rules_report_bad_json():
-  """A deliberate departure: the official parser raises on an integer of more than 4300 digits (Python's limit) and
-  would stop the rollout; ours reports the block as not JSON."""
+  """A deliberate departure: the official parser raises on an integer of more than 4300 digits (Python's limit) or
+  nesting past the recursion limit, which would stop the rollout; ours reports the block as not JSON."""
   raising = [c for c in CASES.values() if "official_raises" in c]
-  assert [(c["name"], c["official_raises"]) for c in raising] == [("overlong_integer", "ValueError")]
-  calls, code, _ = _official(raising[0]["text"])
-  assert (calls, code) == ([], "JSON_DECODE_ERROR")
+  assert [(c["name"], c["official_raises"]) for c in raising] == [
+    ("overlong_integer", "ValueError"),
+    ("deep_nesting", "RecursionError"),
+  ]
+  for case in raising:
+    calls, code, _ = _official(case["text"])
+    assert (calls, code) == ([], "JSON_DECODE_ERROR")
+    assert _ours(case["text"], rules="official") == _ours(case["text"]) == Kind.BAD_JSON
 
 
 def test_refused_code_points_become_the_replacement_character():
@@ -120,6 +126,7 @@ OURS = {
   "escaped_lone_surrogate": [["get_order", {"order_id": "W\ud800X", "nul": "a\x00b"}]],  # item 11's code points
   "nan_argument": None,  # [["get_order", {"x": nan}]]: checked below (nan != nan)
   "overlong_integer": Kind.BAD_JSON,
+  "deep_nesting": Kind.BAD_JSON,
 }
 
 
@@ -157,7 +164,8 @@ def test_how_many_strings_parse_differently():
     *("empty_list", "parameters_and_arguments", "missing_arguments", "arguments_null", "arguments_json_string"),
     *("arguments_list", "arguments_number", "unterminated", "code_fence", "unknown_tool", "no_name_no_arguments"),
     *("json_string_body", "json_number_body", "tag_in_prose", "escaped_lone_surrogate", "overlong_integer"),
-  ]  # 26 of 47
+    "deep_nesting",
+  ]  # 27 of 48
 
 
 def test_official_rules_in_parse_act():
@@ -298,3 +306,22 @@ def test_the_setting_is_checked_and_read():
   assert dataclasses.replace(UnfoldConfig.from_config(), act_parser="official").act_parser == "official"
   with pytest.raises(ValueError, match="act_parser"):
     UnfoldConfig.from_config(act_parser="strict")
+
+
+def test_an_unknown_tool_goes_to_the_real_envs_own_error(smollm2_tokenizer):
+  """In real mode the official rules hand an unknown name to the benchmark's tools, which answer with their error;
+  the trajectory goes on."""
+  task = next(t for t in tau2.load_tasks("mock", "base") if t.id == "create_task_1")
+  unknown = CASES["unknown_tool"]["text"]
+  plans = {Role.ACT: [unknown + IM_END, "I cannot do that."], Role.USER: ["Launch a rocket.", "###STOP###"]}
+  script = lambda role, i, k: plans[role][min(k, len(plans[role]) - 1)]  # noqa: E731
+  config = UnfoldConfig.from_config(group_size=1, max_turns=4, env_mode="real", **OFFICIAL)
+  env = tau2.Tau2Env("mock")
+  samplers = [ScriptedSampler(smollm2_tokenizer, script, 1) for _ in range(2)]
+  out = unfold([task], samplers[0], smollm2_tokenizer, config, jax.random.key(0), reference_sampler=samplers[1],
+               envs=[env])  # fmt: skip
+  traj = out.trajectories[0]
+  assert traj.termination == Termination.USER_STOP and "malformed_act" not in traj.counts
+  assert traj.counts["unknown_tool"] == 1
+  (tool,) = [m for m in traj.messages if m.role == "tool"]
+  assert tool.is_error and tool.name == "launch_rocket" and tool.content.startswith("Error")

@@ -180,17 +180,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the grpo_real_env baseline).
   c.rollout.env_mode = "rehearse"
   # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
-  # or "end" (the trajectory ends with `malformed`; the official code's, which also scores the unfinished turn 0).
-  # Counted in metrics either way. Ours by default: a small model's malformed call is often followed by a good one,
-  # and the error text teaches the format as a real tool layer's errors do; the rule reward penalises it already.
+  # or "end" (the trajectory ends with `malformed`; official). Counted in metrics either way. Ours by default: a
+  # small model's malformed call is often followed by a good one, the error text teaches the format as a real tool
+  # layer's errors do, and the rule reward's well-formedness item penalises it already.
   c.rollout.on_malformed = "continue"
-  # How an ACT message becomes calls (rehearsal/views.py: parse_act): "ours" (one tolerant block: any whitespace
-  # around the tags, a code fence, a stringified arguments object; unknown tool names and missing arguments are
-  # malformed, "arguments" wins over "parameters") or "official" (the official parser's rules: blocks exactly
-  # "\n<tool_call>\n...\n</tool_call>", a list of calls per block, "parameters" wins, missing arguments and unknown
-  # names allowed through to REHEARSE; tests/data/official/act_parse.json). Ours by default: the official blocks need
-  # a newline before the tag, which a model that does not think first (SmolLM2, Qwen3 without thinking) never writes.
-  # Several calls per message need rollout.parallel_calls too.
+  # How an ACT message becomes calls (rehearsal/views.py: parse_act): "ours" (one block, tolerant: any whitespace
+  # around the tags, a code fence, stringified arguments; missing arguments are {}, "arguments" wins over
+  # "parameters", an unknown tool name is malformed) or "official" (blocks exactly "\n<tool_call>\n...\n</tool_call>",
+  # lists of calls, "parameters" wins, missing arguments malformed, any name goes on to REHEARSE or the real tools;
+  # tests/data/official/act_parse.json). Ours by default: the official block needs a newline before the tag, and a
+  # call without text before it starts the message with the tag (as views.assistant_content renders the history and
+  # the warm-up's gold calls); only a model that thinks first always writes one. Several calls per message need
+  # rollout.parallel_calls.
   c.rollout.act_parser = "ours"
   # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
   # observation) or "end".

@@ -12,7 +12,7 @@ The text formats (what the model reads and writes):
 ``parse_action`` turns one ACT generation into an ``Action``: a tool call, a plain reply, or a typed parse error. It
 never raises on model output: malformed output is data (recorded on the trajectory and scored; README, "How a
 training step runs", step 3). ``parse_action_official`` applies the official EnvACE implementation's rules instead
-(setting ``rollout.act_parser``; tests/data/official/act_parse.json holds its outputs on 47 strings).
+(setting ``rollout.act_parser``; tests/data/official/act_parse.json holds the official parser's outputs).
 """
 
 from __future__ import annotations

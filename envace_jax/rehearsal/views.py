@@ -391,12 +391,13 @@ def _parse_act_official(text: str, parallel: bool) -> ActOutput:
     return error(tool_format.ParseErrorKind.MULTIPLE_CALLS, f"{len(action.calls)} tool calls in one turn; make one")
   calls = []
   for i, call in enumerate(action.calls):
-    arguments = json.loads(call.arguments_json)  # written by json.dumps: always JSON
-    if isinstance(arguments, str):
-      try:
-        arguments = json.loads(arguments)
-      except (ValueError, RecursionError):
-        pass
+    try:  # written by json.dumps, read as the official env reads it (envs.py); a string may hold an object
+      arguments = json.loads(call.arguments_json)
+      arguments = (
+        json.loads(arguments) if isinstance(arguments, str) and arguments.lstrip().startswith("{") else arguments
+      )
+    except (ValueError, RecursionError):
+      arguments = None
     if not isinstance(arguments, dict):
       kind = tool_format.ParseErrorKind.ARGUMENTS_NOT_OBJECT
       return error(kind, f'call {i + 1}: "arguments" of {call.name!r} must be a JSON object')
