@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from envace_jax.config.choices import (
+  ACT_PARSERS,
   ARG_KEYS,
   ATTENTION,
   CHAT_TEMPLATES,
@@ -346,6 +347,7 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   ck.integer("rollout.max_turns", 1)
   env_mode = ck.one_of("rollout.env_mode", ENV_MODES)
   ck.one_of("rollout.on_malformed", ON_MALFORMED)
+  ck.one_of("rollout.act_parser", ACT_PARSERS)
   ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
   for key in (
     "accept_error_text",

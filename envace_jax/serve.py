@@ -487,7 +487,7 @@ class Engine:
     calls: list[dict[str, Any]] = []
     if job.tools:
       names = [t["function"]["name"] for t in job.tools]
-      act = views.parse_act(text, names, parallel=self.unfold_config.parallel_calls)
+      act = views.parse_act(text, names, self.unfold_config.parallel_calls, self.unfold_config.act_parser)
       if act.error is None and act.calls:
         calls = [
           {

@@ -9,6 +9,7 @@ OLD_LOGPROBS = ("sampler", "recompute")  # grpo.old_logprobs (train.py)
 ENV_MODES = ("rehearse", "real")  # rollout.env_mode (rehearsal/episode.py)
 USER_MODES = ("reference", "policy", "external")  # rollout.user_mode
 MALFORMED_POLICIES = ("continue", "end")  # rollout.on_malformed
+ACT_PARSERS = ("ours", "official")  # rollout.act_parser (rehearsal/views.py: parse_act)
 INVALID_REHEARSAL_POLICIES = ("as_is", "error", "end")  # rollout.on_invalid_rehearsal
 REHEARSAL_MODES = ("off", "parallel", "sequential")  # eval.rehearsal (rehearsal/private.py)
 REHEARSAL_USERS = ("policy", "reference")  # eval.rehearsal_user

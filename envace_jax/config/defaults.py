@@ -180,8 +180,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the grpo_real_env baseline).
   c.rollout.env_mode = "rehearse"
   # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
-  # or "end" (the trajectory ends with `malformed`). Counted in metrics either way.
+  # or "end" (the trajectory ends with `malformed`; official). Counted in metrics either way. Ours by default: a
+  # small model's malformed call is often followed by a good one, the error text teaches the format as a real tool
+  # layer's errors do, and the rule reward's well-formedness item penalises it already.
   c.rollout.on_malformed = "continue"
+  # How an ACT message becomes calls (rehearsal/views.py: parse_act): "ours" (one block, tolerant: any whitespace
+  # around the tags, a code fence, stringified arguments; missing arguments are {}, "arguments" wins over
+  # "parameters", an unknown tool name is malformed) or "official" (blocks exactly "\n<tool_call>\n...\n</tool_call>",
+  # lists of calls, "parameters" wins, missing arguments malformed, any name goes on to REHEARSE or the real tools;
+  # tests/data/official/act_parse.json). Ours by default: the official block needs a newline before the tag, and a
+  # call without text before it starts the message with the tag (as views.assistant_content renders the history and
+  # the warm-up's gold calls); only a model that thinks first always writes one. Several calls per message need
+  # rollout.parallel_calls.
+  c.rollout.act_parser = "ours"
   # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
   # observation) or "end".
   c.rollout.on_invalid_rehearsal = "as_is"
@@ -189,7 +200,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
   # task's reference interactions. 0: no grounding.
   c.rollout.grounding_max_tokens = 1024
-  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message
+  c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message. official: True
   c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too
   # The user's first message is the task's user scenario verbatim (as in the warm-up's demonstrations) instead of
   # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.

@@ -11,7 +11,8 @@ The text formats (what the model reads and writes):
 
 ``parse_action`` turns one ACT generation into an ``Action``: a tool call, a plain reply, or a typed parse error. It
 never raises on model output: malformed output is data (recorded on the trajectory and scored; README, "How a
-training step runs", step 3).
+training step runs", step 3). ``parse_action_official`` applies the official EnvACE implementation's rules instead
+(setting ``rollout.act_parser``; tests/data/official/act_parse.json holds the official parser's outputs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
@@ -85,6 +87,25 @@ class ParseErrorKind(enum.Enum):
   ARGUMENTS_NOT_OBJECT = "arguments_not_object"  # "arguments" is neither an object nor a string encoding one
   UNTERMINATED = "unterminated"  # "<tool_call>" without a following "</tool_call>"
   MULTIPLE_CALLS = "multiple_calls"  # more than one "<tool_call>" in one turn
+  # Only under the official rules (`parse_action_official`):
+  NO_TOOL_CALL_FOUND = "no_tool_call_found"  # "<tool_call>" appears, but no "\n<tool_call>\n...\n</tool_call>" block
+  NO_ARGUMENTS = "no_arguments"  # a call without non-null "parameters" or "arguments" (or not a JSON object at all)
+  NON_SERIALIZABLE_ARGUMENTS = "non_serializable_arguments"  # the arguments cannot be written back as JSON
+
+  @property
+  def official_code(self) -> str | None:
+    """The official parser's error code for this kind (None: a kind only our rules report)."""
+    return _OFFICIAL_CODES.get(self)
+
+
+# The official parser's codes (tool_parser.py, parse_tool_calls) for the kinds `parse_action_official` reports.
+_OFFICIAL_CODES = {
+  ParseErrorKind.NO_TOOL_CALL_FOUND: "NO_TOOL_CALL_FOUND",
+  ParseErrorKind.BAD_JSON: "JSON_DECODE_ERROR",
+  ParseErrorKind.MISSING_NAME: "INVALID_TOOL_NAME",
+  ParseErrorKind.NO_ARGUMENTS: "NO_ARGUMENTS",
+  ParseErrorKind.NON_SERIALIZABLE_ARGUMENTS: "NON_SERIALIZABLE_ARGUMENTS",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,3 +208,104 @@ def parse_action(text: str, known_tools: Collection[str] | None = None) -> Actio
     message = f'"arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}'
     return _error(ParseErrorKind.ARGUMENTS_NOT_OBJECT, message, text, before)
   return Action(kind="tool_call", call=ToolCall(name=name, arguments=arguments), reply=reply)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The official EnvACE rules (Within-yao/EnvACE, agent_system/environments/env_package/checklist/tool_parser.py,
+# `parse_tool_calls`, and how envs.py `ChecklistEnv.async_step` records the message), written from their behaviour.
+
+OFFICIAL_CALL_OPEN = "\n" + TOOL_CALL_OPEN + "\n"  # a block starts exactly so: a newline on both sides of the tag
+OFFICIAL_CALL_CLOSE = "\n" + TOOL_CALL_CLOSE
+
+# Code points Hugging Face's fast tokenizers refuse to encode: UTF-16 surrogates, NUL, the noncharacters U+FDD0..U+FDEF
+# and the last two code points of every plane; the official code writes U+FFFD in their place.
+_REFUSED = re.compile(
+  "[\ud800-\udfff\x00\ufdd0-\ufdef"
+  + "".join(chr(p + 0xFFFE) + chr(p + 0xFFFF) for p in range(0, 0x110000, 0x10000))
+  + "]"
+)
+
+
+def replace_refused(text: str) -> str:
+  """``text`` with every code point a fast tokenizer refuses (lone surrogates, NUL, noncharacters) replaced by U+FFFD
+  (one for one, so lengths are kept)."""
+  return _REFUSED.sub("\ufffd", text)
+
+
+@dataclasses.dataclass(frozen=True)
+class OfficialCall:
+  """A call as the official rules read it: its name (stripped) and its arguments as JSON text: ``json.dumps`` of any
+  non-null JSON value (an object, but also a string, list or number), non-ASCII kept, refused code points replaced."""
+
+  name: str
+  arguments_json: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OfficialAction:
+  """One ACT generation under the official rules.
+
+  Attributes:
+    calls: the calls, in order (empty when ``error`` is set); one message may hold several.
+    content: the assistant message's content as the official env records it: the text before the first
+      ``"\\n<tool_call>\\n"`` when there are calls (text after the blocks is dropped), else the whole text.
+    error: the first problem found; any problem voids every call of the message.
+  """
+
+  calls: tuple[OfficialCall, ...]
+  content: str
+  error: ParseError | None = None
+
+
+def parse_action_official(text: str) -> OfficialAction:
+  """Parse one ACT generation by the official rules. Never raises on any string.
+
+  Rules, in order: no ``<tool_call>`` anywhere -> a reply; the blocks are the ``"\\n<tool_call>\\n" body
+  "\\n</tool_call>"`` spans, left to right (a tag without those exact newlines, e.g. at the very start of the text,
+  is not a block; an unterminated block is none either), and none -> NO_TOOL_CALL_FOUND; each stripped body must be
+  JSON (BAD_JSON; no code fences), a list of calls or one call; each call's arguments are ``"parameters"`` unless that
+  is absent or null, then ``"arguments"``, and neither -> NO_ARGUMENTS (also for a call that is not an object); then a
+  non-empty string ``"name"`` (MISSING_NAME). Names are not checked against the task's tools. An empty list is no
+  call and no error. The first problem voids the whole message.
+
+  Departure, on purpose: a body the official parser would raise on (an integer of more than 4300 digits, nesting
+  deeper than Python's recursion limit) is BAD_JSON here.
+  """
+  if TOOL_CALL_OPEN not in text:
+    return OfficialAction(calls=(), content=text)
+  bodies, at = [], 0
+  while (start := text.find(OFFICIAL_CALL_OPEN, at)) >= 0:
+    end = text.find(OFFICIAL_CALL_CLOSE, start + len(OFFICIAL_CALL_OPEN))
+    if end < 0:
+      break
+    bodies.append(text[start + len(OFFICIAL_CALL_OPEN) : end])
+    at = end + len(OFFICIAL_CALL_CLOSE)
+
+  def error(kind: ParseErrorKind, message: str) -> OfficialAction:
+    return OfficialAction(calls=(), content=text, error=ParseError(kind=kind, message=message, raw=text))
+
+  if not bodies:
+    return error(ParseErrorKind.NO_TOOL_CALL_FOUND, f"no call block {OFFICIAL_CALL_OPEN!r} ... {OFFICIAL_CALL_CLOSE!r}")
+  calls = []
+  for body in bodies:
+    ok, parsed = _loads(body.strip())
+    if not ok:
+      return error(ParseErrorKind.BAD_JSON, f"tool call body is not JSON: {parsed}")
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+      is_object = isinstance(item, dict)
+      arguments = item.get("parameters") if is_object else None
+      if arguments is None and is_object:
+        arguments = item.get("arguments")
+      if arguments is None:
+        return error(ParseErrorKind.NO_ARGUMENTS, 'a tool call without "parameters" or "arguments"')
+      try:
+        arguments_json = replace_refused(json.dumps(arguments, ensure_ascii=False))
+      except (TypeError, ValueError, RecursionError) as e:
+        return error(ParseErrorKind.NON_SERIALIZABLE_ARGUMENTS, f"arguments are not serialisable: {e}"[:200])
+      name = item.get("name")
+      if not isinstance(name, str) or not name.strip():
+        return error(ParseErrorKind.MISSING_NAME, 'tool call has no "name" string')
+      calls.append(OfficialCall(name=name.strip(), arguments_json=arguments_json))
+  if not calls:
+    return OfficialAction(calls=(), content=text)
+  return OfficialAction(calls=tuple(calls), content=text[: text.find(OFFICIAL_CALL_OPEN)])

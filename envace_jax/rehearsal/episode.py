@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from envace_jax.config import defaults
-from envace_jax.config.choices import ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
+from envace_jax.config.choices import ACT_PARSERS, ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
 from envace_jax.model import tool_format
@@ -64,6 +64,7 @@ class UnfoldConfig:
   user_mode: str
   env_mode: str
   on_malformed: str
+  act_parser: str
   on_invalid_rehearsal: str
   accept_error_text: bool
   grounding_max_tokens: int
@@ -100,6 +101,7 @@ class UnfoldConfig:
       "user_mode": USER_MODES,
       "env_mode": ENV_MODES,
       "on_malformed": MALFORMED_POLICIES,
+      "act_parser": ACT_PARSERS,
       "on_invalid_rehearsal": INVALID_REHEARSAL_POLICIES,
     }
     for name, valid in choices.items():
@@ -309,7 +311,7 @@ class Episode:
   def after_act(self, content: str) -> None:
     """Parses an ACT message: a malformed one is recorded; calls go to REHEARSE or the real env; a reply to the user."""
     traj, task = self.traj, self.traj.task
-    out = views.parse_act(content, task.tool_names, self.config.parallel_calls)
+    out = views.parse_act(content, task.tool_names, self.config.parallel_calls, self.config.act_parser)
     if out.error is not None:
       traj.count("malformed_act")
       if out.error.kind == tool_format.ParseErrorKind.UNKNOWN_TOOL:
@@ -329,6 +331,8 @@ class Episode:
         calls.append(ToolCall(c.name, c.arguments, id=f"call_{self.call_count}"))
         self.call_count += 1
       traj.count("tool_calls", len(calls))
+      if unknown := sum(c.name not in task.tool_names for c in calls):  # let through by the official parser
+        traj.count("unknown_tool", unknown)
       self.share(ChatMessage("assistant", out.reply, tool_calls=tuple(calls)), generated_by=Role.ACT)
       if self.config.env_mode == "real":
         for call in calls:

@@ -338,13 +338,27 @@ class ActOutput:
   error: tool_format.ParseError | None = None
 
 
-def parse_act(text: str, known_tools: Sequence[str] | None, parallel: bool = False) -> ActOutput:
-  """Parses an ACT generation with ``tool_format.parse_action``.
+def parse_act(text: str, known_tools: Sequence[str] | None, parallel: bool = False, rules: str = "ours") -> ActOutput:
+  """Parses an ACT generation by our rules (``tool_format.parse_action``) or the official ones (setting
+  ``rollout.act_parser``).
 
-  With ``parallel``, several ``<tool_call>`` blocks are allowed: each block (up to the next one) is parsed on its own
-  and the text outside them joins the reply; the first malformed block makes the whole output an error. Without it,
-  more than one call is ``MULTIPLE_CALLS`` (one call per turn, paper §3.1).
+  ``rules="ours"``: with ``parallel``, several ``<tool_call>`` blocks are allowed: each block (up to the next one) is
+  parsed on its own and the text outside them joins the reply; the first malformed block makes the whole output an
+  error. Without it, more than one call is ``MULTIPLE_CALLS`` (one call per turn, paper §3.1).
+
+  ``rules="official"``: ``tool_format.parse_action_official`` (several calls per message, in several blocks or a
+  list; names not checked against ``known_tools``, so an unknown tool goes to REHEARSE or the real env's own error);
+  the reply is the text before the first block. Then, as our tool layer takes an object: arguments given as a string
+  that decodes to an object are that object (the official code hands the string itself to the simulator), and other
+  non-object arguments are ``ARGUMENTS_NOT_OBJECT``. Without ``parallel``, more than one call is ``MULTIPLE_CALLS``.
+
+  Raises:
+    ValueError: ``rules`` is neither "ours" nor "official".
   """
+  if rules == "official":
+    return _parse_act_official(text, parallel)
+  if rules != "ours":
+    raise ValueError(f"parse_act rules={rules!r}; valid: ours, official")
   opens = []
   start = text.find(tool_format.TOOL_CALL_OPEN)
   while start >= 0:
@@ -362,6 +376,33 @@ def parse_act(text: str, known_tools: Sequence[str] | None, parallel: bool = Fal
     calls.append(action.call)
     replies.append(action.reply)
   return ActOutput(calls=tuple(calls), reply="\n".join(r for r in replies if r))
+
+
+def _parse_act_official(text: str, parallel: bool) -> ActOutput:
+  action = tool_format.parse_action_official(text)
+  reply = action.content.strip()
+
+  def error(kind: tool_format.ParseErrorKind, message: str) -> ActOutput:
+    return ActOutput(calls=(), reply=reply, error=tool_format.ParseError(kind, message, text))
+
+  if action.error is not None:
+    return ActOutput(calls=(), reply=reply, error=action.error)
+  if len(action.calls) > 1 and not parallel:
+    return error(tool_format.ParseErrorKind.MULTIPLE_CALLS, f"{len(action.calls)} tool calls in one turn; make one")
+  calls = []
+  for i, call in enumerate(action.calls):
+    try:  # written by json.dumps, read as the official env reads it (envs.py); a string may hold an object
+      arguments = json.loads(call.arguments_json)
+      arguments = (
+        json.loads(arguments) if isinstance(arguments, str) and arguments.lstrip().startswith("{") else arguments
+      )
+    except (ValueError, RecursionError):
+      arguments = None
+    if not isinstance(arguments, dict):
+      kind = tool_format.ParseErrorKind.ARGUMENTS_NOT_OBJECT
+      return error(kind, f'call {i + 1}: "arguments" of {call.name!r} must be a JSON object')
+    calls.append(tool_format.ToolCall(name=call.name, arguments=arguments))
+  return ActOutput(calls=tuple(calls), reply=reply)
 
 
 @dataclasses.dataclass(frozen=True)
