@@ -22,6 +22,11 @@ import ml_collections
 OFFICIAL: dict[str, Any] = {
   # the update (verl/workers/actor/dp_actor.py, verl/trainer/ppo/core_algos.py)
   "grpo.old_logprobs": "recompute",
+  # ACT parsing (agent_system/environments/env_package/checklist/tool_parser.py, envs.py): the official rules, a
+  # malformed call ends the episode, several calls per message
+  "rollout.act_parser": "official",
+  "rollout.on_malformed": "end",
+  "rollout.parallel_calls": True,
   # the rollout's sampling (examples/drmas_trainer/run_checklist_share.sh: tool_temperature, tool_top_p)
   "rollout.rehearse_sampling.temperature": 0.6,
   "rollout.rehearse_sampling.top_p": 0.8,
