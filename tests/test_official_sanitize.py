@@ -10,9 +10,11 @@ whose model output, rehearsed response or user text holds such characters must f
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import json
 import math
 import pathlib
+import threading
 
 import jax
 import pytest
@@ -25,7 +27,8 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message
 from envace_jax.rehearsal.trajectory import Termination
 from envace_jax.rehearsal.unfold import UnfoldConfig, unfold
-from envace_jax.rehearsal.users import UserSimulator
+from envace_jax.rehearsal.users import ExternalUserConfig, UserSimulator
+from envace_jax.rl.judge import ChecklistJudge, JudgeConfig
 from tests.rehearsal.stand_ins import ScriptedSampler
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "data" / "official" / "sanitize.json").read_text("utf-8"))
@@ -93,11 +96,9 @@ def _run(tokenizer, tasks, config, plans, **kwargs):
   return unfold(tasks, policy, tokenizer, config, jax.random.key(0), **kwargs)
 
 
-def test_a_rollout_with_unencodable_text_finishes_counts_it_and_is_scored(smollm2_tokenizer):
-  """ACT's call holds the JSON escape \\ud800 (a lone surrogate once decoded), REHEARSE's response the escape and a
-  generated noncharacter (U+FFFE), the logged user turns and a tool schema lone surrogates: before, the first
-  `View.append` of a lone surrogate raised TypeError in the tokenizer and took the training step down."""
-  tok = smollm2_tokenizer
+def _weather_rollout(tok):
+  """The checklist fixture's weather task, its first tool schema and user turns holding lone surrogates, rolled out
+  once with ACT's call holding the JSON escape \\ud800 and REHEARSE's response the escape and a generated U+FFFE."""
   weather = checklist.load_tasks(CHECKLIST)[0]
   schema = json.loads(json.dumps(weather.tools[0]))
   schema["function"]["description"] += " \ud800"
@@ -107,8 +108,16 @@ def test_a_rollout_with_unencodable_text_finishes_counts_it_and_is_scored(smollm
   call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris\\ud800", "unit": "C"}}\n</tool_call>'
   response = '<tool_response>\n{"city": "Paris\\ud800", "temp": 12, "note": "a\ufffeb"}\n</tool_response>'
   plans = {Role.ACT: [call, "It is 12 C in Paris.", "You are welcome."], Role.REHEARSE: [response]}
-  (traj,), views_ = (lambda out: (out.trajectories, out.views[0]))(_run(tok, [task], CONFIG, plans))
+  out = _run(tok, [task], CONFIG, plans)
+  return out.trajectories[0], out.views[0]
 
+
+def test_a_rollout_with_unencodable_text_finishes_counts_it_and_is_scored(smollm2_tokenizer):
+  """ACT's call holds the JSON escape \\ud800 (a lone surrogate once decoded), REHEARSE's response the escape and a
+  generated noncharacter (U+FFFE), the logged user turns and a tool schema lone surrogates: before, the first
+  `View.append` of a lone surrogate raised TypeError in the tokenizer and took the training step down."""
+  tok = smollm2_tokenizer
+  traj, views_ = _weather_rollout(tok)
   assert traj.termination == Termination.USER_TURNS_DONE and traj.counts["tool_calls"] == 1
   assert traj.counts.get("malformed_act", 0) == 0 and traj.counts.get("invalid_rehearsed_json", 0) == 0
   assert traj.messages[1].tool_calls[0].arguments == {"city": "Paris\ud800", "unit": "C"}  # as decoded
@@ -151,3 +160,53 @@ def test_a_simulated_users_unencodable_reply_and_a_real_tools_result(smollm2_tok
   assert traj.counts["unencodable_chars"] == 1 + sanitize.count(result.content)
   reward = scoring.score(defaults.get_config(), traj, env=env)
   assert reward.valid and math.isfinite(reward.reward), reward
+
+
+def test_an_external_user_and_the_judge_are_sent_encodable_text(smollm2_tokenizer):
+  """Over HTTP a lone surrogate cannot be sent (httpx encodes the body as UTF-8): an external user whose reply holds
+  the escape \\ud800 got it back in the next request, which raised UnicodeEncodeError out of the rollout; the judge's
+  prompt quoting a call whose arguments hold it failed the same way (the trajectory then unscored). Both now send
+  U+FFFD, as the official code's do."""
+  requests = []
+  user_replies = ["Create a task 'M\ud800' for user_1.", "Thanks! ###STOP###"]
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      requests.append(body)
+      if body["model"] == "judge":
+        text = '{"analysis": "ok", "answer": true}'
+      else:
+        text = user_replies[sum(m["role"] == "assistant" for m in body["messages"])]
+      payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+      self.send_response(200)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(payload)))
+      self.end_headers()
+      self.wfile.write(payload)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+  try:
+    task = next(t for t in tau2.load_tasks("mock", "base") if t.id == "create_task_1")
+    user = ExternalUserConfig(base_url=url, model="sim", api_key_env="", max_retries=0)
+    config = dataclasses.replace(CONFIG, user_mode="external", external_user=user)
+    traj = _run(smollm2_tokenizer, [task], config, {Role.ACT: ["Sure."]}).trajectories[0]
+    assert traj.termination == Termination.USER_STOP and len(requests) == 2
+    assert requests[1]["messages"][2] == {"role": "assistant", "content": "Create a task 'M\ufffd' for user_1."}
+    assert traj.counts["unencodable_chars"] == 2  # the reply in the ACT and REHEARSE views
+
+    weather, _ = _weather_rollout(smollm2_tokenizer)
+    judge = ChecklistJudge(JudgeConfig(base_url=url, model="judge", max_retries=0, max_concurrency=1))
+    with judge:
+      reward = scoring.score(defaults.get_config(), weather, judge=judge)
+    prompts = [r["messages"][0]["content"] for r in requests if r["model"] == "judge"]
+    assert reward.valid and reward.reward == 1.0 and prompts, reward
+    assert any('"Paris\ufffd"' in p for p in prompts) and not any("\ud800" in p for p in prompts)
+  finally:
+    server.shutdown()
+    server.server_close()
