@@ -49,7 +49,8 @@ def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.Conf
 def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
-  setting's default keeps the earlier behaviour). Stored values win; a stored key no longer known is kept."""
+  setting's default keeps the earlier behaviour, unless its comment says otherwise: eval.sampling). Stored values
+  win; a stored key no longer known is kept."""
 
   def merge(default: dict, saved: Mapping) -> dict:
     out = dict(default)

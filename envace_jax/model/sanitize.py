@@ -15,7 +15,10 @@ arguments, simulator outputs, user text, dataset schemas):
 `sanitize` reproduces it character for character (``tests/data/official/sanitize.json``). Our tokenizer applies it to
 every text it encodes or renders (`tokenizer.Tokenizer`), so no model output, tool result, user text or dataset text
 can stop a rollout; a view counts what it replaced (`views.View.unencodable`, a trajectory's
-``counts["unencodable_chars"]``); the server refuses such text with a 400 naming the field instead (``serve.py``).
+``counts["unencodable_chars"]``). The conversation keeps the text as decoded (a call's arguments as the model wrote
+them); what goes over HTTP (the external user's and the judge's requests, ``rehearsal/users.py``, ``rl/judge.py``) is
+sanitised, as UTF-8 cannot carry a surrogate. The server refuses such text with a 400 naming the field instead
+(``serve.py``).
 """
 
 from __future__ import annotations
