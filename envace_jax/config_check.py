@@ -547,6 +547,9 @@ def _check_eval(ck: _Checker) -> None:
   ck.boolean("eval.fidelity")
   ck.boolean("eval.fidelity_gold")
   ck.boolean("eval.reward_gap")
+  ck.number("eval.sampling.temperature", lambda t: t >= 0, ">= 0", " (0: greedy)")
+  ck.number("eval.sampling.top_p", lambda p: 0 < p <= 1, "in (0, 1]")
+  ck.integer("eval.sampling.top_k", 0)
 
 
 def validate(config, *, weights: bool = True) -> None:

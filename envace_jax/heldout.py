@@ -122,11 +122,15 @@ def evaluate_policy(
 
 
 def evaluation_unfold_config(config, samplers: Mapping[str, Any]) -> UnfoldConfig:
-  """The rollout settings of an evaluation: ``config.rollout`` with one trajectory per (task, trial), and the
-  reference weights as the user where the run trains a policy-played user (the evaluation's user should not be the
-  policy under test)."""
+  """The rollout settings of an evaluation: ``config.rollout`` with one trajectory per (task, trial), ACT and
+  REHEARSE sampled with ``config.eval.sampling`` (official: temperature 0.6, top_p 0.95), and the reference weights
+  as the user where the run trains a policy-played user (the evaluation's user should not be the policy under
+  test)."""
   user = "reference" if config.rollout.user_mode == "policy" and "reference" in samplers else config.rollout.user_mode
-  return UnfoldConfig.from_config(config, group_size=1, user_mode=user)
+  sampling = config.eval.sampling.to_dict()
+  return UnfoldConfig.from_config(
+    config, group_size=1, user_mode=user, act_sampling=sampling, rehearse_sampling=sampling
+  )
 
 
 def _fidelity(prefix: str, sampler, tokenizer, trajectories, ucfg: UnfoldConfig, key: jax.Array) -> dict[str, float]:

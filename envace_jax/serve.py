@@ -33,9 +33,11 @@ rows each (a request with ``n`` choices is n rows). Rows and cache slots are pad
 compile.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, a bad field
-or tool schema (JSON Schema, ``jsonschema``), a conversation the chat template cannot render, or a context that does
-not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key``; 404 for another model name; 500 for
-a failure inside the engine. The server keeps serving after each.
+or tool schema (JSON Schema, ``jsonschema``), text the tokenizer cannot take (a lone surrogate such as the JSON escape
+``"\\ud800"``, NUL or a Unicode noncharacter: ``model/sanitize.py``) in a message, a tool call's arguments, a tool
+schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a conversation the chat
+template cannot render, or a context that does not fit (``context_length_exceeded``); 401 for a missing or wrong
+``--api_key``; 404 for another model name; 500 for a failure inside the engine. The server keeps serving after each.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from envace_jax import policy as policy_lib
 from envace_jax.config.choices import REHEARSAL_MODES
 from envace_jax.envs.base import ChatMessage, Task
 from envace_jax.envs.base import ToolCall as EnvToolCall
+from envace_jax.model import sanitize
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import ChatTemplateError, Tokenizer
 from envace_jax.rehearsal import private, views
@@ -126,6 +129,25 @@ class Job:
   future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
 
+def check_text(value: Any, where: str) -> None:
+  """Refuses text the tokenizer would not read as sent: every string in ``value`` (JSON-like data: mapping keys and
+  values, list items, recursively) must be free of `sanitize.UNENCODABLE` code points, which the rollouts replace with
+  U+FFFD. Raises ApiError (400) whose ``param`` is the JSON path of the first such string (``where`` for ``value``
+  itself, e.g. ``messages[1].content``, ``stop[0]``)."""
+  if isinstance(value, str):
+    problem = sanitize.describe(value)
+    if problem is not None:
+      message = f"{where}: {problem}, which the model's tokenizer cannot encode; send valid Unicode text"
+      raise ApiError(400, message, param=where, code="invalid_text")
+  elif isinstance(value, Mapping):
+    for key, item in value.items():
+      check_text(key, f"{where} (a key)")
+      check_text(item, f"{where}.{key}")
+  elif isinstance(value, list | tuple):
+    for i, item in enumerate(value):
+      check_text(item, f"{where}[{i}]")
+
+
 def _text_content(content: Any, where: str) -> str:
   """A message's content: a string, None, or a list of text parts. Raises ApiError otherwise."""
   if content is None:
@@ -172,6 +194,7 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
         raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}", param=where) from e
       if not isinstance(arguments, Mapping):
         raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param=where)
+      check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
       calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
     out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
   return out
@@ -264,6 +287,8 @@ class Engine:
 
   def job(self, body: Mapping[str, Any]) -> Job:
     """A request's body (model already checked) as a `Job`, rendered. Raises ApiError (400)."""
+    for name in ("messages", "tools", "stop"):
+      check_text(body.get(name), name)
     messages = parse_messages(body.get("messages"))
     tool_choice = body.get("tool_choice") or "auto"
     if tool_choice not in ("auto", "none"):
@@ -493,7 +518,9 @@ class Engine:
           {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+            # Arguments decoded from escapes such as \ud800 as the official parser gives them (U+FFFD): a lone
+            # surrogate cannot be sent as UTF-8.
+            "function": {"name": c.name, "arguments": sanitize.sanitize(json.dumps(c.arguments, ensure_ascii=False))},
           }
           for c in act.calls
         ]

@@ -67,6 +67,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: dict[str, float])
     1.0 - totals["invalid_rehearsed_json"] / rehearsed if rehearsed else float("nan")
   )
   out["rollout/turns"] = acts / len(trajectories)
+  out["rollout/unencodable_chars"] = float(totals["unencodable_chars"])  # shown as U+FFFD (model/sanitize.py)
   for k, v in totals.items():
     if k.startswith("termination/"):
       out[k] = float(v)

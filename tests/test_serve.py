@@ -37,6 +37,8 @@ WEATHER = {
   },
 }
 CALL_TEXT = tool_format.render_tool_call("get_weather", {"city": "Paris"})
+ESCAPED = "ESCAPED-CALL"  # a prompt holding it gets ESCAPED_CALL_TEXT: arguments with the JSON escape \ud800
+ESCAPED_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris\\ud800"}}\n</tool_call>'
 ANSWER_TEXT = "It is sunny in Paris."
 TAU2_STOP = "###STOP###"  # τ²'s user simulator ends a conversation with it (tau2/user/base.py); its guidelines say so
 USER_DONE = f"That is all, thank you. {TAU2_STOP}"
@@ -44,7 +46,8 @@ USER_DONE = f"That is all, thank you. {TAU2_STOP}"
 
 class _Scripted:
   """The policy's sampler, except that a row whose prompt holds ``FORCE`` generates ``CALL_TEXT`` (or, once a tool
-  response is in the prompt, ``ANSWER_TEXT``), and τ²'s user simulator (its prompt holds ``TAU2_STOP``) says
+  response is in the prompt, ``ANSWER_TEXT``), one that holds ``ESCAPED`` ``ESCAPED_CALL_TEXT``, and τ²'s user
+  simulator (its prompt holds ``TAU2_STOP``) says
   ``USER_DONE`` on its third turn, each followed by the end-of-turn id: test-only forced outputs. The random model
   would never end a τ² conversation, and τ²'s evaluator scores only conversations that ended (others get 0 with a
   note and no checks)."""
@@ -63,6 +66,8 @@ class _Scripted:
       forced = None
       if FORCE in text:
         forced = ANSWER_TEXT if tool_format.TOOL_RESPONSE_OPEN in text else CALL_TEXT
+      elif ESCAPED in text:
+        forced = ESCAPED_CALL_TEXT
       elif TAU2_STOP in text and text.count("<|im_start|>assistant") >= 3:  # the simulator's 3rd turn (ChatML)
         forced = USER_DONE
       if forced is not None:
@@ -243,6 +248,62 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
   assert ok.choices[0].finish_reason in ("length", "stop")
   lower = httpx.get(f"{url}/models", headers={"Authorization": f"bearer {API_KEY}"}, timeout=60)
   assert lower.status_code == 200  # the scheme is case-insensitive (RFC 9110)
+
+
+def test_unencodable_text_is_a_400_naming_the_field(server, client):
+  """A lone surrogate (the JSON escape \\ud800), NUL or a noncharacter in any text the model would read is a 400
+  whose ``param`` names the field (before: a 400 naming none for a message, a 500 for ``stop``); the server keeps
+  serving, and a generated call whose arguments hold the escape comes back with U+FFFD, as the official parser
+  gives it (before: a 500, its JSON could not be sent)."""
+  url, _, _, name = server
+  import httpx
+
+  def post(**fields):  # json.dumps writes "\ud800" as the six-character escape, as a client would
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], **fields})
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    return httpx.post(f"{url}/chat/completions", content=body, headers=headers, timeout=300)
+
+  user = {"role": "user", "content": "hi"}
+  weather = json.loads(json.dumps(WEATHER))
+  weather["function"]["description"] = "The weather \ud800"
+  keyed = json.loads(json.dumps(WEATHER))
+  keyed["function"]["parameters"]["properties"] = {"c\udfff": {"type": "string"}}
+
+  def called(arguments):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [user, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "{}"}]
+
+  arguments = "messages[1].tool_calls[0].function.arguments.city"
+  cases = [
+    ("messages[1].content", {"messages": [user, {"role": "user", "content": "and \ud800"}]}),
+    ("messages[0].content[1].text", {
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\udc00"}]}]
+    }),
+    ("messages[2].content", {"messages": [*called("{}")[:2], {"role": "tool", "content": "x\x00"}]}),
+    (arguments, {"messages": called({"city": "\ud800"})}),  # an object
+    (arguments[:-5], {"messages": called('{"city": "\ud800"}')}),  # a JSON string holding the character
+    (arguments, {"messages": called('{"city": "\\ud800"}')}),  # a JSON string holding the escape
+    ("tools[0].function.description", {"tools": [weather]}),
+    ("tools[0].function.parameters.properties (a key)", {"tools": [keyed]}),
+    ("stop", {"stop": "\ud800"}),
+    ("stop[1]", {"stop": ["ok", "\ufffe"]}),
+  ]  # fmt: skip
+  for field, fields in cases:
+    response = post(**fields)
+    assert response.status_code == 400, (field, response.text)
+    error = response.json()["error"]
+    assert error["param"] == field and error["code"] == "invalid_text" and error["message"].startswith(field)
+  assert post(messages=called('{"city": "\\ud800"}')).json()["error"]["message"] == (
+    f"{arguments}: character 0 is U+D800, a lone surrogate, which the model's tokenizer cannot encode; send valid "
+    "Unicode text"
+  )  # an escape inside the arguments' JSON string is found once that string is decoded
+  ok = client.chat.completions.create(model=name, messages=[user], stop=["never"], max_tokens=2)
+  assert ok.choices[0].finish_reason in ("length", "stop")
+  escaped = client.chat.completions.create(
+    model=name, messages=[{"role": "user", "content": ESCAPED}], tools=[WEATHER], max_tokens=8
+  )
+  (call,) = escaped.choices[0].message.tool_calls
+  assert call.function.arguments == '{"city": "Paris\ufffd"}' and escaped.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.slow

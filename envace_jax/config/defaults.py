@@ -49,7 +49,8 @@ def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.Conf
 def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
-  setting's default keeps the earlier behaviour). Stored values win; a stored key no longer known is kept."""
+  setting's default keeps the earlier behaviour, unless its comment says otherwise: eval.sampling). Stored values
+  win; a stored key no longer known is kept."""
 
   def merge(default: dict, saved: Mapping) -> dict:
     out = dict(default)
@@ -297,4 +298,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.fidelity = True  # ask REHEARSE for every real tool response of the committed runs and compare
   c.eval.fidelity_gold = True  # the same probe on the benchmark's gold calls, executed for real after each opening
   c.eval.reward_gap = True  # rule reward of rehearsed trajectories vs the same decisions executed for real
+  # Sampling of the policy's generations (ACT and REHEARSE) in every held-out evaluation (heldout.py: committed
+  # execution, test-time rehearsals, the reward gap; the fidelity probes stay greedy, the user keeps
+  # rollout.user_sampling). The official one: temperature 0.6, top_p 0.95, no top-k (run_checklist_share.sh's
+  # val_kwargs). Temperature 1.0, top_p 1.0 evaluates with the training rollouts' sampling, as before this setting
+  # (a checkpoint stored before it is evaluated with today's default too).
+  c.eval.sampling = ml_collections.ConfigDict({"temperature": 0.6, "top_p": 0.95, "top_k": 0})
   return c

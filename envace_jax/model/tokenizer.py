@@ -4,7 +4,10 @@
 metadata (``from_gguf``) or a Hugging Face directory (``from_hf_dir``). ``Tokenizer.render`` turns ``Message``s into
 token ids and role ids (``roles.Role``) with the model's own jinja2 chat template, or ChatML when it ships none;
 ``render_turn`` renders only what one more message adds, so each role's view grows append-only and its KV cache can
-be kept. Tool schemas, calls and results follow ``tool_format`` (Hermes / Qwen2.5 convention).
+be kept. Tool schemas, calls and results follow ``tool_format`` (Hermes / Qwen2.5 convention). Every text is
+passed through ``sanitize.sanitize`` before it becomes tokens (``encode``, and the rendered text of ``render``,
+``render_turn`` and ``render_text``): a lone surrogate, NUL or Unicode noncharacter is U+FFFD, as in the official
+EnvACE code, and never an error.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from envace_jax.model import tool_format
+from envace_jax.model import sanitize, tool_format
 from envace_jax.model.roles import Role
 
 
@@ -333,8 +336,10 @@ class Tokenizer:
     """Token ids of ``text``. Special tokens written in the text (``<|im_end|>``) become their ids, as in HF.
 
     ``add_special_tokens`` runs the backend's post-processor (e.g. a Llama 3 tokenizer.json's BOS); default off.
+    Code points the backend refuses (lone surrogates) and the official code's other ones are encoded as U+FFFD
+    (``sanitize.sanitize``).
     """
-    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return self.backend.encode(sanitize.sanitize(text), add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
     """Text of ``ids`` (int[T]); invalid UTF-8 from a partial character decodes to U+FFFD."""
@@ -402,9 +407,11 @@ class Tokenizer:
   def _text(self, chat: list[dict], tools: Any, add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
     template, _ = _compile(self.template)
     variables = {**self.special_tokens, **kwargs}
-    try:
-      return template.render(
-        messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+    try:  # the text as it will be tokenised: unencodable code points are U+FFFD (module docstring)
+      return sanitize.sanitize(
+        template.render(
+          messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+        )
       )
     except jinja2.TemplateError as e:
       raise ChatTemplateError(f"chat template failed on {len(chat)} messages: {e}") from e

@@ -131,6 +131,7 @@ def demonstration(
     ep.end(Termination.USER_TURNS_DONE if task.user_turns else Termination.AGENT_STOP)
   traj = ep.traj
   traj.counts["turns"] = ep.views[Role.ACT].generations
+  traj.counts["unencodable_chars"] = sum(view.unencodable for view in ep.views.values())
   traj.rows = {int(role): view.training_row(index) for role, view in ep.views.items() if view.generations}
   traj.reward = RewardInfo(reward=1.0, info={"demonstration": True})
   return traj

@@ -88,7 +88,9 @@ class Trajectory:
     rows: the views' training rows, by role id.
     termination: why it ended.
     counts: recoverable faults and sizes for metrics, e.g. ``tool_calls``, ``malformed_act``,
-      ``invalid_rehearsed_json``, ``unknown_tool``, ``turns``, ``generations_act`` ...
+      ``invalid_rehearsed_json``, ``unknown_tool``, ``turns``, ``generations_act``, ``unencodable_chars`` (code
+      points its views' tokens hold as U+FFFD: `views.View.unencodable`, summed over the views, so a text shown in
+      two views counts twice) ...
     reward: the trajectory's reward (set after the rollout), or None.
     events: a host-side log of what happened (parse errors with their raw text, ...), JSON-compatible.
   """

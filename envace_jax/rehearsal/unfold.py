@@ -678,6 +678,7 @@ def unfold(
   for ep in episodes:
     traj = ep.traj
     traj.counts["turns"] = ep.views[Role.ACT].generations
+    traj.counts["unencodable_chars"] = sum(view.unencodable for view in ep.views.values())
     sampled = [role for role in runner.policy_roles if role in ep.views and ep.views[role].generations]
     traj.rows = {int(role): ep.views[role].training_row(first_trajectory + ep.index) for role in sampled}
     traj.group += first_trajectory // config.group_size

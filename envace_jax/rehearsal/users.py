@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from envace_jax.model import sanitize
+
 
 class UserSimulatorError(RuntimeError):
   """A user message could not be obtained (transport failure or unusable replies after all retries). The rollout
@@ -121,7 +123,9 @@ class ExternalUser(UserSimulator):
   def _post(self, messages: Sequence[Mapping[str, str]]) -> str:
     payload = {
       "model": self.config.model,
-      "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+      # A lone surrogate (e.g. from this endpoint's own JSON escapes) cannot be sent as UTF-8: U+FFFD, as the model
+      # reads it (model/sanitize.py).
+      "messages": [{"role": m["role"], "content": sanitize.sanitize(m["content"])} for m in messages],
       "temperature": self.config.temperature,
       "max_tokens": self.config.max_tokens,
       **self.config.extra_body,

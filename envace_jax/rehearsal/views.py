@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from envace_jax.envs.base import ChatMessage, Task
-from envace_jax.model import tool_format
+from envace_jax.model import sanitize, tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import ChatTemplateError, Message, Tokenizer
 from envace_jax.rehearsal.trajectory import TrainingRow
@@ -127,6 +127,9 @@ class View:
     tokens, roles, loss_mask, logprobs: per token (lists), see `TrainingRow`.
     cached: ``tokens[:cached]`` are in the KV cache; ``tokens[cached:]`` go out with the next prompt.
     generations: number of generations recorded.
+    unencodable: code points of the tool schemas and appended messages that the tokenizer took as U+FFFD (lone
+      surrogates, NUL, noncharacters: `sanitize`); the messages keep the text as given. Generated text is not
+      counted (its tokens are kept as sampled).
   """
 
   def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat, role: Role, tools: Sequence[Mapping] | None):
@@ -138,6 +141,7 @@ class View:
     self.logprobs: list[float] = []
     self.cached = 0
     self.generations = 0
+    self.unencodable = sanitize.count(list(tools)) if tools else 0
 
   def copy(self) -> View:
     """An independent copy (the G rollouts of a task start from copies of one rendered view)."""
@@ -169,6 +173,7 @@ class View:
         ids, roles = self.tokenizer.render([m], tools=self.tools)
       self._extend(ids, roles)
       self.messages.append(m)
+      self.unencodable += sanitize.count(m.content)
 
   def prompt(self) -> tuple[list[int], list[int]]:
     """The next generation's prompt: the uncached tokens and the generation header (int[P] ids, int[P] roles)."""

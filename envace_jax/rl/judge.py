@@ -21,6 +21,7 @@ from typing import Any, Literal
 import httpx
 
 from envace_jax.envs.base import ChatMessage, RewardInfo, Task
+from envace_jax.model import sanitize
 from envace_jax.rl.rewards import _THINK_RE, RewardConfigError
 
 
@@ -315,7 +316,9 @@ class ChecklistJudge:
     """One request: the reply text, None for a 200 without a chat-completions body."""
     payload = {
       "model": self.config.model,
-      "messages": [{"role": "user", "content": prompt}],
+      # A call's arguments may hold a lone surrogate (the JSON escape \ud800), which cannot be sent as UTF-8: U+FFFD,
+      # as the official code's judge reads it (model/sanitize.py).
+      "messages": [{"role": "user", "content": sanitize.sanitize(prompt)}],
       "temperature": self.config.temperature,
       "max_tokens": max_tokens or self.config.max_tokens,
       **self.config.extra_body,
