@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
+
+from envace_jax.model import sanitize
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -217,21 +218,6 @@ def parse_action(text: str, known_tools: Collection[str] | None = None) -> Actio
 OFFICIAL_CALL_OPEN = "\n" + TOOL_CALL_OPEN + "\n"  # a block starts exactly so: a newline on both sides of the tag
 OFFICIAL_CALL_CLOSE = "\n" + TOOL_CALL_CLOSE
 
-# Code points Hugging Face's fast tokenizers refuse to encode: UTF-16 surrogates, NUL, the noncharacters U+FDD0..U+FDEF
-# and the last two code points of every plane; the official code writes U+FFFD in their place.
-_REFUSED = re.compile(
-  "[\ud800-\udfff\x00\ufdd0-\ufdef"
-  + "".join(chr(p + 0xFFFE) + chr(p + 0xFFFF) for p in range(0, 0x110000, 0x10000))
-  + "]"
-)
-
-
-def replace_refused(text: str) -> str:
-  """``text`` with every code point a fast tokenizer refuses (lone surrogates, NUL, noncharacters) replaced by U+FFFD
-  (one for one, so lengths are kept)."""
-  return _REFUSED.sub("\ufffd", text)
-
-
 @dataclasses.dataclass(frozen=True)
 class OfficialCall:
   """A call as the official rules read it: its name (stripped) and its arguments as JSON text: ``json.dumps`` of any
@@ -299,7 +285,7 @@ def parse_action_official(text: str) -> OfficialAction:
       if arguments is None:
         return error(ParseErrorKind.NO_ARGUMENTS, 'a tool call without "parameters" or "arguments"')
       try:
-        arguments_json = replace_refused(json.dumps(arguments, ensure_ascii=False))
+        arguments_json = sanitize.sanitize(json.dumps(arguments, ensure_ascii=False))
       except (TypeError, ValueError, RecursionError) as e:
         return error(ParseErrorKind.NON_SERIALIZABLE_ARGUMENTS, f"arguments are not serialisable: {e}"[:200])
       name = item.get("name")
