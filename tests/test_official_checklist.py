@@ -24,6 +24,7 @@ import pytest
 from envace_jax import config_check, scoring
 from envace_jax.config import defaults
 from envace_jax.envs import checklist
+from envace_jax.envs.base import ChatMessage, ToolCall
 from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal.trajectory import Termination
@@ -196,3 +197,26 @@ def test_the_settings_are_checked(tokenizer):
   for key in ("judge_granularity", "required_items", "unfinished_turn", "judge_schema", "judge_top_p"):
     del stored["reward"][key]
   assert judge_lib.JudgeConfig.from_config(defaults.completed(stored), base_url="http://x/v1", model="m").granularity
+
+
+def test_a_tool_item_fails_without_a_request_on_a_step_answered_by_an_error_tool_call(server):
+  """Officially (interaction.py) an item whose focus is the tool calls or their results fails, unjudged, on a step
+  whose tool result is an ``error_tool_call`` object; the other items of that step are judged."""
+  record = json.loads(json.dumps(DIALOGUES["required_item_fails"]["record"]))
+  record["checklists"][0][0][0]["focus_on"] = "assistant.tool_calls"  # A: kw=cloudy, a tool item now
+  task = checklist.record_to_task(record)
+  call = ToolCall("get_weather", {"city": "Paris"}, id="call_0")
+  failed = '{"error_tool_call": "the simulator could not answer"}'
+  conversation = [
+    ChatMessage("user", task.user_turns[0]),
+    ChatMessage("assistant", "Let me check: cloudy?", tool_calls=(call,)),
+    ChatMessage("tool", failed, tool_call_id="call_0", name="get_weather"),
+  ]
+  settings = judge_lib.JudgeConfig.from_config(_config(server.url, {}), backoff_s=0.01)
+  with judge_lib.ChecklistJudge(settings) as judge:
+    before = len(server.requests)
+    result = judge.judge_turn(task, conversation, 0)
+    assert result["passed"] == {"turn[0]/A": False, "turn[0]/B": False} and result["requests"] == 1
+    assert len(server.requests) - before == 1  # B only
+    ok = [*conversation[:2], ChatMessage("tool", '{"sky": "sunny"}', tool_call_id="call_0", name="get_weather")]
+    assert judge.judge_turn(task, ok, 0)["passed"]["turn[0]/A"]  # "cloudy" is in the step: judged, passes
