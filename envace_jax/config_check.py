@@ -29,6 +29,7 @@ from envace_jax.config.choices import (
   ENV_MODES,
   JUDGE_GRANULARITIES,
   JUDGE_SCHEMAS,
+  JUDGE_TRANSCRIPTS,
   KL_ESTIMATORS,
   MESH_AXES,
   REHEARSAL_USERS,
@@ -426,6 +427,15 @@ def _check_reward(ck: _Checker) -> None:
   ck.one_of("reward.judge_granularity", JUDGE_GRANULARITIES)
   ck.one_of("reward.unfinished_turn", UNFINISHED_TURNS)
   ck.one_of("reward.required_items", REQUIRED_ITEMS)
+  ck.one_of("reward.judge_transcript", JUDGE_TRANSCRIPTS)
+  template = ck.text("reward.judge_prompt_file")
+  if template and template is not _MISSING:
+    from envace_jax.rl import judge  # httpx, no model: cheap
+
+    try:
+      judge.load_prompt_template(template)
+    except ValueError as e:  # RewardConfigError
+      ck.add(f"reward.judge_prompt_file={template!r}: {e}")
 
 
 def smallest_learning_rate(param_dtype: str) -> float:

@@ -220,3 +220,51 @@ def test_a_tool_item_fails_without_a_request_on_a_step_answered_by_an_error_tool
     assert len(server.requests) - before == 1  # B only
     ok = [*conversation[:2], ChatMessage("tool", '{"sky": "sunny"}', tool_call_id="call_0", name="get_weather")]
     assert judge.judge_turn(task, ok, 0)["passed"]["turn[0]/A"]  # "cloudy" is in the step: judged, passes
+
+
+def _chat(messages: list[dict]) -> list[ChatMessage]:
+  out = []
+  for m in messages:
+    calls = tuple(
+      ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"]), id=c["id"])
+      for c in m.get("tool_calls", ())
+    )
+    out.append(ChatMessage(m["role"], m["content"], tool_calls=calls))
+  return out
+
+
+def test_the_official_transcript_layout_is_reproduced():
+  """``reward.judge_transcript="official"`` writes messages as the official get_messages_str_v2 does (the fixture's
+  ``transcripts``: authored messages, its output): the whole conversation, and a turn judged on its own (numbered
+  from turn 0 again, as the official current section is)."""
+  t = FIXTURE["transcripts"]
+  messages = _chat(t["messages"])
+  assert judge_lib.render_official(messages) == t["whole"]
+  assert judge_lib.render_official(messages[5:]) == t["second_turn"]
+  assert judge_lib.render_official(messages[1:4]) == t["first_turn_step_0"]
+  assert "user_visible_reply: It is 3 degrees." in judge_lib.render_messages(messages)  # ours: no <think>, a reply
+
+
+def test_a_prompt_template_file_gives_the_wording(server, tmp_path):
+  """``reward.judge_prompt_file``: the official wording can be supplied as a template; bad placeholders are named."""
+  template = tmp_path / "judge.txt"
+  template.write_text(
+    "Q: $question\nF: $failure_examples\nE: $evidence\n# Current turn (judge this)\n$current\n\n# Rules\n"
+  )
+  config = _config(server.url, {"judge_prompt_file": str(template), "judge_transcript": "official"})
+  config_check.validate(config)
+  settings = judge_lib.JudgeConfig.from_config(config)
+  task = checklist.record_to_task(DIALOGUES["required_item_fails"]["record"])
+  conversation = [ChatMessage("user", task.user_turns[0]), ChatMessage("assistant", "<think>x</think>It is cloudy.")]
+  with judge_lib.ChecklistJudge(settings) as judge:
+    before = len(server.requests)
+    assert judge.judge_turn(task, conversation, 0)["passed"] == {"turn[0]/A": True, "turn[0]/B": False}
+  prompt = server.requests[before]["body"]["messages"][0]["content"]
+  assert prompt.startswith("Q: Does the turn show kw=cloudy?\nF: []\nE: []\n# Current turn (judge this)\n# Turn: 0\n")
+  assert "content.user_visible_reply: It is cloudy." in prompt
+  template.write_text("Q: $question $answer")
+  with pytest.raises(config_check.ConfigError) as err:
+    config_check.validate(_config(server.url, {"judge_prompt_file": str(template)}))
+  (problem,) = err.value.problems
+  assert problem.startswith(f"reward.judge_prompt_file={str(template)!r}: ") and "KeyError 'answer'" in problem
+  assert "$question, $focus_on, $pass_condition, $failure_examples, $evidence, $history, $current" in problem

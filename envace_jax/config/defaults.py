@@ -225,6 +225,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # analysis_of_failure_examples, answer, also sent as a strict json_schema response_format) or "analysis" (ours
   # before: {"analysis", "answer"} asked for in the prompt, no response_format).
   c.reward.judge_schema = "official"
+  # How the judged messages are written into a request: "ours" (rl/judge.py render_messages: a message without a
+  # <think> block is all reply) or "official" (checklist_reward.py's layout, rl/judge.py render_official: a message
+  # without a <think> block is all thinking and its reply "None", which fails every reply item of a model that does
+  # not think, SmolLM2 or Qwen3 without thinking; the paper's Qwen3 always thinks). Ours is the default for that.
+  c.reward.judge_transcript = "ours"
+  # The judge's request text: "" ours (rl/judge.py judge_prompt, our wording), or a template file (string.Template:
+  # $question $focus_on $pass_condition $failure_examples $evidence $history $current, rl/judge.py PROMPT_FIELDS).
+  # For the official wording, write checklist_reward.py's get_input_prompt_v2 text into it with these placeholders.
+  c.reward.judge_prompt_file = ""
   # Further attempts after the first (transport failures and replies without a verdict alike) and the per-request
   # timeout in seconds. official: 5 attempts (JUDGE_RETRY=5 counts attempts: 4 here), 120 s; ours before: 3, 60 s.
   c.reward.judge_max_retries = 4

@@ -13,7 +13,9 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
+import string
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +24,7 @@ from typing import Any, Literal
 import httpx
 
 from envace_jax.config import defaults
-from envace_jax.config.choices import JUDGE_GRANULARITIES, JUDGE_SCHEMAS, UNFINISHED_TURNS
+from envace_jax.config.choices import JUDGE_GRANULARITIES, JUDGE_SCHEMAS, JUDGE_TRANSCRIPTS, UNFINISHED_TURNS
 from envace_jax.envs.base import ChatMessage, RewardInfo, Task
 from envace_jax.rl.rewards import _THINK_RE, RewardConfigError
 
@@ -48,6 +50,8 @@ class JudgeConfig:
     schema: "official" (four-field verdict, sent as a json_schema response_format too) or "analysis".
     granularity: "step" or "turn" (annotated tasks; see `ChecklistJudge`).
     unfinished_turn: "zero" or "judge" (a logged turn cut off by the trajectory's end).
+    transcript: how messages are written into a prompt: "ours" (`render_messages`) or "official" (`render_official`).
+    prompt_file: a judge prompt template (`PROMPT_FIELDS`), "" for ours (`judge_prompt`).
     backoff_s: sleep before retry r (r = 0, 1, ...) is min(backoff_max_s, backoff_s * 2**r).
     backoff_max_s: cap on one backoff sleep.
     max_concurrency: requests in flight at once.
@@ -68,6 +72,8 @@ class JudgeConfig:
   schema: str
   granularity: str
   unfinished_turn: str
+  transcript: str
+  prompt_file: str
   backoff_s: float = 1.0
   backoff_max_s: float = 30.0
   max_concurrency: int = 8
@@ -96,6 +102,8 @@ class JudgeConfig:
       "schema": r.judge_schema,
       "granularity": r.judge_granularity,
       "unfinished_turn": r.unfinished_turn,
+      "transcript": r.judge_transcript,
+      "prompt_file": r.judge_prompt_file,
     }
     return cls(**{**fields, **overrides})
 
@@ -112,6 +120,7 @@ class JudgeConfig:
     if self.top_p > 1:
       raise RewardConfigError(f"JudgeConfig.top_p must be <= 1, got {self.top_p!r}")
     valid = {"schema": JUDGE_SCHEMAS, "granularity": JUDGE_GRANULARITIES, "unfinished_turn": UNFINISHED_TURNS}
+    valid["transcript"] = JUDGE_TRANSCRIPTS
     for name, choices in valid.items():
       if getattr(self, name) not in choices:
         raise RewardConfigError(f"JudgeConfig.{name}={getattr(self, name)!r}; valid: {', '.join(choices)}")
@@ -224,6 +233,91 @@ def render_messages(messages: Sequence[ChatMessage], first_turn: int = 0) -> str
       status = " (error)" if m.is_error else ""
       lines.append(f"[step {step}] tool{name}{status}:\n{m.content}")
   return "\n".join(lines)
+
+
+_THINK_BLOCK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def render_official(messages: Sequence[ChatMessage]) -> str:
+  """Messages in the official judge's transcript layout (``transcript="official"``; the official `checklist_reward.py`,
+  `get_messages_str_v2`): turns numbered from 0 in ``messages`` itself ("# Turn: k"), assistant steps from 0 within a
+  turn ("## Step: s"), each message as "Role: ..." and "content..." lines. An assistant message's thinking is its first
+  ``<think>`` block and its reply what follows that block ("None" when empty); a message without a ``<think>`` block
+  is all thinking and its reply "None". Its calls are the OpenAI ``tool_calls`` list as JSON (arguments a JSON
+  string), or "None"; a reply holding ``<tool_call>`` tags without parsed calls is shown as the calls, the tags
+  renamed, and the reply as "None".
+  """
+  out, turn, step = [], -1, 0
+  for m in messages:
+    if m.role == "system":
+      out.append(f"Role: system\ncontent: {m.content}\n")
+      step = 0
+    elif m.role == "user":
+      turn, step = turn + 1, 0
+      out.append(f"# Turn: {turn}\nRole: user\ncontent: {m.content}\n")
+    elif m.role == "assistant":
+      found = _THINK_BLOCK_RE.search(m.content)
+      thinking, reply = (found.group(1), m.content.partition(found.group(1) + "</think>")[2].strip()) if found else (
+        m.content, "None")  # fmt: skip
+      reply = reply or "None"
+      if m.tool_calls:
+        calls = json.dumps([
+          {"id": c.id, "type": "function",
+           "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments), ensure_ascii=False)}}
+          for c in m.tool_calls
+        ])  # fmt: skip
+      elif "<tool_call>" in reply or "</tool_call>" in reply:
+        calls = reply.replace("<tool_call>", "<|tool_call_start|>").replace("</tool_call>", "<|tool_call_end|>")
+        reply = "None"
+      else:
+        calls = "None"
+      out.append(
+        f"## Step: {step}\nRole: assistant\ncontent.thinking: {thinking}\ncontent.user_visible_reply: {reply}\n"
+        f"tool_call: {calls}\n"
+      )
+      step += 1
+    else:
+      out.append(f"Role: tool\ncontent: {m.content}\n")
+  return "".join(out)
+
+
+PROMPT_FIELDS = ("question", "focus_on", "pass_condition", "failure_examples", "evidence", "history", "current")
+"""The placeholders of a judge prompt template (``reward.judge_prompt_file``, `string.Template`: ``$question``...):
+the item's question, focus and pass condition; its failure examples and its evidence snippets, each a JSON list
+(ASCII, indent 2); the earlier turns; the judged messages."""
+
+
+def load_prompt_template(path: str) -> string.Template:
+  """The judge prompt template at ``path`` (see `PROMPT_FIELDS`).
+
+  Raises:
+    RewardConfigError: the file cannot be read, or holds a placeholder other than `PROMPT_FIELDS` or a bare "$".
+  """
+  try:
+    template = string.Template(pathlib.Path(path).read_text(encoding="utf-8"))
+    template.substitute({name: "" for name in PROMPT_FIELDS})
+  except OSError as e:
+    raise RewardConfigError(f"judge prompt template {path!r} cannot be read: {e}") from None
+  except (KeyError, ValueError) as e:
+    raise RewardConfigError(
+      f"judge prompt template {path!r}: {type(e).__name__} {e}; its placeholders are ${', $'.join(PROMPT_FIELDS)} "
+      "(write $$ for a dollar sign)"
+    ) from None
+  return template
+
+
+def fill_template(template: string.Template, item: Mapping[str, Any], history: str, current: str) -> str:
+  """One request's prompt from a user-supplied template (`load_prompt_template`)."""
+  snippets = [e.get("snippet", "") for e in item.get("evidence") or ()]
+  return template.substitute(
+    question=item["question"],
+    focus_on=item.get("focus_on", ""),
+    pass_condition=item["pass_condition"],
+    failure_examples=json.dumps(list(item.get("failure_examples") or ()), ensure_ascii=True, indent=2),
+    evidence=json.dumps(snippets, ensure_ascii=True, indent=2),
+    history=history,
+    current=current,
+  )
 
 
 def _clip(text: str, limit: int, keep: Literal["tail", "middle"]) -> str:
@@ -384,6 +478,7 @@ class ChecklistJudge:
         raise RewardConfigError(f"JudgeConfig.api_key_env names {config.api_key_env!r}, which is not set")
       headers["Authorization"] = f"Bearer {key}"
     self.config = config
+    self._template = load_prompt_template(config.prompt_file) if config.prompt_file else None
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
     self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(config.timeout_s), limits=limits)
     self._pool = concurrent.futures.ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="judge")
@@ -506,9 +601,12 @@ class ChecklistJudge:
     annotations = self._annotations(task)
     prefix = (lambda a: f"annotation[{a}]/") if len(annotations) > 1 else (lambda a: "")
     requests: dict[str, str | None] = {}
+    official = cfg.transcript == "official"
     for t in turns:
       before = list(preamble) + [m for turn in segments[:t] for m in turn]
-      history = _clip(render_messages(before, 0), cfg.max_history_chars, "tail")
+      history = _clip(
+        render_official(before) if official else render_messages(before, 0), cfg.max_history_chars, "tail"
+      )
       turn = segments[t]
       parts = [("", turn, False)]  # (key part, the judged messages, a tool result of the step is an error_tool_call)
       if cfg.granularity == "step":
@@ -520,12 +618,18 @@ class ChecklistJudge:
           parts.append((f"step[{s}]/", turn[:end], any(_error_tool_call(m.content) for m in turn[i + 1 : end])))
       for a, annotation in enumerate(annotations):
         for part, messages, failed_call in parts:
-          current = _clip(render_messages(messages, t), cfg.max_turn_chars, "middle")
+          current = render_official(messages) if official else render_messages(messages, t)
+          current = _clip(current, cfg.max_turn_chars, "middle")
           for item in annotation[t]:
             fixed = failed_call and item["focus_on"] in TOOL_FOCUS
-            prompt = None if fixed else judge_prompt(item, history, current, cfg.schema)
+            prompt = None if fixed else self._prompt(item, history, current)
             requests[f"{prefix(a)}turn[{t}]/{part}{item['id']}"] = prompt
     return requests
+
+  def _prompt(self, item: Mapping[str, Any], history: str, current: str) -> str:
+    if self._template is not None:
+      return fill_template(self._template, item, history, current)
+    return judge_prompt(item, history, current, self.config.schema)
 
   def _verdicts(self, requests: Mapping[str, str | None]) -> dict[str, Verdict]:
     """Sends ``requests`` concurrently; a None prompt is a False verdict without a request.
@@ -661,8 +765,9 @@ class ChecklistJudge:
     derived = derived_checklist(task)
     if not derived:
       return RewardInfo(1.0, info={"note": "no checklist items: nothing to judge"})
-    current = _clip(render_messages(conversation, 0), self.config.max_turn_chars, "middle")
-    requests = {f"turn[0]/{item['id']}": judge_prompt(item, "", current, self.config.schema) for item in derived}
+    render = render_official if self.config.transcript == "official" else render_messages
+    current = _clip(render(conversation), self.config.max_turn_chars, "middle")
+    requests = {f"turn[0]/{item['id']}": self._prompt(item, "", current) for item in derived}
     try:
       verdicts = self._verdicts(requests)
     except JudgeTransportError as e:
