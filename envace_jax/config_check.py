@@ -28,12 +28,17 @@ from envace_jax.config.choices import (
   CHAT_TEMPLATES,
   DTYPES,
   ENV_MODES,
+  JUDGE_GRANULARITIES,
+  JUDGE_SCHEMAS,
+  JUDGE_TRANSCRIPTS,
   KL_ESTIMATORS,
   MESH_AXES,
   OLD_LOGPROBS,
   REHEARSAL_USERS,
+  REQUIRED_ITEMS,
   REWARD_KINDS,
   ROLES,
+  UNFINISHED_TURNS,
   USER_MODES,
   VIEWS,
   WEIGHTINGS,
@@ -410,11 +415,30 @@ def _check_reward(ck: _Checker) -> None:
     url, name = ck.text("reward.judge_url"), ck.text("reward.judge_model")
     if url is not _MISSING and not re.match(r"https?://", url):
       ck.add(
-        f"reward.judge_url={url!r}: reward.kind='judge' needs an http(s) API root, e.g. 'http://127.0.0.1:8000/v1'"
+        f"reward.judge_url={url!r}: reward.kind='judge' needs an http(s) API root, e.g. 'http://127.0.0.1:8000/v1' "
+        "(or --config.reward.kind=rule: the offline gold-action reward, no judge)"
       )
     if name is not _MISSING and not name:
       ck.add("reward.judge_model is empty: reward.kind='judge' needs the judge's model name")
   ck.text("reward.judge_api_key_env")
+  ck.number("reward.judge_temperature", lambda x: x >= 0, ">= 0")
+  ck.number("reward.judge_top_p", lambda x: 0 < x <= 1, "in (0, 1]")
+  ck.integer("reward.judge_max_tokens", 1)
+  ck.integer("reward.judge_max_retries", 0)
+  ck.number("reward.judge_timeout_s", lambda x: x > 0, "> 0")
+  ck.one_of("reward.judge_schema", JUDGE_SCHEMAS)
+  ck.one_of("reward.judge_granularity", JUDGE_GRANULARITIES)
+  ck.one_of("reward.unfinished_turn", UNFINISHED_TURNS)
+  ck.one_of("reward.required_items", REQUIRED_ITEMS)
+  ck.one_of("reward.judge_transcript", JUDGE_TRANSCRIPTS)
+  template = ck.text("reward.judge_prompt_file")
+  if template and template is not _MISSING:
+    from envace_jax.rl import judge  # httpx, no model: cheap
+
+    try:
+      judge.load_prompt_template(template)
+    except ValueError as e:  # RewardConfigError
+      ck.add(f"reward.judge_prompt_file={template!r}: {e}")
 
 
 def smallest_learning_rate(param_dtype: str) -> float:

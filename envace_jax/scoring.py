@@ -24,9 +24,9 @@ pass^k) and `reward_gap`.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -35,7 +35,7 @@ from envace_jax import config_check
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolEnv
 from envace_jax.model import tool_format
-from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rehearsal.trajectory import Termination, Trajectory
 from envace_jax.rl import rewards
 
 SCORING_ERROR = "scoring_error"  # the `RewardInfo.info` key and `Trajectory.counts` key of a scorer's failure
@@ -54,8 +54,8 @@ def make_env(config, task: Task) -> ToolEnv:
 
 
 def make_judge(config):
-  """The LLM checklist judge of ``config.reward`` (one per endpoint, shared by every caller), or None when
-  ``reward.judge_url`` or ``reward.judge_model`` is unset.
+  """The LLM checklist judge of ``config.reward`` (`JudgeConfig.from_config`; one per setting, shared by every
+  caller), or None when ``reward.judge_url`` or ``reward.judge_model`` is unset.
 
   Raises:
     config_check.ConfigError: the judge refuses its settings (e.g. ``reward.judge_api_key_env`` names an unset
@@ -65,16 +65,57 @@ def make_judge(config):
   if not (r.judge_url and r.judge_model):
     return None
   try:
-    return _judge(r.judge_url, r.judge_model, r.judge_api_key_env)
+    from envace_jax.rl import judge
+
+    settings = judge.JudgeConfig.from_config(config)
+    if repr(settings) not in _JUDGES:
+      if len(_JUDGES) >= 4:
+        _JUDGES.pop(next(iter(_JUDGES)))  # the oldest
+      _JUDGES[repr(settings)] = judge.ChecklistJudge(settings)
+    return _JUDGES[repr(settings)]
   except rewards.RewardConfigError as e:
     raise _judge_config_error(config, e) from None
 
 
-@functools.lru_cache(maxsize=4)
-def _judge(base_url: str, model: str, api_key_env: str):
-  from envace_jax.rl import judge
+_JUDGES: dict[str, Any] = {}  # the last four judges by settings (repr of their JudgeConfig), shared by every caller
 
-  return judge.ChecklistJudge(judge.JudgeConfig(base_url=base_url, model=model, api_key_env=api_key_env))
+
+FINISHED = frozenset({Termination.USER_TURNS_DONE, Termination.AGENT_STOP, Termination.REQUIRED_FAILED})
+"""Terminations that come after the agent's reply to the last user turn: that turn is finished (`score`)."""
+
+JUDGED_TURN = "judged_turn"  # the type of a trajectory event holding a turn the gate judged (`turn_gate`)
+
+
+def turn_gate(config, judge):
+  """The required-item gate (``reward.required_items="end"``; official `interaction.py`): a callable
+  ``gate(trajectory, turn) -> Termination | None`` that `Episode.user_turn` calls before replaying the logged user
+  turn after ``turn``. When an item of ``turn`` is marked ``required_for_next_turn`` (in the annotations judged), it
+  judges the finished turn now (`ChecklistJudge.judge_turn`, kept in the trajectory's events for `score`) and ends
+  the trajectory with ``REQUIRED_FAILED`` when, in more than half of the annotations, a required item failed, or
+  with ``JUDGE_FAILED`` when the judge gave no verdict (the reward is then invalid). None when there is nothing to
+  gate: no judge, or ``reward.required_items="ignore"``.
+
+  Raises (from the gate):
+    config_check.ConfigError: the judge refuses the configuration (HTTP 3xx/401/403/404).
+  """
+  if judge is None or config.reward.required_items != "end":
+    return None
+
+  def gate(trajectory: Trajectory, turn: int) -> Termination | None:
+    task = trajectory.task
+    annotations = (task.criteria.get("checklists") or [])[: judge.config.max_annotations]
+    if not any(item["required_for_next_turn"] for a in annotations for item in a[turn]):
+      return None
+    try:
+      result = judge.judge_turn(task, trajectory.messages, turn)
+    except rewards.RewardConfigError as e:
+      raise _judge_config_error(config, e) from None
+    trajectory.events.append({"type": JUDGED_TURN, **result})
+    if result["failures"]:
+      return Termination.JUDGE_FAILED
+    return Termination.REQUIRED_FAILED if result["required_failed"] > result["annotations"] / 2 else None
+
+  return gate
 
 
 def _judge_config_error(config, error: Exception) -> config_check.ConfigError:
@@ -100,7 +141,8 @@ def score(config, trajectory: Trajectory, *, env: ToolEnv | None = None, judge=N
     config: the run config (``reward.*``).
     trajectory: the trajectory; its ``counts[SCORING_ERROR]`` and ``events`` record a scorer's failure.
     env: the real environment the trajectory ran in (reset with its task): scored by the benchmark's evaluator.
-    judge: without ``env``: the LLM checklist judge; without both, the rule checklist.
+    judge: without ``env``: the LLM checklist judge (given the turns `turn_gate` judged during the rollout, and
+      whether the last turn was finished: `FINISHED`); without both, the rule checklist.
     task: the task the rule checklist or judge compares against (default ``trajectory.task``).
   Returns:
     The `RewardInfo`; ``valid=False`` with ``info[SCORING_ERROR]`` when the scorer failed.
@@ -114,7 +156,9 @@ def score(config, trajectory: Trajectory, *, env: ToolEnv | None = None, judge=N
     if env is not None:
       info = env.evaluate(trajectory.messages)
     elif judge is not None:
-      info = judge(task, trajectory.messages)
+      judged = {e["turn"]: e for e in trajectory.events if e.get("type") == JUDGED_TURN}
+      finished = trajectory.termination in FINISHED
+      info = judge(task, trajectory.messages, last_turn_finished=finished, judged=judged)
     else:
       info = rule_reward(config, task, trajectory)
   except rewards.RewardConfigError as e:

@@ -202,6 +202,7 @@ class Trainer:
     rows = config.train.tasks_per_step * config.train.group_size // self.processes  # this process's share
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
+    self.turn_gate = scoring.turn_gate(config, self.judge)  # required_for_next_turn items end trajectories
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
 
   def _process_mesh(self, update_mesh, shards: int):
@@ -302,6 +303,7 @@ class Trainer:
       reference_sampler=self.samplers.get("reference"),
       envs=envs,
       first_trajectory=mine.start * unfold_cfg.group_size,
+      turn_gate=self.turn_gate,
     )
     for i, traj in enumerate(out.trajectories):
       traj.reward = scoring.score(self.config, traj, env=envs[i] if envs else None, judge=self.judge)

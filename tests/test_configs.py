@@ -17,7 +17,7 @@ from envace_jax.config_check import ConfigError
 from envace_jax.model import config as model_config
 from envace_jax.model.roles import Role
 from envace_jax.rehearsal import episode, private, unfold, users
-from envace_jax.rl import grpo, rewards
+from envace_jax.rl import grpo, judge, rewards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -134,14 +134,20 @@ def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
 
 
 def test_checklist_needs_its_data_path():
-  assert only_problem(load("checklist.py")).startswith(
+  assert problems(load("checklist.py"))[0].startswith(
     "env.data_path is required for env.benchmark='checklist': pass --config.env.data_path=FILE_OR_DIR"
   )
-  config = load("checklist.py", f"--config.env.data_path={CHECKLIST_DATA}")
+  judged = ("--config.reward.judge_url=http://127.0.0.1:30000/v1", "--config.reward.judge_model=judge")
+  config = load("checklist.py", f"--config.env.data_path={CHECKLIST_DATA}", *judged)
   config_check.validate(config)
   assert config.env.benchmark == "checklist" and config.env.data_path == str(CHECKLIST_DATA)
-  config_check.validate(load(f"checklist.py:{CHECKLIST_DATA}"))  # the argument form
-  assert "does not exist" in only_problem(load("checklist.py", "--config.env.data_path=/no/such/data.jsonl"))
+  assert config.reward.kind == "judge"  # the paper's reward, with the official judging (config/defaults.py)
+  config_check.validate(load(f"checklist.py:{CHECKLIST_DATA}", *judged))  # the argument form
+  assert "does not exist" in only_problem(load("checklist.py", "--config.env.data_path=/no/such/data.jsonl", *judged))
+  # Without a judge: one line naming the key and the offline alternative, which validates.
+  no_judge = only_problem(load(f"checklist.py:{CHECKLIST_DATA}", "--config.reward.judge_model=judge"))
+  assert no_judge.startswith("reward.judge_url='': reward.kind='judge' needs") and "reward.kind=rule" in no_judge
+  config_check.validate(load(f"checklist.py:{CHECKLIST_DATA}", "--config.reward.kind=rule"))
 
 
 def test_tau2_cpu_defaults_are_small_and_paper_values_documented():
@@ -374,6 +380,9 @@ SETTINGS = {
   users.ExternalUserConfig: (lambda: episode.UnfoldConfig.from_config().external_user, {
     "timeout_s", "max_retries", "backoff_s", "backoff_max_s", "temperature", "max_tokens", "max_concurrency",
     "extra_body"}),
+  judge.JudgeConfig: (judge.JudgeConfig.from_config, {"backoff_s", "backoff_max_s", "max_concurrency",
+                                                      "max_annotations", "max_history_chars", "max_turn_chars",
+                                                      "extra_body"}),
 }  # fmt: skip
 
 
@@ -396,6 +405,7 @@ def test_every_run_setting_has_one_default(cls, monkeypatch):
     c = original()
     c.train.group_size, c.rollout.max_turns, c.grpo.micro_batch_size = 7, 9, 5
     c.eval.rehearsal_n, c.reward.malformed_penalty, c.rollout.external_user.model = 6, 0.5, "sim"
+    c.reward.judge_model = "sim"
     return c
 
   monkeypatch.setattr(defaults, "get_config", changed)

@@ -327,7 +327,7 @@ def test_an_unreachable_judge_at_start_up_stops_the_run_before_the_model_loads(t
   with pytest.raises(
     config_check.ConfigError,
     match=rf"^invalid config \(1 problem\):\n  - reward.judge_url='{url}': "
-    r"the judge cannot be reached \(ConnectError: .* \(after 4 attempts\)\); start it or fix the URL$",
+    r"the judge cannot be reached \(ConnectError: .* \(after 5 attempts\)\); start it or fix the URL$",
   ):
     train.Trainer(_judged(data_dir, url), str(tmp_path))
 

@@ -20,6 +20,11 @@ VIEWS = ("act", "rehearse", "user")  # rollout.<view>_capacity, rollout.<view>_s
 ROLES = VIEWS  # grpo.trained_roles: a role is trained on its view's rows
 REWARD_KINDS = ("rule", "judge")  # reward.kind (scoring.py)
 ARG_KEYS = ("strict", "tau2")  # reward.arg_keys (rl/rewards.py)
+JUDGE_GRANULARITIES = ("step", "turn")  # reward.judge_granularity (rl/judge.py)
+JUDGE_SCHEMAS = ("official", "analysis")  # reward.judge_schema (rl/judge.py)
+JUDGE_TRANSCRIPTS = ("ours", "official")  # reward.judge_transcript (rl/judge.py)
+UNFINISHED_TURNS = ("zero", "judge")  # reward.unfinished_turn (rl/judge.py)
+REQUIRED_ITEMS = ("end", "ignore")  # reward.required_items (scoring.py: turn_gate)
 CHAT_TEMPLATES = ("", "chatml")  # chat_template (model/tokenizer.py)
 
 

@@ -226,6 +226,42 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.reward.judge_url = ""  # "judge": OpenAI-compatible API root
   c.reward.judge_model = ""  # "judge": model name
   c.reward.judge_api_key_env = ""  # "judge": environment variable holding the API key ("": none)
+  # The judge's sampling, per request (rl/judge.py). official (run_checklist_share.sh): 0.6 / 0.8 / 6000, the values
+  # Qwen3 recommends for its thinking mode (greedy decoding makes a thinking judge repeat itself). Ours before: 0 /
+  # 1.0 / 1024.
+  c.reward.judge_temperature = 0.6
+  c.reward.judge_top_p = 0.8
+  c.reward.judge_max_tokens = 6000
+  # The verdict the judge is asked for: "official" (the four-field JSON object of the official checklist_reward.py,
+  # high_level_understanding_of_the_question, analysis_of_if_focus_on, analysis_of_pass_condition,
+  # analysis_of_failure_examples, answer, also sent as a strict json_schema response_format) or "analysis" (ours
+  # before: {"analysis", "answer"} asked for in the prompt, no response_format).
+  c.reward.judge_schema = "official"
+  # How the judged messages are written into a request: "ours" (rl/judge.py render_messages: a message without a
+  # <think> block is all reply) or "official" (checklist_reward.py's layout, rl/judge.py render_official: a message
+  # without a <think> block is all thinking and its reply "None", which fails every reply item of a model that does
+  # not think, SmolLM2 or Qwen3 without thinking; the paper's Qwen3 always thinks). Ours is the default for that.
+  c.reward.judge_transcript = "ours"
+  # The judge's request text: "" ours (rl/judge.py judge_prompt, our wording), or a template file (string.Template:
+  # $question $focus_on $pass_condition $failure_examples $evidence $history $current, rl/judge.py PROMPT_FIELDS).
+  # For the official wording, write checklist_reward.py's get_input_prompt_v2 text into it with these placeholders.
+  c.reward.judge_prompt_file = ""
+  # Further attempts after the first (transport failures and replies without a verdict alike) and the per-request
+  # timeout in seconds. official: 5 attempts (JUDGE_RETRY=5 counts attempts: 4 here), 120 s; ours before: 3, 60 s.
+  c.reward.judge_max_retries = 4
+  c.reward.judge_timeout_s = 120.0
+  # What one judge request judges on annotated (checklist-format) tasks: "step" (official, interaction.py: one
+  # request per (assistant step, item) on the turn up to that step and its tool results; an item passes when any
+  # step passes) or "turn" (ours before: one request per (turn, item) on the whole turn).
+  c.reward.judge_granularity = "step"
+  # A logged turn cut off by the trajectory's end (malformed output, max_turns, a full view): "zero" (official: it
+  # scores 0, unjudged, as a turn never reached does) or "judge" (ours before: the partial turn is judged).
+  c.reward.unfinished_turn = "zero"
+  # A checklist item marked required_for_next_turn that fails (every step) in a finished turn: "end" (official,
+  # interaction.py: the trajectory ends there, with reward.kind="judge" the judge judges each finished turn's items
+  # before the next logged user turn is replayed, and the later turns score 0) or "ignore" (ours before: every turn is
+  # replayed and judged afterwards). Needs the judge: with reward.kind="rule" nothing judges during the rollout.
+  c.reward.required_items = "end"
 
   # --- role-wise GRPO update: rl/grpo.py's GrpoConfig fields ---------------------------------------------------------
   c.grpo = ml_collections.ConfigDict()

@@ -29,7 +29,9 @@ message -> `system_prompt`; every logged (call, result) -> `reference_interactio
 assistant's calls whose logged result is not an error -> `gold_actions` (failed attempts in the log are not gold;
 a result is an error when the tool message says `is_error` or its JSON has a truthy "error" or an "error_tool_call"
 key, CM2's convention); the annotations, normalised to the item layout above with defaults filled in, ->
-`criteria["checklists"]`, and the number of steps per turn -> `criteria["turn_steps"]`.
+`criteria["checklists"]` (`rl.judge.ChecklistJudge` judges them; an item `required_for_next_turn` that fails ends
+the trajectory before the next user turn, `scoring.turn_gate`), and the number of steps per turn ->
+`criteria["turn_steps"]`.
 """
 
 from __future__ import annotations
@@ -471,8 +473,8 @@ class ChecklistEnv(ToolEnv):
       raise EnvError(
         "ChecklistEnv has no scorer: this format has no backend to evaluate against. Construct it with "
         "scorer=envace_jax.rl.rewards.rule_checklist (offline, gold actions) or "
-        "scorer=envace_jax.rl.judge.ChecklistJudge(JudgeConfig(base_url=..., model=...)) (the paper's LLM judge over "
-        "the checklists)."
+        "scorer=envace_jax.rl.judge.ChecklistJudge(JudgeConfig.from_config(base_url=..., model=...)) (the paper's "
+        "LLM judge over the checklists)."
       )
     return self._scorer(task, conversation)
 

@@ -191,6 +191,7 @@ class Episode:
     self.next_user_turn = 0
     self.env: ToolEnv | None = None
     self.call_count = 0
+    self.gate = None  # (trajectory, finished turn) -> Termination | None before the next logged user turn
 
   @property
   def live(self) -> bool:
@@ -286,10 +287,15 @@ class Episode:
       self.user_chat += user_side
 
   def user_turn(self) -> None:
-    """Replays the next logged user turn, or ends the trajectory when none is left."""
+    """Replays the next logged user turn, or ends the trajectory when none is left, or when ``gate`` (the
+    required-item gate, `scoring.turn_gate`) ends it after the turn just finished."""
     turns = self.traj.task.user_turns
     if self.next_user_turn >= len(turns):
       self.end(Termination.USER_TURNS_DONE)
+      return
+    stop = self.gate(self.traj, self.next_user_turn - 1) if self.gate and self.next_user_turn else None
+    if stop is not None:
+      self.end(stop, turn=self.next_user_turn - 1)
       return
     self.share(ChatMessage("user", turns[self.next_user_turn]))
     self.next_user_turn += 1

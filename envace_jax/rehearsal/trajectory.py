@@ -29,6 +29,9 @@ class Termination(str, enum.Enum):
   CONTEXT_EXHAUSTED = "context_exhausted"  # a view's KV cache is full
   MALFORMED = "malformed"  # malformed output ended the trajectory (when configured to)
   USER_ERROR = "user_error"  # an external user simulator failed (transport); not a model outcome: exclude it
+  # A finished logged turn failed a checklist item marked required_for_next_turn (reward.required_items="end")
+  REQUIRED_FAILED = "required_failed"
+  JUDGE_FAILED = "judge_failed"  # the judge gave no verdict on a finished turn during the rollout: reward invalid
 
 
 def common_prefix_length(tokens: Sequence[Sequence[int]], roles: Sequence[Sequence[int]]) -> int:

@@ -130,6 +130,7 @@ class _Unfolder:
     self.pages: dict[str, tuple[paged.PagePool, int]] = {}
     self.keep_pages, self.released, self.peak = keep_pages, set(), collections.Counter()  # peak: pages held at once
     self.stats: collections.Counter = collections.Counter()
+    self.gate = None  # the required-item gate each episode calls before a later logged user turn (`unfold`)
 
   # ------------------------------------------------------------------------------------------------ setup
 
@@ -149,6 +150,8 @@ class _Unfolder:
       roles = self.policy_roles if name == "policy" else (Role.USER,)
       self.stats["kv_slots_dense"] += int(cache.lengths.shape[0]) * max(self.cfg.capacity(r) for r in roles)
     episodes = [o.copy(b * g + s, s) for b, o in enumerate(openings) for s in range(g)]
+    for ep in episodes:
+      ep.gate = self.gate
     for b, o in enumerate(openings):
       for role, view in o.views.items():
         if view.cached == 0 and o.live:
@@ -594,6 +597,7 @@ def unfold(
   histories: Sequence[Sequence[ChatMessage]] | None = None,
   return_caches: bool = False,
   first_trajectory: int = 0,
+  turn_gate=None,
 ) -> UnfoldOutput:
   """Self-unfolds ``config.group_size`` trajectories of each task (see the module docstring).
 
@@ -616,6 +620,8 @@ def unfold(
     first_trajectory: where these B*G trajectories start in a batch split across processes (a multiple of G;
       `distributed.share`): trajectory n is counted ``first_trajectory + n`` in its generations' keys and its rows'
       ``trajectory``, and its ``group`` is ``first_trajectory // G + b``, so the rows equal the whole batch's.
+    turn_gate: ``(trajectory, finished turn) -> Termination | None``, called before each later logged user turn is
+      replayed (`scoring.turn_gate`: the required-item gate); None: every logged turn is replayed.
 
   Returns:
     `UnfoldOutput`: B*G trajectories (task-major) with termination, messages, counts, events and one `TrainingRow`
@@ -669,6 +675,7 @@ def unfold(
     keep_pages=return_caches,
     first_trajectory=first_trajectory,
   )
+  runner.gate = turn_gate
   try:
     episodes = runner.run(key)
   finally:

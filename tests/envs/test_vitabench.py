@@ -292,7 +292,9 @@ def test_checklist_judge_scores_the_rubrics(monkeypatch):
 
   rice, _ = _tasks()
   assert [item["pass_condition"] for item in judge.derived_checklist(rice)] == RUBRICS_1
-  with judge.ChecklistJudge(judge.JudgeConfig(base_url="http://127.0.0.1:9/v1", model="m", max_concurrency=1)) as j:
+  with judge.ChecklistJudge(
+    judge.JudgeConfig.from_config(base_url="http://127.0.0.1:9/v1", model="m", max_concurrency=1)
+  ) as j:
     conversation = [ChatMessage("user", "Mild rice noodles to the hospital, please")]
     env = vitabench.VitaBenchEnv(scorer=j, backend=FakeBackend())
     env.reset(rice)

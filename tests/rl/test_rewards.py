@@ -192,9 +192,13 @@ def test_config_validation():
   with pytest.raises(RewardConfigError, match="arg_keys"):
     RuleChecklistConfig.from_config(arg_keys="loose")
   with pytest.raises(RewardConfigError, match="max_concurrency"):
-    JudgeConfig(max_concurrency=0)
+    JudgeConfig.from_config(max_concurrency=0)
   with pytest.raises(RewardConfigError, match="max_retries"):
-    JudgeConfig(max_retries=-1)
+    JudgeConfig.from_config(max_retries=-1)
+  with pytest.raises(RewardConfigError, match="top_p"):
+    JudgeConfig.from_config(top_p=1.5)
+  with pytest.raises(RewardConfigError, match="granularity"):
+    JudgeConfig.from_config(granularity="message")
 
 
 # ------------------------------------------------------------------------------------------------- τ² parity
@@ -379,9 +383,14 @@ def _question(body) -> str:
   return re.search(r"^Question: (.*)$", body["messages"][0]["content"], re.M).group(1)
 
 
+# The judging these tests were written for, ours before issue 41 (per turn, {analysis, answer}, partial turns judged);
+# the official settings, the defaults, are tested against the official code in tests/test_official_checklist.py.
+OURS = {"granularity": "turn", "schema": "analysis", "unfinished_turn": "judge", "temperature": 0.0, "top_p": 1.0}
+
+
 def _judge(url: str, **kw) -> ChecklistJudge:
-  kw = {"model": "judge", "timeout_s": 5.0, "max_retries": 2, "backoff_s": 0.01, "max_concurrency": 4, **kw}
-  return ChecklistJudge(JudgeConfig(base_url=url, **kw))
+  kw = {"model": "judge", "timeout_s": 5.0, "max_retries": 2, "backoff_s": 0.01, "max_concurrency": 4, **OURS, **kw}
+  return ChecklistJudge(JudgeConfig.from_config(base_url=url, **kw))
 
 
 def _fixture_conversation(uuid: str) -> list[ChatMessage]:
@@ -544,12 +553,14 @@ def test_one_transport_failure_invalidates_the_whole_trajectory(serve):
 
 def test_configuration_errors(serve, monkeypatch):
   with pytest.raises(RewardConfigError, match="not configured.*base_url.*rule_checklist"):
-    ChecklistJudge(JudgeConfig())
+    ChecklistJudge(JudgeConfig.from_config())
   with pytest.raises(RewardConfigError, match="http"):
-    ChecklistJudge(JudgeConfig(base_url="127.0.0.1:8000/v1", model="m"))
+    ChecklistJudge(JudgeConfig.from_config(base_url="127.0.0.1:8000/v1", model="m"))
   monkeypatch.delenv("ENVACE_TEST_JUDGE_KEY", raising=False)
   with pytest.raises(RewardConfigError, match="ENVACE_TEST_JUDGE_KEY"):
-    ChecklistJudge(JudgeConfig(base_url="http://127.0.0.1:1/v1", model="m", api_key_env="ENVACE_TEST_JUDGE_KEY"))
+    ChecklistJudge(
+      JudgeConfig.from_config(base_url="http://127.0.0.1:1/v1", model="m", api_key_env="ENVACE_TEST_JUDGE_KEY")
+    )
 
   server = serve(lambda body, n: (401, '{"error": "bad key"}', 0.0))
   chitchat = checklist.load_tasks(FIXTURE)[2]
