@@ -201,7 +201,7 @@ def test_an_external_user_and_the_judge_are_sent_encodable_text(smollm2_tokenize
     assert traj.counts["unencodable_chars"] == 2  # the reply in the ACT and REHEARSE views
 
     weather, _ = _weather_rollout(smollm2_tokenizer)
-    judge = ChecklistJudge(JudgeConfig(base_url=url, model="judge", max_retries=0, max_concurrency=1))
+    judge = ChecklistJudge(JudgeConfig.from_config(base_url=url, model="judge", max_retries=0, max_concurrency=1))
     with judge:
       reward = scoring.score(defaults.get_config(), weather, judge=judge)
     prompts = [r["messages"][0]["content"] for r in requests if r["model"] == "judge"]
