@@ -29,7 +29,9 @@ from envace_jax.config.choices import (
   ENV_MODES,
   KL_ESTIMATORS,
   MESH_AXES,
+  REHEARSAL_FORMATS,
   REHEARSAL_USERS,
+  REHEARSED_ERROR_POLICIES,
   REWARD_KINDS,
   ROLES,
   USER_MODES,
@@ -346,6 +348,8 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   env_mode = ck.one_of("rollout.env_mode", ENV_MODES)
   ck.one_of("rollout.on_malformed", ON_MALFORMED)
   ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
+  ck.one_of("rollout.rehearsal_format", REHEARSAL_FORMATS)
+  ck.one_of("rollout.on_rehearsed_error", REHEARSED_ERROR_POLICIES)
   for key in (
     "accept_error_text",
     "parallel_calls",

@@ -182,10 +182,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Malformed ACT output (unparseable or unknown tool call): "continue" (the agent sees "Error: ..." and goes on)
   # or "end" (the trajectory ends with `malformed`). Counted in metrics either way.
   c.rollout.on_malformed = "continue"
-  # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
-  # observation) or "end".
+  # A rehearsed response that breaks rollout.rehearsal_format's contract: "as_is" (the agent sees its body; for
+  # "execution_result" the parser's error object), "error" (an error observation) or "end" (official, with
+  # "execution_result": the agent's view gets the error object and the trajectory ends, `malformed`).
   c.rollout.on_invalid_rehearsal = "as_is"
   c.rollout.accept_error_text = True  # a rehearsed "Error: ..." body is a valid error observation (τ²'s tools do it)
+  # REHEARSE's output contract (rehearsal/views.py parse_rehearsal): "tool_response" (ours: <tool_response> + any JSON
+  # value or, with accept_error_text, "Error: ..." text, as τ²'s and BFCL's real tools answer) or "execution_result"
+  # (official: "\n<execution_result>\n" + a non-empty JSON object or an array + "\n</execution_result>", <think>
+  # spans ignored, a failed call as {"error_tool_call": {...}}; no stop string, the generation ends at its eos).
+  c.rollout.rehearsal_format = "tool_response"
+  # A rehearsed response that reports a failed call ("Error: ..." text, or an error_tool_call object): "continue"
+  # (ours: the agent sees it and may recover, as from a real tool's error) or "end" (official: the trajectory ends,
+  # `malformed`, and the unfinished turn scores nothing).
+  c.rollout.on_rehearsed_error = "continue"
   # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
   # task's reference interactions. 0: no grounding.
   c.rollout.grounding_max_tokens = 1024

@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from envace_jax.config import defaults
-from envace_jax.config.choices import ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
+from envace_jax.config.choices import (
+  ENV_MODES,
+  INVALID_REHEARSAL_POLICIES,
+  MALFORMED_POLICIES,
+  REHEARSAL_FORMATS,
+  REHEARSED_ERROR_POLICIES,
+  USER_MODES,
+)
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
 from envace_jax.model import tool_format
@@ -46,7 +53,8 @@ class UnfoldConfig:
     greeting: the agent's fixed first message (τ²'s orchestrator sends "Hi! How can I help you today?") for tasks
       with a simulated user and no logged history; "" lets the user speak first.
     agent_stop_markers: texts in an ACT reply that end the trajectory with ``AGENT_STOP``.
-    rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
+    rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`; with ``rehearsal_format=
+      "execution_result"`` the default stands for `views.EXECUTION_RESULT_PROMPT`: `rehearse_instructions`).
     user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
   """
 
@@ -66,6 +74,8 @@ class UnfoldConfig:
   on_malformed: str
   on_invalid_rehearsal: str
   accept_error_text: bool
+  rehearsal_format: str
+  on_rehearsed_error: str
   grounding_max_tokens: int
   parallel_calls: bool
   rehearse_sees_dialogue: bool
@@ -101,6 +111,8 @@ class UnfoldConfig:
       "env_mode": ENV_MODES,
       "on_malformed": MALFORMED_POLICIES,
       "on_invalid_rehearsal": INVALID_REHEARSAL_POLICIES,
+      "rehearsal_format": REHEARSAL_FORMATS,
+      "on_rehearsed_error": REHEARSED_ERROR_POLICIES,
     }
     for name, valid in choices.items():
       if getattr(self, name) not in valid:
@@ -149,6 +161,13 @@ class UnfoldConfig:
       kw["agent_stop_markers"] = tuple(kw["agent_stop_markers"])
     return cls(**kw)
 
+  def rehearse_instructions(self) -> str:
+    """The REHEARSE view's instructions: ``rehearse_prompt``, or for ``rehearsal_format="execution_result"`` with the
+    default prompt our instructions for that contract (`views.EXECUTION_RESULT_PROMPT`)."""
+    if self.rehearsal_format == "execution_result" and self.rehearse_prompt == views.REHEARSE_PROMPT:
+      return views.EXECUTION_RESULT_PROMPT
+    return self.rehearse_prompt
+
   def capacity(self, role: Role) -> int:
     return {Role.ACT: self.act_capacity, Role.REHEARSE: self.rehearse_capacity, Role.USER: self.user_capacity}[role]
 
@@ -161,10 +180,13 @@ class UnfoldConfig:
     return {Role.ACT: self.act_sampling, Role.REHEARSE: self.rehearse_sampling}.get(role, self.user_sampling)
 
   def stop_strings(self, role: Role) -> tuple[str, ...]:
-    """Stop strings of a role's generations (besides the tokenizer's eos ids)."""
+    """Stop strings of a role's generations (besides the tokenizer's eos ids). REHEARSE with ``execution_result`` has
+    none, as officially: a closing tag inside a ``<think>`` span must not end the generation."""
     if role == Role.ACT:
       return () if self.parallel_calls else (tool_format.TOOL_CALL_CLOSE,)
-    return (tool_format.TOOL_RESPONSE_CLOSE,) if role == Role.REHEARSE else ()
+    if role == Role.REHEARSE and self.rehearsal_format == "tool_response":
+      return (tool_format.TOOL_RESPONSE_CLOSE,)
+    return ()
 
 
 class Episode:
@@ -226,12 +248,13 @@ class Episode:
     act.append(Message("system", task.system_prompt), *[m for c in history for m in views.act_messages(c)])
     ep = cls(config, 0, traj, act)
     if config.env_mode == "rehearse":
-      grounding, kept, dropped = views.grounding_block(task, tokenizer, config.grounding_max_tokens)
+      fmt = config.rehearsal_format
+      grounding, kept, dropped = views.grounding_block(task, tokenizer, config.grounding_max_tokens, fmt)
       traj.count("grounding_kept", kept)
       traj.count("grounding_dropped", dropped)
       rehearse = views.View(tokenizer, chat_format, Role.REHEARSE, None)
-      system = views.rehearse_system_prompt(task, config.rehearse_prompt, grounding)
-      rehearse.append(Message("system", system), *views.rehearse_history(history, config.rehearse_sees_dialogue))
+      system = views.rehearse_system_prompt(task, config.rehearse_instructions(), grounding)
+      rehearse.append(Message("system", system), *views.rehearse_history(history, config.rehearse_sees_dialogue, fmt))
       ep.views[Role.REHEARSE] = rehearse
     if task.user_turns:
       ep.user_turn()
@@ -351,20 +374,26 @@ class Episode:
       self.need = Role.USER
 
   def after_rehearse(self, content: str) -> None:
-    """Checks a rehearsed response and shows it to the agent as the pending call's observation."""
+    """Checks a rehearsed response (``rehearsal_format``'s contract) and shows it to the agent as the pending call's
+    observation. An invalid one ends the trajectory with ``on_invalid_rehearsal="end"``, a valid one reporting a
+    failed call with ``on_rehearsed_error="end"`` (``MALFORMED``; the observation is in the conversation)."""
+    cfg = self.config
     call = self.calls.popleft()
-    response = views.parse_rehearsal(content, self.config.accept_error_text)
+    response = views.parse_rehearsal(content, cfg.accept_error_text, cfg.rehearsal_format)
     text, is_error = response.content, response.is_error
     if not response.valid:
       self.traj.count("invalid_rehearsed_json")
-      self.traj.events.append(
-        {"type": "invalid_rehearsal", "reason": response.reason, "raw": content, "call": call.name}
-      )
-      if self.config.on_invalid_rehearsal == "error":
+      event = {"type": "invalid_rehearsal", "reason": response.reason, "raw": content, "call": call.name}
+      self.traj.events.append({**event, "code": response.code} if response.code else event)
+      if cfg.on_invalid_rehearsal == "error" and cfg.rehearsal_format == "tool_response":
         text, is_error = f"Error: the tool returned an invalid response ({response.reason})", True
+    elif response.is_error:
+      self.traj.count("rehearsed_errors")
     self.observe(call, text, is_error)
-    if not response.valid and self.config.on_invalid_rehearsal == "end":
+    if not response.valid and cfg.on_invalid_rehearsal == "end":
       self.end(Termination.MALFORMED, kind="invalid_rehearsal")
+    elif response.valid and response.is_error and cfg.on_rehearsed_error == "end":
+      self.end(Termination.MALFORMED, kind="rehearsed_error")
     elif self.calls:
       self.views[Role.REHEARSE].append(views.rehearse_call(self.calls[0].name, self.calls[0].arguments))
     else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,21 @@ REHEARSE_PROMPT = (
   "the user and the agent, for context."
 )
 """The environment's instructions (REHEARSE view system message, before the tool schemas and the grounding)."""
+
+EXECUTION_RESULT_OPEN = "<execution_result>"
+EXECUTION_RESULT_CLOSE = "</execution_result>"
+
+EXECUTION_RESULT_PROMPT = (
+  "You simulate the tools listed below. You never talk to a person: for each function call an agent makes, you "
+  "decide what the real tool would return. Write your answer as one non-empty JSON object or array between "
+  f"{EXECUTION_RESULT_OPEN} and {EXECUTION_RESULT_CLOSE}, each tag on its own line, e.g.\n{EXECUTION_RESULT_OPEN}\n"
+  '{"status": "ok"}\n'
+  f"{EXECUTION_RESULT_CLOSE}\nWhen the call cannot run (an unknown id, a missing or invalid argument, an action the "
+  'system forbids), answer with the object {"error_tool_call": {"code": "...", "message": "..."}} instead. Stay '
+  "consistent with the data and with your earlier results. Lines starting with 'User:' and 'Agent:' show the "
+  "conversation between the user and the agent, for context."
+)
+"""Our instructions for ``rollout.rehearsal_format="execution_result"`` (the official output contract, our wording)."""
 
 TOOLS_HEADER = "# Tools you implement\n\nOne function schema per line:\n<tools>"
 
@@ -240,8 +256,19 @@ def rehearse_system_prompt(task: Task, instructions: str, grounding: str) -> str
   return "\n\n".join(p for p in parts if p)
 
 
-def grounding_block(task: Task, tokenizer: Tokenizer, max_tokens: int) -> tuple[str, int, int]:
-  """The task's reference interactions as ``<tool_call>`` / ``<tool_response>`` pairs, within a token budget.
+def render_rehearsal(content: str, rehearsal_format: str = "tool_response") -> str:
+  """A tool result as REHEARSE writes it under ``rehearsal_format`` (``rollout.rehearsal_format``):
+  ``<tool_response>\\ncontent\\n</tool_response>``, or ``\\n<execution_result>\\ncontent\\n</execution_result>`` (the
+  official contract, tool_simulator_agent.py's ``EXECUTION_RESULT_BOT`` / ``EOT``)."""
+  if rehearsal_format == "execution_result":
+    return f"\n{EXECUTION_RESULT_OPEN}\n{content}\n{EXECUTION_RESULT_CLOSE}"
+  return tool_format.render_tool_response(content)
+
+
+def grounding_block(
+  task: Task, tokenizer: Tokenizer, max_tokens: int, rehearsal_format: str = "tool_response"
+) -> tuple[str, int, int]:
+  """The task's reference interactions as ``<tool_call>`` / result pairs (`render_rehearsal`), within a token budget.
 
   Interactions are taken in logged order; one whose rendering would exceed what is left of ``max_tokens`` is skipped
   (later, shorter ones may still fit).
@@ -256,7 +283,7 @@ def grounding_block(task: Task, tokenizer: Tokenizer, max_tokens: int) -> tuple[
     except TypeError:
       dropped += 1
       continue
-    piece = "\n" + call + "\n" + tool_format.render_tool_response(ref.result)
+    piece = "\n" + call + "\n" + render_rehearsal(ref.result, rehearsal_format).lstrip("\n")
     n = len(tokenizer.encode(piece))
     if used + n > max_tokens:
       dropped += 1
@@ -294,9 +321,12 @@ def rehearse_messages(message: ChatMessage, dialogue: bool = True) -> list[Messa
   return []
 
 
-def rehearse_history(history: Sequence[ChatMessage], dialogue: bool = True) -> list[Message]:
+def rehearse_history(
+  history: Sequence[ChatMessage], dialogue: bool = True, rehearsal_format: str = "tool_response"
+) -> list[Message]:
   """A logged conversation as the REHEARSE view shows it: `rehearse_messages` per message, and each answered call as
-  its call message followed by its logged result (an OBSERVATION: it is real). Unanswered calls are left out."""
+  its call message followed by its logged result (an OBSERVATION: it is real; `render_rehearsal`). Unanswered calls
+  are left out."""
   out, pending = [], []
   for m in history:
     out += rehearse_messages(m, dialogue)
@@ -306,7 +336,7 @@ def rehearse_history(history: Sequence[ChatMessage], dialogue: bool = True) -> l
       call = next((c for c in pending if c.id and c.id == m.tool_call_id), pending[0])
       pending.remove(call)
       out.append(rehearse_call(call.name, call.arguments))
-      out.append(Message("assistant", tool_format.render_tool_response(m.content), author=Role.OBSERVATION))
+      out.append(Message("assistant", render_rehearsal(m.content, rehearsal_format), author=Role.OBSERVATION))
   return out
 
 
@@ -369,20 +399,48 @@ class RehearsedResponse:
   """One REHEARSE generation, checked.
 
   Attributes:
-    content: the response body (inside the ``<tool_response>`` tags when present, else the whole text), stripped.
-    valid: the body is JSON, or error text when those are accepted.
-    is_error: the body is error text ("Error..."), as a real tool layer reports a refused call.
+    content: what the agent is shown. ``tool_response``: the body (inside the tags when present, else the whole
+      text), stripped. ``execution_result``: the parsed JSON re-serialised (``json.dumps``, non-ASCII kept), or for
+      an invalid output an error object ``{"error_tool_call": {"code", "message"}}`` (`tool_error`).
+    valid: the output keeps the format's contract.
+    is_error: the content reports a failed call: "Error..." text (``tool_response``, when accepted), an object with
+      an ``error_tool_call`` key (``execution_result``: the simulator's own, or an invalid output's).
     reason: why it is invalid ("" when valid).
+    code: ``execution_result``'s error code of an invalid output (the official parser's: ``EMPTY_SIMULATOR_OUTPUT``,
+      ``NO_EXECUTION_RESULT_TAG_FOUND``, ``EXECUTION_RESULT_TAG_MALFORMED``, ``SIMULATOR_JSON_DECODE_ERROR``,
+      ``INVALID_EXECUTION_RESULT_TYPE``, ``NON_SERIALIZABLE_EXECUTION_RESULT``); "" otherwise.
   """
 
   content: str
   valid: bool
   is_error: bool = False
   reason: str = ""
+  code: str = ""
 
 
-def parse_rehearsal(text: str, accept_error_text: bool = True) -> RehearsedResponse:
-  """Checks a REHEARSE generation: ``<tool_response>`` + JSON (or "Error..." text) + ``</tool_response>``."""
+def tool_error(code: str, message: str) -> str:
+  """The error object a failed call's observation holds, ``{"error_tool_call": {"code": ..., "message": ...}}`` (the
+  official layout, simulate_core/_error.py; ASCII-escaped JSON)."""
+  return json.dumps({"error_tool_call": {"code": code, "message": message}}, ensure_ascii=True)
+
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_EXECUTION_RESULT = re.compile(
+  re.escape(f"\n{EXECUTION_RESULT_OPEN}\n") + "(.*?)" + re.escape(f"\n{EXECUTION_RESULT_CLOSE}"), re.DOTALL
+)
+
+
+def parse_rehearsal(
+  text: str, accept_error_text: bool = True, rehearsal_format: str = "tool_response"
+) -> RehearsedResponse:
+  """Checks a REHEARSE generation against ``rehearsal_format``'s contract (``rollout.rehearsal_format``).
+
+  ``tool_response`` (ours): ``<tool_response>`` + any JSON value (or "Error..." text with ``accept_error_text``) +
+  ``</tool_response>``. ``execution_result`` (the official contract, `_parse_execution_result`): ``accept_error_text``
+  does not apply.
+  """
+  if rehearsal_format == "execution_result":
+    return _parse_execution_result(text)
   stripped = text.strip()
   begin = stripped.find(tool_format.TOOL_RESPONSE_OPEN)
   body = stripped[begin + len(tool_format.TOOL_RESPONSE_OPEN) :] if begin >= 0 else stripped
@@ -399,3 +457,37 @@ def parse_rehearsal(text: str, accept_error_text: bool = True) -> RehearsedRespo
   except (ValueError, RecursionError) as e:
     return RehearsedResponse(body, False, reason=f"not JSON: {str(e)[:200]}")
   return RehearsedResponse(body, True)
+
+
+def _parse_execution_result(text: str) -> RehearsedResponse:
+  """The official simulator-output contract (agent_system/agent/agents/checklist/tool_simulator_agent.py,
+  ``_parse_sim_response``), checked in its order: ``<think>...</think>`` spans are removed; blank -> empty; no
+  ``<execution_result>`` anywhere -> no tag; no ``\\n<execution_result>\\n ... \\n</execution_result>`` (the first,
+  shortest) -> malformed tag; the stripped block must be JSON, and a non-empty object or an array (empty allowed).
+  Golden test: tests/test_official_rehearse.py."""
+
+  def invalid(code: str, message: str) -> RehearsedResponse:
+    return RehearsedResponse(tool_error(code, message), False, is_error=True, reason=f"{code}: {message}", code=code)
+
+  text = _THINK.sub("", text)
+  if not text.strip():
+    return invalid("EMPTY_SIMULATOR_OUTPUT", "the output is empty")
+  if EXECUTION_RESULT_OPEN not in text:
+    return invalid("NO_EXECUTION_RESULT_TAG_FOUND", f"no {EXECUTION_RESULT_OPEN} in the output")
+  match = _EXECUTION_RESULT.search(text)
+  if match is None:
+    return invalid(
+      "EXECUTION_RESULT_TAG_MALFORMED", f"{EXECUTION_RESULT_OPEN} is not on its own line or is never closed"
+    )
+  try:
+    value = json.loads(match.group(1).strip())
+  except (ValueError, RecursionError) as e:
+    return invalid("SIMULATOR_JSON_DECODE_ERROR", f"the result is not JSON: {str(e)[:200]}")
+  if not isinstance(value, (dict, list)) or value == {}:
+    got = "an empty object" if value == {} else type(value).__name__
+    return invalid("INVALID_EXECUTION_RESULT_TYPE", f"the result must be a non-empty object or an array, got {got}")
+  try:
+    content = json.dumps(value, ensure_ascii=False)
+  except (ValueError, TypeError) as e:
+    return invalid("NON_SERIALIZABLE_EXECUTION_RESULT", str(e)[:200])
+  return RehearsedResponse(content, True, is_error=isinstance(value, dict) and "error_tool_call" in value)
