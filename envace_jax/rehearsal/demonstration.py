@@ -133,5 +133,6 @@ def demonstration(
   traj = ep.traj
   traj.counts["turns"] = ep.views[Role.ACT].generations
   traj.rows = {int(role): view.training_row(index) for role, view in ep.views.items() if view.generations}
+  traj.extra_rows = [view.training_row(index) for view in ep.finished]
   traj.reward = RewardInfo(reward=1.0, info={"demonstration": True})
   return traj

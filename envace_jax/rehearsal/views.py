@@ -6,7 +6,9 @@ A trajectory is seen three ways, each an append-only chat that one role continue
     agent's own messages (ACT), tool results (OBSERVATION, whether rehearsed or real: the agent cannot tell).
   * REHEARSE (the environment): system = `REHEARSE_PROMPT` + the tool schemas + the task's reference interactions
     (grounding, budgeted); then "User: ..." / "Agent: ..." lines of the dialogue (USER / ACT), each pending call as
-    its own message (ACT), and its own responses (REHEARSE), ``<tool_response>`` blocks.
+    its own message (ACT), and its own responses (REHEARSE), ``<tool_response>`` blocks (``rollout.rehearsal_format``:
+    `render_rehearsal`). With ``rollout.rehearse_context="per_call"`` instead one fresh view per call: the
+    instructions, then `per_call_prompt` (the official simulator prompt's structure).
   * USER (the user simulator): system = `USER_PROMPT` with the task's scenario; the agent's replies as the other
     party's messages (ACT), its own messages (USER). Tool traffic is not shown to the user.
 
@@ -291,6 +293,83 @@ def grounding_block(
     pieces.append(piece)
     used += n
   return (GROUNDING_HEADER + "".join(pieces) if pieces else ""), len(pieces), dropped
+
+
+PER_CALL_SECTIONS = (
+  "# Tools of this task",
+  "# Reference interactions",
+  "# Conversation so far",
+  "# The agent's latest message",
+  "# The call to answer",
+)
+"""The sections of a per-call REHEARSE prompt (`per_call_prompt`), in order."""
+
+THINK_SWITCH = "/think"
+"""Appended to a REHEARSE prompt with ``rollout.rehearse_think`` (Qwen3's soft switch; simulate_core/_builders.py
+appends it to every simulator prompt)."""
+
+
+def serialize_history(messages: Sequence[ChatMessage]) -> str:
+  """A conversation as plain text for a per-call REHEARSE prompt: one paragraph per message, "User: ...",
+  "Agent: ..." (its text, then one ``<tool_call>`` block per call), "Tool[name]: ..." (results); system messages and
+  empty ones are left out; "(none)" when nothing is left."""
+  lines = []
+  for m in messages:
+    if m.role == "user" and m.content.strip():
+      lines.append("User: " + m.content.strip())
+    elif m.role == "assistant":
+      text = assistant_content(ChatMessage("assistant", m.content.strip(), tool_calls=m.tool_calls))
+      if text:
+        lines.append("Agent: " + text)
+    elif m.role == "tool" and m.content.strip():
+      lines.append(f"Tool[{m.name}]: " + m.content.strip() if m.name else "Tool: " + m.content.strip())
+  return "\n\n".join(lines) if lines else "(none)"
+
+
+def tool_schema(task: Task, name: str) -> Mapping[str, Any] | None:
+  """The task's schema of tool ``name`` (as listed in ``task.tools``), or None when the task has no such tool."""
+  for tool in task.tools:
+    if (tool["function"]["name"] if "function" in tool else tool.get("name")) == name:
+      return tool
+  return None
+
+
+def per_call_prompt(
+  task: Task,
+  name: str,
+  arguments: Mapping[str, Any],
+  *,
+  grounding: str,
+  history: Sequence[ChatMessage] | None,
+  latest: str | None,
+  think: bool = False,
+) -> str:
+  """The user message of a per-call REHEARSE prompt (``rollout.rehearse_context="per_call"``), the structure of the
+  official simulator prompt (simulate_core/_builders.py ``build_validation_user_prompt``; our wording): the
+  `PER_CALL_SECTIONS` in order, blank-line separated, then `THINK_SWITCH` with ``think``.
+
+  Args:
+    task: its tool schemas are the first section.
+    name, arguments: the call to answer (its schema is looked up in ``task.tools``; "(unknown tool)" when absent).
+    grounding: the reference interactions (`grounding_block`), "" for none ("(none)" is written).
+    history: the conversation before the call's message (`serialize_history`); None leaves the section out.
+    latest: the agent's message holding the call, as generated; None leaves the section out.
+  """
+  schema = tool_schema(task, name)
+  parts = [
+    PER_CALL_SECTIONS[0] + "\n" + json.dumps([dict(t) for t in task.tools], ensure_ascii=False, indent=0),
+    grounding or PER_CALL_SECTIONS[1] + "\n(none)",
+  ]
+  if history is not None:
+    parts.append(PER_CALL_SECTIONS[2] + "\n" + serialize_history(history))
+  if latest is not None:
+    parts.append(PER_CALL_SECTIONS[3] + "\n" + latest)
+  schema_text = json.dumps(dict(schema), ensure_ascii=False, indent=0) if schema is not None else "(unknown tool)"
+  arguments_text = json.dumps(dict(arguments), ensure_ascii=False, indent=0)
+  parts.append(f"{PER_CALL_SECTIONS[4]}\nname: {name}\nschema:\n{schema_text}\narguments:\n{arguments_text}")
+  if think:
+    parts.append(THINK_SWITCH)
+  return "\n\n".join(parts)
 
 
 def user_system_prompt(task: Task, template: str = USER_PROMPT) -> str:
