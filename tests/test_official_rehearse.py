@@ -351,3 +351,24 @@ def test_build_batch_trains_every_per_call_row():
   assert sorted(batch.row_role.ravel().tolist()) == [int(Role.ACT)] * 2 + [int(Role.REHEARSE)] * 4
   lengths = sorted(int(v) for v in batch.valid.reshape(-1, batch.valid.shape[-1]).sum(-1))
   assert lengths == [5, 5, 6, 6, 9, 9]
+
+
+def test_demonstration_in_the_official_format(smollm2_tokenizer):
+  """The warm-up's demonstrations write REHEARSE's target in the chosen contract (execution_result: ended by the eos,
+  as sampled) and, per call, in a view of its own."""
+  from envace_jax.envs import registry
+  from envace_jax.rehearsal import demonstration
+
+  task = next(t for t in tau2.load_tasks("mock", "base") if t.id == "create_task_1")
+  conversation = registry.get("tau2").reference_conversation(task, tau2.Tau2Env(task.domain))
+  cfg = UnfoldConfig.from_config(
+    group_size=2, act_capacity=8192, rehearse_capacity=8192, rehearsal_format="execution_result", **PER_CALL
+  )
+  traj = demonstration.demonstration(
+    cfg, task, conversation, smollm2_tokenizer, views.ChatFormat.of(smollm2_tokenizer), 0
+  )  # fmt: skip
+  row = traj.rows[int(Role.REHEARSE)]
+  trained = smollm2_tokenizer.decode(row.tokens[row.loss_mask])
+  assert trained.startswith("\n<execution_result>\n") and trained.endswith("</execution_result><|im_end|>")
+  assert views.parse_rehearsal(trained.removesuffix("<|im_end|>"), rehearsal_format="execution_result").valid
+  assert traj.generations(Role.REHEARSE) == 1 + len(traj.extra_rows)
