@@ -34,7 +34,11 @@ from envace_jax.config.choices import (
   KL_ESTIMATORS,
   MESH_AXES,
   OLD_LOGPROBS,
+  PARALLEL_REHEARSALS,
+  REHEARSAL_FORMATS,
   REHEARSAL_USERS,
+  REHEARSE_CONTEXTS,
+  REHEARSED_ERROR_POLICIES,
   REQUIRED_ITEMS,
   REWARD_KINDS,
   ROLES,
@@ -354,8 +358,20 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
   ck.one_of("rollout.on_malformed", ON_MALFORMED)
   ck.one_of("rollout.act_parser", ACT_PARSERS)
   ck.one_of("rollout.on_invalid_rehearsal", ON_INVALID_REHEARSAL)
+  ck.one_of("rollout.rehearsal_format", REHEARSAL_FORMATS)
+  ck.one_of("rollout.on_rehearsed_error", REHEARSED_ERROR_POLICIES)
+  rehearse_context = ck.one_of("rollout.rehearse_context", REHEARSE_CONTEXTS)
+  if ck.one_of("rollout.parallel_rehearsal", PARALLEL_REHEARSALS) == "independent" and rehearse_context == "trajectory":
+    ck.add(
+      "rollout.parallel_rehearsal='independent' needs rollout.rehearse_context='per_call' (one append-only REHEARSE "
+      "view shows every earlier response)"
+    )
+  instructions = ck.text("rollout.rehearse_instructions_file")
+  if isinstance(instructions, str) and instructions and not os.path.isfile(instructions):
+    ck.add(f"rollout.rehearse_instructions_file={instructions!r} is not a readable file")
   for key in (
     "accept_error_text",
+    "rehearse_think",
     "parallel_calls",
     "rehearse_sees_dialogue",
     "scenario_opening",

@@ -255,6 +255,10 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
     (["--config.rollout.user_mode=human"], "rollout.user_mode='human' is not valid; choose one of 'reference'"),
     (["--config.rollout.env_mode=mock"], "rollout.env_mode='mock' is not valid; choose one of 'rehearse', 'real'"),
     (["--config.rollout.on_malformed=raise"], "rollout.on_malformed='raise' is not valid; choose one of 'continue'"),
+    (["--config.rollout.rehearsal_format=xml"], "rollout.rehearsal_format='xml' is not valid; choose one of 'tool_"),
+    (["--config.rollout.on_rehearsed_error=retry"], "rollout.on_rehearsed_error='retry' is not valid; choose one of"),
+    (["--config.rollout.parallel_rehearsal=independent"], "rollout.parallel_rehearsal='independent' needs rollout."),
+    (["--config.rollout.rehearse_instructions_file=/no/such.txt"], "rollout.rehearse_instructions_file='/no/such"),
     (["--config.rollout.act_sampling.temperature=0"], "rollout.act_sampling.temperature=0.0 must be > 0 (G greedy"),
     (["--config.rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),
     (

@@ -194,10 +194,38 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the warm-up's gold calls); only a model that thinks first always writes one. Several calls per message need
   # rollout.parallel_calls.
   c.rollout.act_parser = "ours"
-  # A rehearsed response that is not <tool_response> + JSON: "as_is" (the agent sees its body), "error" (an error
-  # observation) or "end".
+  # A rehearsed response that breaks rollout.rehearsal_format's contract: "as_is" (the agent sees its body; for
+  # "execution_result" the parser's error object), "error" (an error observation) or "end" (official, with
+  # "execution_result": the agent's view gets the error object and the trajectory ends, `malformed`).
   c.rollout.on_invalid_rehearsal = "as_is"
   c.rollout.accept_error_text = True  # a rehearsed "Error: ..." body is a valid error observation (τ²'s tools do it)
+  # REHEARSE's output contract (rehearsal/views.py parse_rehearsal): "tool_response" (ours: <tool_response> + any JSON
+  # value or, with accept_error_text, "Error: ..." text, as τ²'s and BFCL's real tools answer) or "execution_result"
+  # (official: "\n<execution_result>\n" + a non-empty JSON object or an array + "\n</execution_result>", <think>
+  # spans ignored, a failed call as {"error_tool_call": {...}}; no stop string, the generation ends at its eos).
+  c.rollout.rehearsal_format = "tool_response"
+  # A rehearsed response that reports a failed call ("Error: ..." text, or an error_tool_call object): "continue"
+  # (ours: the agent sees it and may recover, as from a real tool's error) or "end" (official: the trajectory ends,
+  # `malformed`, and the unfinished turn scores nothing).
+  c.rollout.on_rehearsed_error = "continue"
+  # What REHEARSE sees: "trajectory" (ours: one append-only view per trajectory, its instructions, the tool schemas
+  # and the grounding in the system message, then the dialogue, each call and its own earlier responses; prefilled
+  # once and continued, one training row) or "per_call" (official: a fresh two-message prompt per call, the
+  # instructions, then the tool schemas, the grounding, the conversation so far, the agent's latest message and the
+  # call with its schema, views.per_call_prompt; each call its own training row, its history prefilled again).
+  c.rollout.rehearse_context = "trajectory"
+  # The calls of one ACT message (rollout.parallel_calls): "sequential" (ours: call k's REHEARSE prompt shows the
+  # results of calls < k, and each result reaches the agent at once) or "independent" (official, needs
+  # rehearse_context="per_call": call k is rehearsed without them; the results reach the agent together, and an
+  # "end" of on_invalid_rehearsal / on_rehearsed_error ends the trajectory after the message's last call).
+  c.rollout.parallel_rehearsal = "sequential"
+  # A text file whose content replaces REHEARSE's instructions (its system message), e.g. an official checkout's
+  # simulate_core/prompts/simulator/validation_system_instruction.txt; "": ours (views.REHEARSE_PROMPT, or
+  # views.EXECUTION_RESULT_PROMPT with rehearsal_format="execution_result").
+  c.rollout.rehearse_instructions_file = ""
+  # Append "/think" to each call REHEARSE answers (Qwen3's switch for a thinking block; the official simulator prompt
+  # always ends with it). False (ours): REHEARSE's budget (rehearse_max_new_tokens) is sized for an answer only.
+  c.rollout.rehearse_think = False
   # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
   # task's reference interactions. 0: no grounding.
   c.rollout.grounding_max_tokens = 1024

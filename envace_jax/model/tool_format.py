@@ -218,6 +218,7 @@ def parse_action(text: str, known_tools: Collection[str] | None = None) -> Actio
 OFFICIAL_CALL_OPEN = "\n" + TOOL_CALL_OPEN + "\n"  # a block starts exactly so: a newline on both sides of the tag
 OFFICIAL_CALL_CLOSE = "\n" + TOOL_CALL_CLOSE
 
+
 @dataclasses.dataclass(frozen=True)
 class OfficialCall:
   """A call as the official rules read it: its name (stripped) and its arguments as JSON text: ``json.dumps`` of any

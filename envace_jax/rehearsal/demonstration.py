@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolEnv
-from envace_jax.model import tool_format
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Tokenizer
 from envace_jax.rehearsal import views
@@ -62,7 +61,8 @@ def demonstration(
   order: system messages and the task's initial conversation are skipped (the opening holds them); a user message is
   the next logged user turn (tasks with ``user_turns``) or the simulated user's message; an assistant message is an
   ACT generation (its text and ``<tool_call>`` blocks, one call per generation unless ``config.parallel_calls``); a
-  tool message is a REHEARSE generation (``<tool_response>`` + the real result) in rehearse mode, and in real mode
+  tool message is a REHEARSE generation (the real result in ``config.rehearsal_format``, `views.render_rehearsal`) in
+  rehearse mode, and in real mode
   ``env`` answers the call instead. Generated tokens are ``tokenizer.encode`` of the message as the role writes it,
   plus the eos where a sampled message would end with one (replies; not calls or responses, which end at their stop
   string). Their logprobs are 0 (there was no sampler): callers recompute them.
@@ -125,7 +125,8 @@ def demonstration(
     elif message.role == "tool" and config.env_mode == "rehearse":
       if not ep.calls:  # a result without a pending call (cannot happen for the oracles' conversations)
         continue
-      if not generate(Role.REHEARSE, tool_format.render_tool_response(message.content), ends_with_eos=False):
+      response = views.render_rehearsal(message.content, config.rehearsal_format)  # execution_result: ends at eos
+      if not generate(Role.REHEARSE, response, ends_with_eos=config.rehearsal_format == "execution_result"):
         break
   if ep.live:  # the conversation ended without a stop (e.g. BFCL's last turn): its logged turns are done
     ep.end(Termination.USER_TURNS_DONE if task.user_turns else Termination.AGENT_STOP)
@@ -133,5 +134,6 @@ def demonstration(
   traj.counts["turns"] = ep.views[Role.ACT].generations
   traj.counts["unencodable_chars"] = sum(view.unencodable for view in ep.views.values())
   traj.rows = {int(role): view.training_row(index) for role, view in ep.views.items() if view.generations}
+  traj.extra_rows = [view.training_row(index) for view in ep.finished]
   traj.reward = RewardInfo(reward=1.0, info={"demonstration": True})
   return traj

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from envace_jax.config import defaults
-from envace_jax.config.choices import ACT_PARSERS, ENV_MODES, INVALID_REHEARSAL_POLICIES, MALFORMED_POLICIES, USER_MODES
+from envace_jax.config.choices import (
+  ACT_PARSERS,
+  ENV_MODES,
+  INVALID_REHEARSAL_POLICIES,
+  MALFORMED_POLICIES,
+  PARALLEL_REHEARSALS,
+  REHEARSAL_FORMATS,
+  REHEARSE_CONTEXTS,
+  REHEARSED_ERROR_POLICIES,
+  USER_MODES,
+)
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv
 from envace_jax.model import tool_format
@@ -46,7 +57,8 @@ class UnfoldConfig:
     greeting: the agent's fixed first message (τ²'s orchestrator sends "Hi! How can I help you today?") for tasks
       with a simulated user and no logged history; "" lets the user speak first.
     agent_stop_markers: texts in an ACT reply that end the trajectory with ``AGENT_STOP``.
-    rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`).
+    rehearse_prompt: the REHEARSE view's instructions (`views.REHEARSE_PROMPT`; with ``rehearsal_format=
+      "execution_result"`` the default stands for `views.EXECUTION_RESULT_PROMPT`: `rehearse_instructions`).
     user_prompt: the USER view's system template with ``{scenario}`` and ``{stop_markers}`` (`views.USER_PROMPT`).
   """
 
@@ -67,6 +79,12 @@ class UnfoldConfig:
   act_parser: str
   on_invalid_rehearsal: str
   accept_error_text: bool
+  rehearsal_format: str
+  on_rehearsed_error: str
+  rehearse_context: str
+  parallel_rehearsal: str
+  rehearse_instructions_file: str
+  rehearse_think: bool
   grounding_max_tokens: int
   parallel_calls: bool
   rehearse_sees_dialogue: bool
@@ -86,7 +104,14 @@ class UnfoldConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise UnfoldConfigError(f"UnfoldConfig.{name} must be a positive int, got {value!r}")
-    flags = ("accept_error_text", "parallel_calls", "rehearse_sees_dialogue", "scenario_opening", "continuous_batching")
+    flags = (
+      "accept_error_text",
+      "parallel_calls",
+      "rehearse_sees_dialogue",
+      "scenario_opening",
+      "continuous_batching",
+      "rehearse_think",
+    )
     for name in flags:
       if not isinstance(getattr(self, name), bool):
         raise UnfoldConfigError(f"UnfoldConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -103,6 +128,10 @@ class UnfoldConfig:
       "on_malformed": MALFORMED_POLICIES,
       "act_parser": ACT_PARSERS,
       "on_invalid_rehearsal": INVALID_REHEARSAL_POLICIES,
+      "rehearsal_format": REHEARSAL_FORMATS,
+      "on_rehearsed_error": REHEARSED_ERROR_POLICIES,
+      "rehearse_context": REHEARSE_CONTEXTS,
+      "parallel_rehearsal": PARALLEL_REHEARSALS,
     }
     for name, valid in choices.items():
       if getattr(self, name) not in valid:
@@ -116,6 +145,17 @@ class UnfoldConfig:
       raise UnfoldConfigError(
         f"UnfoldConfig.user_prompt must format with {{scenario}} and {{stop_markers}}: {e}"
       ) from e
+    if self.parallel_rehearsal == "independent" and self.rehearse_context == "trajectory":
+      raise UnfoldConfigError(
+        "UnfoldConfig.parallel_rehearsal='independent' needs rehearse_context='per_call' (one append-only REHEARSE "
+        "view shows every earlier response)"
+      )
+    if not isinstance(self.rehearse_instructions_file, str) or (
+      self.rehearse_instructions_file and not os.path.isfile(self.rehearse_instructions_file)
+    ):
+      raise UnfoldConfigError(
+        f"UnfoldConfig.rehearse_instructions_file={self.rehearse_instructions_file!r} is not a readable file"
+      )
     if not isinstance(self.agent_stop_markers, tuple) or not all(self.agent_stop_markers):
       raise UnfoldConfigError("UnfoldConfig.agent_stop_markers must be a tuple of non-empty strings")
 
@@ -151,6 +191,17 @@ class UnfoldConfig:
       kw["agent_stop_markers"] = tuple(kw["agent_stop_markers"])
     return cls(**kw)
 
+  def rehearse_instructions(self) -> str:
+    """The REHEARSE view's instructions: the content of ``rehearse_instructions_file`` when set (trailing whitespace
+    stripped); else ``rehearse_prompt``, or for ``rehearsal_format="execution_result"`` with the default prompt our
+    instructions for that contract (`views.EXECUTION_RESULT_PROMPT`)."""
+    if self.rehearse_instructions_file:
+      with open(self.rehearse_instructions_file, encoding="utf-8") as f:
+        return f.read().rstrip()
+    if self.rehearsal_format == "execution_result" and self.rehearse_prompt == views.REHEARSE_PROMPT:
+      return views.EXECUTION_RESULT_PROMPT
+    return self.rehearse_prompt
+
   def capacity(self, role: Role) -> int:
     return {Role.ACT: self.act_capacity, Role.REHEARSE: self.rehearse_capacity, Role.USER: self.user_capacity}[role]
 
@@ -163,10 +214,13 @@ class UnfoldConfig:
     return {Role.ACT: self.act_sampling, Role.REHEARSE: self.rehearse_sampling}.get(role, self.user_sampling)
 
   def stop_strings(self, role: Role) -> tuple[str, ...]:
-    """Stop strings of a role's generations (besides the tokenizer's eos ids)."""
+    """Stop strings of a role's generations (besides the tokenizer's eos ids). REHEARSE with ``execution_result`` has
+    none, as officially: a closing tag inside a ``<think>`` span must not end the generation."""
     if role == Role.ACT:
       return () if self.parallel_calls else (tool_format.TOOL_CALL_CLOSE,)
-    return (tool_format.TOOL_RESPONSE_CLOSE,) if role == Role.REHEARSE else ()
+    if role == Role.REHEARSE and self.rehearsal_format == "tool_response":
+      return (tool_format.TOOL_RESPONSE_CLOSE,)
+    return ()
 
 
 class Episode:
@@ -180,6 +234,10 @@ class Episode:
     need: the role whose generation is next; None once ended.
     calls: calls of the last ACT message still to be rehearsed, in order.
     env: the real environment (real mode).
+    finished: with ``rehearse_context="per_call"``: the REHEARSE views of the calls answered before the current one
+      (each its own training row, `Trajectory.extra_rows`).
+    rewind: role -> the tokens its cache row must hold before its next prompt goes out (the view was replaced by a
+      fresh copy of its opening: a per-call REHEARSE view); the rollout loop pops it when it places the job.
   """
 
   def __init__(self, config: UnfoldConfig, index: int, traj: Trajectory, act_view: views.View):
@@ -192,6 +250,14 @@ class Episode:
     self.env: ToolEnv | None = None
     self.call_count = 0
     self.gate = None  # (trajectory, finished turn) -> Termination | None before the next logged user turn
+    self.finished: list[views.View] = []
+    self.rewind: dict[Role, int] = {}
+    self.rehearse_opening: views.View | None = None  # per_call: the REHEARSE view before its first call
+    self.grounding = ""  # per_call: the grounding block each call's prompt shows
+    self.act_text = ""  # the ACT generation whose calls are being rehearsed, as sampled
+    self.call_message = 0  # its index in traj.messages
+    self.held: list[tuple[ToolCall, str, bool]] = []  # parallel_rehearsal="independent": this message's results
+    self.failure: str | None = None  # independent: why the trajectory ends after the message's last call
 
   @property
   def live(self) -> bool:
@@ -229,12 +295,18 @@ class Episode:
     act.append(Message("system", task.system_prompt), *[m for c in history for m in views.act_messages(c)])
     ep = cls(config, 0, traj, act)
     if config.env_mode == "rehearse":
-      grounding, kept, dropped = views.grounding_block(task, tokenizer, config.grounding_max_tokens)
+      fmt = config.rehearsal_format
+      grounding, kept, dropped = views.grounding_block(task, tokenizer, config.grounding_max_tokens, fmt)
       traj.count("grounding_kept", kept)
       traj.count("grounding_dropped", dropped)
       rehearse = views.View(tokenizer, chat_format, Role.REHEARSE, None)
-      system = views.rehearse_system_prompt(task, config.rehearse_prompt, grounding)
-      rehearse.append(Message("system", system), *views.rehearse_history(history, config.rehearse_sees_dialogue))
+      if config.rehearse_context == "per_call":  # the instructions alone; each call's data in its own prompt
+        rehearse.append(Message("system", config.rehearse_instructions()))
+        ep.grounding = grounding
+      else:
+        system = views.rehearse_system_prompt(task, config.rehearse_instructions(), grounding)
+        dialogue = config.rehearse_sees_dialogue
+        rehearse.append(Message("system", system), *views.rehearse_history(history, dialogue, fmt))
       ep.views[Role.REHEARSE] = rehearse
     if task.user_turns:
       ep.user_turn()
@@ -269,7 +341,13 @@ class Episode:
     other.views = {role: view.copy() for role, view in self.views.items()}
     other.user_chat = list(self.user_chat) if self.user_chat is not None else None
     other.need, other.next_user_turn = self.need, self.next_user_turn
+    other.grounding, other.rehearse_opening = self.grounding, self.rehearse_opening
     return other
+
+  def generation_index(self, role: Role) -> int:
+    """How many generations of ``role`` this trajectory has recorded (its finished per-call views' included): the
+    index of its next one, which keys its sample (`unfold._job_keys`)."""
+    return sum(v.generations for v in self.finished if v.role == role) + self.views[role].generations
 
   def share(self, message: ChatMessage, generated_by: Role | None = None) -> None:
     """Appends a conversation message to the trajectory and to every view that shows it, except the view of
@@ -277,7 +355,7 @@ class Episode:
     self.traj.messages.append(message)
     if generated_by != Role.ACT:
       self.views[Role.ACT].append(*views.act_messages(message))
-    if Role.REHEARSE in self.views:
+    if Role.REHEARSE in self.views and self.config.rehearse_context == "trajectory":
       self.views[Role.REHEARSE].append(*views.rehearse_messages(message, self.config.rehearse_sees_dialogue))
     user_side = views.user_messages(message) if not self.traj.task.user_turns else []
     if Role.USER in self.views:
@@ -347,7 +425,8 @@ class Episode:
         self.need = Role.ACT
       else:
         self.calls.extend(calls)
-        self.views[Role.REHEARSE].append(views.rehearse_call(calls[0].name, calls[0].arguments))
+        self.call_message, self.act_text = len(traj.messages) - 1, content
+        self.rehearse_next()
         self.need = Role.REHEARSE
       return
     if not out.reply:
@@ -360,23 +439,78 @@ class Episode:
     else:
       self.need = Role.USER
 
+  def rehearse_next(self) -> None:
+    """Puts the next pending call (``calls[0]``) before REHEARSE: with ``rehearse_context="trajectory"`` as a message
+    appended to its view; with ``"per_call"`` as a fresh view, the opening (the instructions) and
+    `views.per_call_prompt` (the previous call's view, if any, is kept in ``finished`` and its cache row rewound:
+    ``rewind``)."""
+    call, cfg = self.calls[0], self.config
+    if cfg.rehearse_context == "trajectory":
+      message = views.rehearse_call(call.name, call.arguments)
+      if cfg.rehearse_think:
+        message = dataclasses.replace(message, content=message.content + "\n\n" + views.THINK_SWITCH)
+      self.views[Role.REHEARSE].append(message)
+      return
+    view = self.views[Role.REHEARSE]
+    if self.rehearse_opening is None:
+      self.rehearse_opening = view.copy()  # no call rehearsed yet: the view holds its opening only
+    if view.generations:
+      self.finished.append(view)
+      view = self.views[Role.REHEARSE] = self.rehearse_opening.copy()
+      self.rewind[Role.REHEARSE] = view.cached
+    # The conversation without the calls' message (its raw text is a section of its own); with "sequential" the
+    # results of its earlier calls follow (with "independent" they are held back until its last call is answered).
+    messages, dialogue = self.traj.messages, cfg.rehearse_sees_dialogue
+    history = messages[: self.call_message] + messages[self.call_message + 1 :] if dialogue else None
+    prompt = views.per_call_prompt(
+      self.traj.task,
+      call.name,
+      call.arguments,
+      grounding=self.grounding,
+      history=history,
+      latest=self.act_text if dialogue else None,
+      think=cfg.rehearse_think,
+    )
+    view.append(Message("user", prompt))
+
   def after_rehearse(self, content: str) -> None:
-    """Checks a rehearsed response and shows it to the agent as the pending call's observation."""
+    """Checks a rehearsed response (``rehearsal_format``'s contract) and shows it to the agent as the pending call's
+    observation. An invalid one ends the trajectory with ``on_invalid_rehearsal="end"``, a valid one reporting a
+    failed call with ``on_rehearsed_error="end"`` (``MALFORMED``; the observation is in the conversation). With
+    ``parallel_rehearsal="independent"`` the results of one message's calls reach the agent together, after its last
+    call is rehearsed, and only then does such an end take effect (official: envs.py, ``AWAIT_SIMULATOR``)."""
+    cfg = self.config
     call = self.calls.popleft()
-    response = views.parse_rehearsal(content, self.config.accept_error_text)
+    response = views.parse_rehearsal(content, cfg.accept_error_text, cfg.rehearsal_format)
     text, is_error = response.content, response.is_error
     if not response.valid:
       self.traj.count("invalid_rehearsed_json")
-      self.traj.events.append(
-        {"type": "invalid_rehearsal", "reason": response.reason, "raw": content, "call": call.name}
-      )
-      if self.config.on_invalid_rehearsal == "error":
+      event = {"type": "invalid_rehearsal", "reason": response.reason, "raw": content, "call": call.name}
+      self.traj.events.append({**event, "code": response.code} if response.code else event)
+      if cfg.on_invalid_rehearsal == "error" and cfg.rehearsal_format == "tool_response":
         text, is_error = f"Error: the tool returned an invalid response ({response.reason})", True
-    self.observe(call, text, is_error)
-    if not response.valid and self.config.on_invalid_rehearsal == "end":
-      self.end(Termination.MALFORMED, kind="invalid_rehearsal")
+    elif response.is_error:
+      self.traj.count("rehearsed_errors")
+    failure = None
+    if not response.valid and cfg.on_invalid_rehearsal == "end":
+      failure = "invalid_rehearsal"
+    elif response.valid and response.is_error and cfg.on_rehearsed_error == "end":
+      failure = "rehearsed_error"
+    if cfg.parallel_rehearsal == "independent":
+      self.held.append((call, text, is_error))
+      self.failure = self.failure or failure
+      if self.calls:
+        self.rehearse_next()
+        return
+      for held in self.held:
+        self.observe(*held)
+      self.held, failure, self.failure = [], self.failure, None
+    else:
+      self.observe(call, text, is_error)
+    if failure is not None:
+      self.end(Termination.MALFORMED, kind=failure)
     elif self.calls:
-      self.views[Role.REHEARSE].append(views.rehearse_call(self.calls[0].name, self.calls[0].arguments))
+      self.rehearse_next()
     else:
       self.need = Role.ACT
 

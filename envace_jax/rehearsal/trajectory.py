@@ -88,7 +88,8 @@ class Trajectory:
     group: index of the task in the rollout batch (the GRPO group).
     sample: index of this rollout within its group (0..G-1).
     messages: the conversation as the agent saw it (OpenAI layout), for the evaluator and for humans.
-    rows: the views' training rows, by role id.
+    rows: the views' training rows, by role id (with ``rollout.rehearse_context="per_call"``, REHEARSE's last call).
+    extra_rows: rows beyond one per role, in order: REHEARSE's earlier calls with ``rehearse_context="per_call"``.
     termination: why it ended.
     counts: recoverable faults and sizes for metrics, e.g. ``tool_calls``, ``malformed_act``,
       ``invalid_rehearsed_json``, ``unknown_tool``, ``turns``, ``generations_act``, ``unencodable_chars`` (code
@@ -103,6 +104,7 @@ class Trajectory:
   sample: int
   messages: list[ChatMessage] = dataclasses.field(default_factory=list)
   rows: dict[int, TrainingRow] = dataclasses.field(default_factory=dict)
+  extra_rows: list[TrainingRow] = dataclasses.field(default_factory=list)
   termination: Termination | None = None
   counts: dict[str, int] = dataclasses.field(default_factory=dict)
   reward: RewardInfo | None = None
@@ -111,7 +113,10 @@ class Trajectory:
   def count(self, name: str, n: int = 1) -> None:
     self.counts[name] = self.counts.get(name, 0) + n
 
+  def training_rows(self) -> list[TrainingRow]:
+    """Every training row: ``rows`` by role id, then ``extra_rows``."""
+    return [row for _, row in sorted(self.rows.items())] + list(self.extra_rows)
+
   def generations(self, role: Role | int) -> int:
-    """Number of generations of ``role`` in this trajectory (0 when the view has none)."""
-    row = self.rows.get(int(role))
-    return row.num_generations if row is not None else 0
+    """Number of generations of ``role`` in this trajectory, over all its rows (0 when it has none)."""
+    return sum(row.num_generations for row in self.training_rows() if row.role == int(role))

@@ -5,7 +5,10 @@ Each live trajectory needs exactly one generation at a time:
 
   * ACT: the agent's next message (a reply or a tool call), parsed host side (`views.parse_act`);
   * REHEARSE: the pending tool call's response, imagined by the policy (`views.parse_rehearsal` checks its JSON);
-    parallel calls of one ACT message are rehearsed one by one, in order. With ``env_mode="real"`` the calls run on
+    parallel calls of one ACT message are rehearsed one by one, in order. With ``rehearse_context="per_call"`` each
+    call gets a fresh REHEARSE view (`Episode.rehearse_next`): its cache row restarts from the shared opening
+    (`_Unfolder._rewind`) and the previous call's view becomes a training row of its own. With ``env_mode="real"`` the
+    calls run on
     a `ToolEnv` instead (one per trajectory, host side) and there is no REHEARSE view: the same code path serves the
     ``grpo_real_env`` baseline and evaluation's committed execution;
   * USER: the user simulator's next message (``user_mode``; an external one is `users.ExternalUser`). Tasks with
@@ -303,7 +306,7 @@ class _Unfolder:
     for (sampler_id, sampling), group in by_params.items():
       sampler = samplers[sampler_id]
       placed = [(job, self._row(roles, job)) for job in group]
-      self.caches[name] = self._reserve(name, placed, self.caches[name])
+      self.caches[name] = self._reserve(name, placed, self._rewind(name, placed, self.caches[name]))
       prompts, prompt_roles, gen_roles, max_new, active = self._rows(roles, rows, placed)
       start = time.perf_counter()
       out, cache = sampler.generate(
@@ -328,6 +331,31 @@ class _Unfolder:
     return results
 
   # ------------------------------------------------------------------------------------------------ pages
+
+  def _rewind(self, name: str, placed: list[tuple[_Job, int]], cache):
+    """The cache with the row of each placed job whose view was replaced by a fresh copy of its opening
+    (``Episode.rewind``: a per-call REHEARSE view) cut back to that many tokens, which its shared opening levels hold:
+    its own slots emptied (a paged row's pages given back). The row's earlier generations stay in its finished
+    view's training row; the next prompt is written over them."""
+    cuts = {row: job.episode.rewind.pop(job.role) for job, row in placed if job.role in job.episode.rewind}
+    if not cuts:
+      return cache
+    if not hasattr(cache, "offsets"):  # a test's stand-in cache (token lists)
+      return cache.rewound(cuts)
+    offsets = np.asarray(jax.device_get(cache.offsets()))
+    lengths = np.array(jax.device_get(cache.lengths))
+    for row, keep in cuts.items():
+      if keep < offsets[row]:
+        raise RuntimeError(f"rollout bug: row {row} cannot keep {keep} tokens, its opening levels hold {offsets[row]}")
+      lengths[row] = keep - offsets[row]
+    cache = cache.replace(lengths=jax.device_put(lengths.astype(np.int32), cache.lengths.sharding))
+    if name in self.pages:
+      pool, _ = self.pages[name]
+      copies = [c for row in cuts if row in pool.pages for c in pool.shrink(row, int(lengths[row]))]
+      if copies:
+        cache = cache.replace(pools=tuple(paged.copy_pages(p, copies) for p in cache.pools))
+      cache = self._table(name, cache)
+    return cache
 
   def _reserve(self, name: str, placed: list[tuple[_Job, int]], cache):
     """The cache with each placed (job, row) given the pages for its prompt and new-token budget; when the pool has
@@ -416,7 +444,7 @@ class _Unfolder:
       return
     rows = int(stream.cache.lengths.shape[0])
     placed = [(job, self._row(self.policy_roles, job)) for job in jobs]
-    stream.set_cache(self._reserve("policy", placed, stream.cache))
+    stream.set_cache(self._reserve("policy", placed, self._rewind("policy", placed, stream.cache)))
     prompts, prompt_roles, gen_roles, max_new, active = self._rows(self.policy_roles, rows, placed)
     start = time.perf_counter()
     keys = _job_keys(key, rows, placed, self.first)
@@ -537,6 +565,8 @@ class _Unfolder:
           view = ep.views.get(role)
           if view is not None and view.cached == 0:  # never prefilled (its opening did not fit); it may continue a
             continue  # shared level all the same
+          if role in ep.rewind:  # a fresh per-call view whose prompt never went out (the trajectory ended first)
+            continue
           held = view.cached if view is not None else 0
           if int(lengths[slot * self.n + ep.index]) != held:
             raise RuntimeError(
@@ -557,7 +587,7 @@ def _job_keys(key, rows: int, placed: Sequence[tuple[_Job, int]], first: int = 0
   sample depends on what it is, not on the step, the batch or the process it runs in."""
   ids = np.zeros((3, rows), np.uint32)
   for job, row in placed:
-    ids[:, row] = first + job.episode.index, int(job.role), job.episode.views[job.role].generations
+    ids[:, row] = first + job.episode.index, int(job.role), job.episode.generation_index(job.role)
   return _fold_keys(key, *ids)
 
 
@@ -688,6 +718,7 @@ def unfold(
     traj.counts["unencodable_chars"] = sum(view.unencodable for view in ep.views.values())
     sampled = [role for role in runner.policy_roles if role in ep.views and ep.views[role].generations]
     traj.rows = {int(role): ep.views[role].training_row(first_trajectory + ep.index) for role in sampled}
+    traj.extra_rows = [view.training_row(first_trajectory + ep.index) for view in ep.finished]
     traj.group += first_trajectory // config.group_size
     trajectories.append(traj)
     runner.stats[f"terminated_{traj.termination.value}"] += 1

@@ -6,7 +6,9 @@ A trajectory is seen three ways, each an append-only chat that one role continue
     agent's own messages (ACT), tool results (OBSERVATION, whether rehearsed or real: the agent cannot tell).
   * REHEARSE (the environment): system = `REHEARSE_PROMPT` + the tool schemas + the task's reference interactions
     (grounding, budgeted); then "User: ..." / "Agent: ..." lines of the dialogue (USER / ACT), each pending call as
-    its own message (ACT), and its own responses (REHEARSE), ``<tool_response>`` blocks.
+    its own message (ACT), and its own responses (REHEARSE), ``<tool_response>`` blocks (``rollout.rehearsal_format``:
+    `render_rehearsal`). With ``rollout.rehearse_context="per_call"`` instead one fresh view per call: the
+    instructions, then `per_call_prompt` (the official simulator prompt's structure).
   * USER (the user simulator): system = `USER_PROMPT` with the task's scenario; the agent's replies as the other
     party's messages (ACT), its own messages (USER). Tool traffic is not shown to the user.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +52,21 @@ REHEARSE_PROMPT = (
   "the user and the agent, for context."
 )
 """The environment's instructions (REHEARSE view system message, before the tool schemas and the grounding)."""
+
+EXECUTION_RESULT_OPEN = "<execution_result>"
+EXECUTION_RESULT_CLOSE = "</execution_result>"
+
+EXECUTION_RESULT_PROMPT = (
+  "You simulate the tools listed below. You never talk to a person: for each function call an agent makes, you "
+  "decide what the real tool would return. Write your answer as one non-empty JSON object or array between "
+  f"{EXECUTION_RESULT_OPEN} and {EXECUTION_RESULT_CLOSE}, each tag on its own line, e.g.\n{EXECUTION_RESULT_OPEN}\n"
+  '{"status": "ok"}\n'
+  f"{EXECUTION_RESULT_CLOSE}\nWhen the call cannot run (an unknown id, a missing or invalid argument, an action the "
+  'system forbids), answer with the object {"error_tool_call": {"code": "...", "message": "..."}} instead. Stay '
+  "consistent with the data and with your earlier results. Lines starting with 'User:' and 'Agent:' show the "
+  "conversation between the user and the agent, for context."
+)
+"""Our instructions for ``rollout.rehearsal_format="execution_result"`` (the official output contract, our wording)."""
 
 TOOLS_HEADER = "# Tools you implement\n\nOne function schema per line:\n<tools>"
 
@@ -245,8 +263,19 @@ def rehearse_system_prompt(task: Task, instructions: str, grounding: str) -> str
   return "\n\n".join(p for p in parts if p)
 
 
-def grounding_block(task: Task, tokenizer: Tokenizer, max_tokens: int) -> tuple[str, int, int]:
-  """The task's reference interactions as ``<tool_call>`` / ``<tool_response>`` pairs, within a token budget.
+def render_rehearsal(content: str, rehearsal_format: str = "tool_response") -> str:
+  """A tool result as REHEARSE writes it under ``rehearsal_format`` (``rollout.rehearsal_format``):
+  ``<tool_response>\\ncontent\\n</tool_response>``, or ``\\n<execution_result>\\ncontent\\n</execution_result>`` (the
+  official contract, tool_simulator_agent.py's ``EXECUTION_RESULT_BOT`` / ``EOT``)."""
+  if rehearsal_format == "execution_result":
+    return f"\n{EXECUTION_RESULT_OPEN}\n{content}\n{EXECUTION_RESULT_CLOSE}"
+  return tool_format.render_tool_response(content)
+
+
+def grounding_block(
+  task: Task, tokenizer: Tokenizer, max_tokens: int, rehearsal_format: str = "tool_response"
+) -> tuple[str, int, int]:
+  """The task's reference interactions as ``<tool_call>`` / result pairs (`render_rehearsal`), within a token budget.
 
   Interactions are taken in logged order; one whose rendering would exceed what is left of ``max_tokens`` is skipped
   (later, shorter ones may still fit).
@@ -261,7 +290,7 @@ def grounding_block(task: Task, tokenizer: Tokenizer, max_tokens: int) -> tuple[
     except TypeError:
       dropped += 1
       continue
-    piece = "\n" + call + "\n" + tool_format.render_tool_response(ref.result)
+    piece = "\n" + call + "\n" + render_rehearsal(ref.result, rehearsal_format).lstrip("\n")
     n = len(tokenizer.encode(piece))
     if used + n > max_tokens:
       dropped += 1
@@ -269,6 +298,83 @@ def grounding_block(task: Task, tokenizer: Tokenizer, max_tokens: int) -> tuple[
     pieces.append(piece)
     used += n
   return (GROUNDING_HEADER + "".join(pieces) if pieces else ""), len(pieces), dropped
+
+
+PER_CALL_SECTIONS = (
+  "# Tools of this task",
+  "# Reference interactions",
+  "# Conversation so far",
+  "# The agent's latest message",
+  "# The call to answer",
+)
+"""The sections of a per-call REHEARSE prompt (`per_call_prompt`), in order."""
+
+THINK_SWITCH = "/think"
+"""Appended to a REHEARSE prompt with ``rollout.rehearse_think`` (Qwen3's soft switch; simulate_core/_builders.py
+appends it to every simulator prompt)."""
+
+
+def serialize_history(messages: Sequence[ChatMessage]) -> str:
+  """A conversation as plain text for a per-call REHEARSE prompt: one paragraph per message, "User: ...",
+  "Agent: ..." (its text, then one ``<tool_call>`` block per call), "Tool[name]: ..." (results); system messages and
+  empty ones are left out; "(none)" when nothing is left."""
+  lines = []
+  for m in messages:
+    if m.role == "user" and m.content.strip():
+      lines.append("User: " + m.content.strip())
+    elif m.role == "assistant":
+      text = assistant_content(ChatMessage("assistant", m.content.strip(), tool_calls=m.tool_calls))
+      if text:
+        lines.append("Agent: " + text)
+    elif m.role == "tool" and m.content.strip():
+      lines.append(f"Tool[{m.name}]: " + m.content.strip() if m.name else "Tool: " + m.content.strip())
+  return "\n\n".join(lines) if lines else "(none)"
+
+
+def tool_schema(task: Task, name: str) -> Mapping[str, Any] | None:
+  """The task's schema of tool ``name`` (as listed in ``task.tools``), or None when the task has no such tool."""
+  for tool in task.tools:
+    if (tool["function"]["name"] if "function" in tool else tool.get("name")) == name:
+      return tool
+  return None
+
+
+def per_call_prompt(
+  task: Task,
+  name: str,
+  arguments: Mapping[str, Any],
+  *,
+  grounding: str,
+  history: Sequence[ChatMessage] | None,
+  latest: str | None,
+  think: bool = False,
+) -> str:
+  """The user message of a per-call REHEARSE prompt (``rollout.rehearse_context="per_call"``), the structure of the
+  official simulator prompt (simulate_core/_builders.py ``build_validation_user_prompt``; our wording): the
+  `PER_CALL_SECTIONS` in order, blank-line separated, then `THINK_SWITCH` with ``think``.
+
+  Args:
+    task: its tool schemas are the first section.
+    name, arguments: the call to answer (its schema is looked up in ``task.tools``; "(unknown tool)" when absent).
+    grounding: the reference interactions (`grounding_block`), "" for none ("(none)" is written).
+    history: the conversation before the call's message (`serialize_history`); None leaves the section out.
+    latest: the agent's message holding the call, as generated; None leaves the section out.
+  """
+  schema = tool_schema(task, name)
+  parts = [
+    PER_CALL_SECTIONS[0] + "\n" + json.dumps([dict(t) for t in task.tools], ensure_ascii=False, indent=0),
+    grounding or PER_CALL_SECTIONS[1] + "\n(none)",
+  ]
+  if history is not None:
+    parts.append(PER_CALL_SECTIONS[2] + "\n" + serialize_history(history))
+  if latest is not None:
+    parts.append(PER_CALL_SECTIONS[3] + "\n" + latest)
+  schema_text = json.dumps(dict(schema), ensure_ascii=False, indent=0) if schema is not None else "(unknown tool)"
+  arguments_text = json.dumps(dict(arguments), ensure_ascii=False, indent=0)
+  parts.append(f"{PER_CALL_SECTIONS[4]}\nname: {name}\nschema:\n{schema_text}\narguments:\n{arguments_text}")
+  if think:
+    parts.append(THINK_SWITCH)
+  return "\n\n".join(parts)
 
 
 def user_system_prompt(task: Task, template: str = USER_PROMPT) -> str:
@@ -299,9 +405,12 @@ def rehearse_messages(message: ChatMessage, dialogue: bool = True) -> list[Messa
   return []
 
 
-def rehearse_history(history: Sequence[ChatMessage], dialogue: bool = True) -> list[Message]:
+def rehearse_history(
+  history: Sequence[ChatMessage], dialogue: bool = True, rehearsal_format: str = "tool_response"
+) -> list[Message]:
   """A logged conversation as the REHEARSE view shows it: `rehearse_messages` per message, and each answered call as
-  its call message followed by its logged result (an OBSERVATION: it is real). Unanswered calls are left out."""
+  its call message followed by its logged result (an OBSERVATION: it is real; `render_rehearsal`). Unanswered calls
+  are left out."""
   out, pending = [], []
   for m in history:
     out += rehearse_messages(m, dialogue)
@@ -311,7 +420,7 @@ def rehearse_history(history: Sequence[ChatMessage], dialogue: bool = True) -> l
       call = next((c for c in pending if c.id and c.id == m.tool_call_id), pending[0])
       pending.remove(call)
       out.append(rehearse_call(call.name, call.arguments))
-      out.append(Message("assistant", tool_format.render_tool_response(m.content), author=Role.OBSERVATION))
+      out.append(Message("assistant", render_rehearsal(m.content, rehearsal_format), author=Role.OBSERVATION))
   return out
 
 
@@ -415,20 +524,48 @@ class RehearsedResponse:
   """One REHEARSE generation, checked.
 
   Attributes:
-    content: the response body (inside the ``<tool_response>`` tags when present, else the whole text), stripped.
-    valid: the body is JSON, or error text when those are accepted.
-    is_error: the body is error text ("Error..."), as a real tool layer reports a refused call.
+    content: what the agent is shown. ``tool_response``: the body (inside the tags when present, else the whole
+      text), stripped. ``execution_result``: the parsed JSON re-serialised (``json.dumps``, non-ASCII kept), or for
+      an invalid output an error object ``{"error_tool_call": {"code", "message"}}`` (`tool_error`).
+    valid: the output keeps the format's contract.
+    is_error: the content reports a failed call: "Error..." text (``tool_response``, when accepted), an object with
+      an ``error_tool_call`` key (``execution_result``: the simulator's own, or an invalid output's).
     reason: why it is invalid ("" when valid).
+    code: ``execution_result``'s error code of an invalid output (the official parser's: ``EMPTY_SIMULATOR_OUTPUT``,
+      ``NO_EXECUTION_RESULT_TAG_FOUND``, ``EXECUTION_RESULT_TAG_MALFORMED``, ``SIMULATOR_JSON_DECODE_ERROR``,
+      ``INVALID_EXECUTION_RESULT_TYPE``, ``NON_SERIALIZABLE_EXECUTION_RESULT``); "" otherwise.
   """
 
   content: str
   valid: bool
   is_error: bool = False
   reason: str = ""
+  code: str = ""
 
 
-def parse_rehearsal(text: str, accept_error_text: bool = True) -> RehearsedResponse:
-  """Checks a REHEARSE generation: ``<tool_response>`` + JSON (or "Error..." text) + ``</tool_response>``."""
+def tool_error(code: str, message: str) -> str:
+  """The error object a failed call's observation holds, ``{"error_tool_call": {"code": ..., "message": ...}}`` (the
+  official layout, simulate_core/_error.py; ASCII-escaped JSON)."""
+  return json.dumps({"error_tool_call": {"code": code, "message": message}}, ensure_ascii=True)
+
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_EXECUTION_RESULT = re.compile(
+  re.escape(f"\n{EXECUTION_RESULT_OPEN}\n") + "(.*?)" + re.escape(f"\n{EXECUTION_RESULT_CLOSE}"), re.DOTALL
+)
+
+
+def parse_rehearsal(
+  text: str, accept_error_text: bool = True, rehearsal_format: str = "tool_response"
+) -> RehearsedResponse:
+  """Checks a REHEARSE generation against ``rehearsal_format``'s contract (``rollout.rehearsal_format``).
+
+  ``tool_response`` (ours): ``<tool_response>`` + any JSON value (or "Error..." text with ``accept_error_text``) +
+  ``</tool_response>``. ``execution_result`` (the official contract, `_parse_execution_result`): ``accept_error_text``
+  does not apply.
+  """
+  if rehearsal_format == "execution_result":
+    return _parse_execution_result(text)
   stripped = text.strip()
   begin = stripped.find(tool_format.TOOL_RESPONSE_OPEN)
   body = stripped[begin + len(tool_format.TOOL_RESPONSE_OPEN) :] if begin >= 0 else stripped
@@ -445,3 +582,37 @@ def parse_rehearsal(text: str, accept_error_text: bool = True) -> RehearsedRespo
   except (ValueError, RecursionError) as e:
     return RehearsedResponse(body, False, reason=f"not JSON: {str(e)[:200]}")
   return RehearsedResponse(body, True)
+
+
+def _parse_execution_result(text: str) -> RehearsedResponse:
+  """The official simulator-output contract (agent_system/agent/agents/checklist/tool_simulator_agent.py,
+  ``_parse_sim_response``), checked in its order: ``<think>...</think>`` spans are removed; blank -> empty; no
+  ``<execution_result>`` anywhere -> no tag; no ``\\n<execution_result>\\n ... \\n</execution_result>`` (the first,
+  shortest) -> malformed tag; the stripped block must be JSON, and a non-empty object or an array (empty allowed).
+  Golden test: tests/test_official_rehearse.py."""
+
+  def invalid(code: str, message: str) -> RehearsedResponse:
+    return RehearsedResponse(tool_error(code, message), False, is_error=True, reason=f"{code}: {message}", code=code)
+
+  text = _THINK.sub("", text)
+  if not text.strip():
+    return invalid("EMPTY_SIMULATOR_OUTPUT", "the output is empty")
+  if EXECUTION_RESULT_OPEN not in text:
+    return invalid("NO_EXECUTION_RESULT_TAG_FOUND", f"no {EXECUTION_RESULT_OPEN} in the output")
+  match = _EXECUTION_RESULT.search(text)
+  if match is None:
+    return invalid(
+      "EXECUTION_RESULT_TAG_MALFORMED", f"{EXECUTION_RESULT_OPEN} is not on its own line or is never closed"
+    )
+  try:
+    value = json.loads(match.group(1).strip())
+  except (ValueError, RecursionError) as e:
+    return invalid("SIMULATOR_JSON_DECODE_ERROR", f"the result is not JSON: {str(e)[:200]}")
+  if not isinstance(value, (dict, list)) or value == {}:
+    got = "an empty object" if value == {} else type(value).__name__
+    return invalid("INVALID_EXECUTION_RESULT_TYPE", f"the result must be a non-empty object or an array, got {got}")
+  try:
+    content = json.dumps(value, ensure_ascii=False)
+  except (ValueError, TypeError) as e:
+    return invalid("NON_SERIALIZABLE_EXECUTION_RESULT", str(e)[:200])
+  return RehearsedResponse(content, True, is_error=isinstance(value, dict) and "error_tool_call" in value)

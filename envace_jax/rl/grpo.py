@@ -230,10 +230,10 @@ def build_batch(
   for i, traj in enumerate(trajectories):
     if traj.reward is None or not traj.reward.valid:
       continue
-    for role, row in sorted(traj.rows.items()):
-      if role in cfg.trained_roles and row.num_trained_tokens:
+    for row in traj.training_rows():
+      if row.role in cfg.trained_roles and row.num_trained_tokens:
         rows.append(row)
-        adv.append(float(advantages[i, role]))
+        adv.append(float(advantages[i, row.role]))
         groups.append(traj.group)
   if not rows:
     raise ValueError("build_batch: no trainable rows (every trajectory invalid, or no row of a trained role).")

@@ -105,6 +105,12 @@ class FakeCache:
   def stored_slots(self):
     return len(self.tokens) * self.capacity
 
+  def rewound(self, cuts):
+    """Row -> the tokens it keeps (`unfold._Unfolder._rewind`)."""
+    for row, keep in cuts.items():
+      self.tokens[row], self.roles[row] = self.tokens[row][:keep], self.roles[row][:keep]
+    return self
+
 
 class ScriptedSampler(_Recorder):
   """No model: caches are token lists; every generation comes from ``script(role, trajectory, k) -> text``."""
