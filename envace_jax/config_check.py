@@ -378,7 +378,7 @@ def _check_rollout(ck: _Checker, context: int | None) -> tuple[Any, Any]:
     "continuous_batching",
   ):
     ck.boolean(f"rollout.{key}")
-  grounding = ck.integer("rollout.grounding_max_tokens", 0)
+  grounding = ck.integer("rollout.grounding_max_tokens", -1, why=" (-1: every interaction, 0: none)")
   page = ck.integer("rollout.kv_page_size", 0, why=" (0: dense rows)")
   ck.integer("rollout.kv_pages", 0, why=" (0: a quarter of every row at the largest capacity)")
   capacities = {}

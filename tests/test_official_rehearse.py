@@ -181,6 +181,8 @@ def test_per_call_prompt_has_the_official_parts_in_order(smollm2_tokenizer):
   sample = PROMPT["sample"]
   grounding, kept, dropped = views.grounding_block(task, smollm2_tokenizer, 10_000)
   assert (kept, dropped) == (2, 0)
+  assert views.grounding_block(task, smollm2_tokenizer, -1) == (grounding, 2, 0)  # -1: all of them (official)
+  assert views.grounding_block(task, smollm2_tokenizer, 40)[1:] == (0, 2)
   call = sample["call"]
   ours = views.per_call_prompt(
     task, call["name"], call["arguments"], grounding=grounding, history=messages[:-1], latest=sample["latest"],

@@ -227,7 +227,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # always ends with it). False (ours): REHEARSE's budget (rehearse_max_new_tokens) is sized for an answer only.
   c.rollout.rehearse_think = False
   # Token budget of the grounding block in the REHEARSE view: logged (tool, arguments, result) examples from the
-  # task's reference interactions. 0: no grounding.
+  # task's reference interactions. 0: no grounding; -1: every interaction, however long (official: the simulator's
+  # prompt shows them all; the view must still fit rehearse_capacity, or the trajectory ends with context_exhausted).
   c.rollout.grounding_max_tokens = 1024
   c.rollout.parallel_calls = False  # ACT may write several <tool_call> blocks in one message. official: True
   c.rollout.rehearse_sees_dialogue = True  # the REHEARSE view shows the user/agent messages too

@@ -27,9 +27,33 @@ OFFICIAL: dict[str, Any] = {
   "rollout.act_parser": "official",
   "rollout.on_malformed": "end",
   "rollout.parallel_calls": True,
-  # the rollout's sampling (examples/drmas_trainer/run_checklist_share.sh: tool_temperature, tool_top_p)
+  # REHEARSE (agent_system/agent/agents/checklist/tool_simulator_agent.py, simulate_core/_builders.py): a fresh
+  # prompt per call with every reference interaction and /think, the <execution_result> contract, a broken or error
+  # result ends the episode, the calls of one message rehearsed independently
+  "rollout.rehearse_context": "per_call",
+  "rollout.grounding_max_tokens": -1,
+  "rollout.rehearse_think": True,
+  "rollout.rehearsal_format": "execution_result",
+  "rollout.on_invalid_rehearsal": "end",
+  "rollout.on_rehearsed_error": "end",
+  "rollout.parallel_rehearsal": "independent",
+  # the rollout's sampling (examples/drmas_trainer/run_checklist_share.sh: tool_temperature, tool_top_p; val_kwargs)
   "rollout.rehearse_sampling.temperature": 0.6,
   "rollout.rehearse_sampling.top_p": 0.8,
+  "eval.sampling.temperature": 0.6,
+  "eval.sampling.top_p": 0.95,
+  "eval.sampling.top_k": 0,
+  # the checklist judge (agent_system/environments/env_package/checklist/interaction.py, checklist_reward.py, envs.py)
+  "reward.judge_granularity": "step",
+  "reward.required_items": "end",
+  "reward.unfinished_turn": "zero",
+  "reward.judge_schema": "official",
+  "reward.judge_transcript": "official",
+  "reward.judge_temperature": 0.6,
+  "reward.judge_top_p": 0.8,
+  "reward.judge_max_tokens": 6000,
+  "reward.judge_max_retries": 4,
+  "reward.judge_timeout_s": 120.0,
 }
 
 PAPER: dict[str, Any] = {

@@ -118,9 +118,9 @@ class UnfoldConfig:
     for name in ("kv_page_size", "kv_pages"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
         raise UnfoldConfigError(f"UnfoldConfig.{name} must be an int >= 0, got {getattr(self, name)!r}")
-    if not isinstance(self.grounding_max_tokens, int) or self.grounding_max_tokens < 0:
+    if not isinstance(self.grounding_max_tokens, int) or self.grounding_max_tokens < -1:
       raise UnfoldConfigError(
-        f"UnfoldConfig.grounding_max_tokens must be an int >= 0, got {self.grounding_max_tokens!r}"
+        f"UnfoldConfig.grounding_max_tokens must be an int >= -1, got {self.grounding_max_tokens!r}"
       )
     choices = {
       "user_mode": USER_MODES,

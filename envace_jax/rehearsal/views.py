@@ -278,7 +278,7 @@ def grounding_block(
   """The task's reference interactions as ``<tool_call>`` / result pairs (`render_rehearsal`), within a token budget.
 
   Interactions are taken in logged order; one whose rendering would exceed what is left of ``max_tokens`` is skipped
-  (later, shorter ones may still fit).
+  (later, shorter ones may still fit). ``max_tokens=-1``: every interaction (the official prompt shows them all).
 
   Returns:
     (text, kept, dropped): the block ("" when nothing is kept or the task has none) and the interaction counts.
@@ -292,7 +292,7 @@ def grounding_block(
       continue
     piece = "\n" + call + "\n" + render_rehearsal(ref.result, rehearsal_format).lstrip("\n")
     n = len(tokenizer.encode(piece))
-    if used + n > max_tokens:
+    if max_tokens >= 0 and used + n > max_tokens:
       dropped += 1
       continue
     pieces.append(piece)
