@@ -24,10 +24,13 @@ import numpy as np
 from envace_jax.config.choices import (
   ARG_KEYS,
   ATTENTION,
+  BASELINE_GROUPS,
   CHAT_TEMPLATES,
   DTYPES,
   ENV_MODES,
   KL_ESTIMATORS,
+  LONE_MEMBER_ADVANTAGES,
+  LOSS_AGGREGATIONS,
   MESH_AXES,
   REHEARSAL_USERS,
   REWARD_KINDS,
@@ -458,6 +461,9 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
       )
       roles = ()
   ck.one_of("grpo.weighting", WEIGHTINGS)
+  ck.one_of("grpo.baseline_groups", BASELINE_GROUPS)
+  ck.one_of("grpo.lone_member_advantage", LONE_MEMBER_ADVANTAGES)
+  ck.one_of("grpo.loss_aggregation", LOSS_AGGREGATIONS)
   ck.boolean("grpo.std_normalize")
   ck.boolean("grpo.fresh_optimizer_after_sft")
   ck.number("grpo.adv_eps", lambda x: x > 0, "> 0")

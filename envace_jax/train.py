@@ -377,6 +377,8 @@ class Trainer:
       weighting=self.grpo_cfg.weighting,
       std_normalize=self.grpo_cfg.std_normalize,
       eps=self.grpo_cfg.adv_eps,
+      baseline_groups=self.grpo_cfg.baseline_groups,
+      lone_member_advantage=self.grpo_cfg.lone_member_advantage,
     )
 
   def training_batch(self, trajectories: Sequence[Trajectory], adv) -> TrainBatch:

@@ -245,6 +245,12 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
     (["--config.grpo.clip_ratio_c=0.5"], "grpo.clip_ratio_c=0.5 must be > 1"),
     (["--config.grpo.kl_estimator=k3"], "grpo.kl_estimator='k3' is not valid; choose one of 'low_var_kl', 'k1', 'k2'"),
     (["--config.grpo.weighting=token"], "grpo.weighting='token' is not valid; choose one of 'row', 'trajectory'"),
+    (
+      ["--config.grpo.loss_aggregation=sum"],
+      "grpo.loss_aggregation='sum' is not valid; choose one of 'generation_mean', 'token_mean'",
+    ),
+    (["--config.grpo.baseline_groups=agent"], "grpo.baseline_groups='agent' is not valid; choose one of 'task_role'"),
+    (["--config.grpo.lone_member_advantage=one"], "grpo.lone_member_advantage='one' is not valid; choose one of"),
     (["--config.grpo.length_bucket=500"], "grpo.length_bucket=500 must be a power of 2"),
     (["--config.rollout.user_mode=human"], "rollout.user_mode='human' is not valid; choose one of 'reference'"),
     (["--config.rollout.env_mode=mock"], "rollout.env_mode='mock' is not valid; choose one of 'rehearse', 'real'"),

@@ -5,6 +5,9 @@ before the training stack loads)."""
 GRPO_MODES = ("envace", "per_role", "grpo_real_env")  # grpo.mode (rl/grpo.py)
 KL_ESTIMATORS = ("low_var_kl", "k1", "k2")  # grpo.kl_estimator (rl/grpo.py: kl_penalty)
 WEIGHTINGS = ("row", "trajectory")  # grpo.weighting (rl/advantages.py)
+BASELINE_GROUPS = ("task_role", "task")  # grpo.baseline_groups (rl/advantages.py)
+LONE_MEMBER_ADVANTAGES = ("zero", "reward")  # grpo.lone_member_advantage (rl/advantages.py)
+LOSS_AGGREGATIONS = ("generation_mean", "token_mean")  # grpo.loss_aggregation (rl/grpo.py)
 ENV_MODES = ("rehearse", "real")  # rollout.env_mode (rehearsal/episode.py)
 USER_MODES = ("reference", "policy", "external")  # rollout.user_mode
 MALFORMED_POLICIES = ("continue", "end")  # rollout.on_malformed

@@ -227,11 +227,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Group baseline over a (task, role): "row" counts every generation (the paper's code), "trajectory" every
   # trajectory once.
   c.grpo.weighting = "row"
+  # The baseline group of a generation: "task_role", its role's generations in the task's G trajectories (the paper's
+  # role-wise GRPO; official group_by_agent_id=True), or "task", every trained role's together (official
+  # group_by_agent_id=False, the role-agnostic ablation; with weighting="trajectory" as the official averages it).
+  c.grpo.baseline_groups = "task_role"
+  # A group of one member (one generation, or one trajectory) gets advantage "zero" (ours: no baseline to compare
+  # with) or "reward" (the official: baseline 0, std 1, so its raw reward, always reinforcing with rewards >= 0).
+  c.grpo.lone_member_advantage = "zero"
   c.grpo.std_normalize = False  # divide advantages by the role's reward std in the group. paper: off
   c.grpo.adv_eps = 1e-6  # added to that std
   c.grpo.clip_eps_low = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]. paper: 0.2 / 0.2
   c.grpo.clip_eps_high = 0.2
   c.grpo.clip_ratio_c = 3.0  # dual-clip constant (> 1) for negative advantages
+  # How token losses make the step's loss: "generation_mean" (the official: each generation, one ACT or REHEARSE
+  # output, weighs the same, its loss the mean over its tokens; the official micro-batch of one generation,
+  # token-mean, divided by the accumulation steps) or "token_mean" (one mean over every trained token of the step, so
+  # long generations weigh more).
+  c.grpo.loss_aggregation = "generation_mean"
   c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
   c.grpo.kl_coef = 1e-4
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
