@@ -406,6 +406,7 @@ def _check_reward(ck: _Checker) -> None:
   kind = ck.one_of("reward.kind", REWARD_KINDS)
   ck.one_of("reward.arg_keys", ARG_KEYS)
   ck.number("reward.malformed_penalty", lambda x: x >= 0, ">= 0")
+  ck.number("reward.empty_output_penalty", lambda x: x >= 0, ">= 0")
   if kind == "judge":
     url, name = ck.text("reward.judge_url"), ck.text("reward.judge_model")
     if url is not _MISSING and not re.match(r"https?://", url):

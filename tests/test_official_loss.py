@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from envace_jax.config import defaults
+from envace_jax.envs.base import RewardInfo, Task
 from envace_jax.model import transformer
 from envace_jax.model.config import PRESETS
 from envace_jax.model.roles import NUM_ROLES, Role
-from envace_jax.rehearsal.trajectory import TrainingRow
+from envace_jax.rehearsal.trajectory import TrainingRow, Trajectory
 from envace_jax.rl import advantages as advantages_lib
 from envace_jax.rl import grpo
 from envace_jax.rl.batch import collate, generation_weights, split_micro_batches
@@ -91,6 +92,68 @@ def test_advantages_reproduce_the_official(case):
     assert mine == (0.0 if (i, r) in lone else got), g
   # A lone member's official advantage is its reward (less nothing: no std to divide by, eps aside).
   assert adv[10, ACT] == pytest.approx(0.3, abs=1e-6) and ours[10, ACT] == 0.0
+
+
+EOS, BLANK = 2, 1000  # ids from BLANK on stand for whitespace
+
+
+def _token(i, role, k):
+  return 100 + 40 * i + 10 * role + k
+
+
+def _is_empty(ids):
+  return bool(np.all((ids == EOS) | (ids >= BLANK)))
+
+
+def _fixture_trajectories():
+  """The fixture's trajectories with rows whose generations are runs of trained tokens, each after two untrained
+  tokens: trajectory i's k-th generation of role r is 2 + k tokens ``_token(i, r, k)``, or when empty
+  ``_token(i, r, k) + BLANK`` (a blank token, `_is_empty`) then EOS."""
+  task = Task(id="t", benchmark="tiny", domain="test", split="train", system_prompt="", tools=())
+  trajectories = []
+  for i, t in enumerate(FIXTURE["trajectories"]):
+    traj = Trajectory(task=task, group=t["task"], sample=i, reward=RewardInfo(reward=t["reward"]))
+    empty = {(role, k) for role, k in t["empty"]}
+    for role, count in t["generations"].items():
+      if not count:
+        continue
+      tokens, roles, mask = [1, 1], [SYSTEM, USER], [False, False]
+      for k in range(count):
+        token = _token(i, ROLE_IDS[role], k)
+        ids = [token + BLANK, EOS] if (role, k) in empty else [token] * (2 + k)
+        tokens += ids + [1, 1]
+        roles += [ROLE_IDS[role]] * len(ids) + [USER, USER]
+        mask += [True] * len(ids) + [False, False]
+      n = len(tokens)
+      traj.rows[ROLE_IDS[role]] = TrainingRow(np.asarray(tokens, np.int32), np.asarray(roles, np.int32),
+                                              np.asarray(mask), np.full(n, -1.0, np.float32), ROLE_IDS[role], i,
+                                              count)  # fmt: skip
+    trajectories.append(traj)
+  return trajectories
+
+
+@pytest.mark.parametrize("case", FIXTURE["advantage_cases"][:4], ids=_case_id)  # task_role, as trained by default
+def test_each_generations_trained_tokens_carry_the_official_advantage(case):
+  """From trajectories to the batch: empty generations found in the rows, their penalised advantage on their own
+  tokens (rows of several generations, packed or not), every other generation's on its own."""
+  trajectories = _fixture_trajectories()
+  rewards, groups, gens, valid = advantages_lib.trajectory_arrays(trajectories)
+  counts, flags = advantages_lib.empty_generations(trajectories, (ACT, REHEARSE), _is_empty)
+  np.testing.assert_array_equal(counts, _arrays()[3])
+  adv, adv_empty, _ = advantages_lib.generation_advantages(
+    rewards, groups, gens, valid, trained_roles=(ACT, REHEARSE), std_normalize=case["std_normalize"],
+    eps=case["epsilon"], lone_member_advantage="reward", empty=counts, empty_penalty=case["empty_output_penalty"],
+  )  # fmt: skip
+  for pack in (False, True):
+    cfg = grpo.GrpoConfig.from_config(pack_shared_prefix=pack, min_shared_prefix=1, length_bucket=16)
+    batch = grpo.build_batch(trajectories, adv, cfg, empty=(adv_empty, flags))
+    tokens = np.take_along_axis(batch.tokens, batch.target_index, axis=-1)
+    for g in case["generations"]:
+      i, k = g["trajectory"], g["generation"]
+      token = _token(i, ROLE_IDS[g["role"]], k) + (BLANK if g["empty"] else 0)
+      where = batch.target_mask & (tokens == token)
+      assert where.sum() == (1 if g["empty"] else 2 + k)
+      np.testing.assert_allclose(batch.target_advantages[where], g["advantage"], atol=1e-6, err_msg=str(g))
 
 
 def test_role_advantages_is_generation_advantages_without_empty_generations():

@@ -211,6 +211,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.reward.kind = "rule"  # "rule": checklist from the task's gold actions; "judge": the paper's LLM checklist judge
   c.reward.arg_keys = "strict"  # "strict" or "tau2": which arguments a gold action compares (RuleChecklistConfig)
   c.reward.malformed_penalty = 1.0  # RuleChecklistConfig.malformed_penalty
+  # Subtracted from the score of a generation (ACT or REHEARSE) whose text is blank, in its advantage
+  # (rl/advantages.py generation_advantages). official: 0.1 (verl's invalid_action_penalty_coef); 0: off
+  c.reward.empty_output_penalty = 0.1
   c.reward.judge_url = ""  # "judge": OpenAI-compatible API root
   c.reward.judge_model = ""  # "judge": model name
   c.reward.judge_api_key_env = ""  # "judge": environment variable holding the API key ("": none)

@@ -5,7 +5,7 @@ Every trajectory gets one advantage per role, which each of its rows of that rol
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ import numpy as np
 from envace_jax.config.choices import BASELINE_GROUPS, LONE_MEMBER_ADVANTAGES, WEIGHTINGS
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
+from envace_jax.rl.batch import generation_spans
 
 
 def role_name(role: int) -> str:
@@ -203,6 +204,36 @@ def generation_advantages(
     stats[f"adv/{name}/generations"] = float(np.sum(np.where(valid, gens[:, r], 0)))
     stats[f"adv/{name}/abs_mean"] = float(np.sum(np.abs(out[members, r]))) / max(int(np.sum(members)), 1)
   return out, out_empty, stats
+
+
+def empty_generations(
+  trajectories: Sequence[Trajectory], roles: Sequence[int], is_empty: Callable[[np.ndarray], bool]
+) -> tuple[np.ndarray, list[dict[int, np.ndarray]]]:
+  """Which generations of each trajectory's rows are empty, for ``generation_advantages``' penalty.
+
+  A row's generations are its runs of trained tokens (`batch.generation_spans`: each is one sampler output's ids).
+
+  Args:
+    roles: the role ids whose rows are read.
+    is_empty: int32[n] ids of one generation -> whether its text is empty (the trainer: blank once decoded without
+      special tokens, as the official trainer's ``batch_decode(..., skip_special_tokens=True)`` then ``strip()``).
+  Returns:
+    (counts int32[N, NUM_ROLES] of empty generations, flags): flags[i][role] bool[runs], one per generation of
+    trajectory i's row of that role, in order (absent: no row).
+  """
+  counts = np.zeros((len(trajectories), NUM_ROLES), np.int32)
+  flags: list[dict[int, np.ndarray]] = []
+  for i, traj in enumerate(trajectories):
+    flags.append({})
+    for role in roles:
+      row = traj.rows.get(int(role))
+      if row is None:
+        continue
+      spans = generation_spans(row.loss_mask)
+      f = np.asarray([bool(is_empty(np.asarray(row.tokens[a:b]))) for a, b in spans], bool)
+      flags[i][int(role)] = f
+      counts[i, int(role)] = int(f.sum())
+  return counts, flags
 
 
 def trajectory_arrays(trajectories: Sequence[Trajectory]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -83,19 +83,23 @@ class TrainBatch:
     return int(np.round(np.sum(np.asarray(self.target_weights, np.float64))))
 
 
+def generation_spans(mask: np.ndarray) -> list[tuple[int, int]]:
+  """The generations of a row: the (start, stop) of each maximal run of True in ``mask`` (bool[n], a
+  `TrainingRow`'s loss mask), in order."""
+  edges = np.diff(np.concatenate([[0], np.asarray(mask, bool).astype(np.int8), [0]]))
+  return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
 def generation_weights(mask: np.ndarray) -> np.ndarray:
   """Per-token weights of a row's trained tokens: 1 / (length of the run of ``mask`` the token lies in), 0 off it.
 
   Args:
     mask: bool[n] trained tokens of one row (a `TrainingRow`'s loss mask, as ``collate`` keeps it).
   Returns:
-    float32[n]; each maximal run of True (one generation) sums to 1.
+    float32[n]; each maximal run of True (one generation, `generation_spans`) sums to 1.
   """
-  mask = np.asarray(mask, bool)
-  edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
-  starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-  weights = np.zeros(mask.shape, np.float32)
-  for start, stop in zip(starts, stops, strict=True):
+  weights = np.zeros(np.shape(mask), np.float32)
+  for start, stop in generation_spans(mask):
     weights[start:stop] = np.float32(1.0 / (stop - start))
   return weights
 

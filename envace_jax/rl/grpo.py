@@ -52,7 +52,7 @@ from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rl.advantages import role_name
-from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches, trimmed
+from envace_jax.rl.batch import TrainBatch, collate, generation_spans, split_micro_batches, trimmed
 from envace_jax.rl.logprobs import target_logprobs
 from envace_jax.sampling import sharding
 
@@ -82,8 +82,9 @@ class GrpoConfig:
   """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument).
 
   The fields are ``config.grpo``'s keys, each explained once in ``envace_jax/config/defaults.py`` (no defaults
-  here: `from_config` reads them), and ``sft_steps``, the run's supervised warm-up updates
-  (``train.sft_warmup_steps``). ``trained_roles`` is stored as a sorted tuple of role ids.
+  here: `from_config` reads them), ``sft_steps``, the run's supervised warm-up updates (``train.sft_warmup_steps``),
+  and ``empty_output_penalty`` (``reward.empty_output_penalty``). ``trained_roles`` is stored as a sorted tuple of
+  role ids.
   """
 
   mode: str
@@ -91,6 +92,7 @@ class GrpoConfig:
   weighting: str
   baseline_groups: str
   lone_member_advantage: str
+  empty_output_penalty: float
   std_normalize: bool
   adv_eps: float
   clip_eps_low: float
@@ -153,6 +155,7 @@ class GrpoConfig:
       ("clip_eps_high", self.clip_eps_high >= 0.0, ">= 0"),
       ("clip_ratio_c", self.clip_ratio_c > 1.0, "> 1"),
       ("adv_eps", self.adv_eps > 0.0, "> 0"),
+      ("empty_output_penalty", self.empty_output_penalty >= 0.0, ">= 0"),
       ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
       ("learning_rate", self.learning_rate > 0.0, "> 0"),
       ("sft_steps", self.sft_steps >= 0, ">= 0"),
@@ -175,14 +178,18 @@ class GrpoConfig:
 
   @classmethod
   def from_config(cls, config=None, **overrides) -> GrpoConfig:
-    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps``, then ``overrides`` (field: value); config
-    None: the defaults.
+    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps`` and ``empty_output_penalty =
+    config.reward.empty_output_penalty``, then ``overrides`` (field: value); config None: the defaults.
 
     Raises:
       ValueError: an unknown key or an invalid value.
     """
     c = defaults.or_defaults(config)
-    fields = {**c.grpo.to_dict(), "sft_steps": c.train.sft_warmup_steps}
+    fields = {
+      **c.grpo.to_dict(),
+      "sft_steps": c.train.sft_warmup_steps,
+      "empty_output_penalty": c.reward.empty_output_penalty,
+    }
     fields["trained_roles"] = choices.parse_names(fields["trained_roles"])
     return cls.from_mapping({**fields, **overrides})
 
@@ -221,6 +228,7 @@ def build_batch(
   advantages: np.ndarray,
   cfg: GrpoConfig,
   *,
+  empty: tuple[np.ndarray, Sequence[Mapping[int, np.ndarray]]] | None = None,
   num_micro_batches: int | None = None,
   pad_id: int = 0,
 ) -> TrainBatch:
@@ -231,7 +239,10 @@ def build_batch(
 
   Args:
     trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
-    advantages: float32[N, R'] from ``role_advantages``.
+    advantages: float32[N, R'] from ``role_advantages`` (``generation_advantages``: of the non-empty generations).
+    empty: (empty_advantages float32[N, R'], flags) from ``generation_advantages`` and ``empty_generations``: the
+      tokens of a generation flagged empty (``flags[i][role][k]``, the row's k-th run of trained tokens) take
+      ``empty_advantages[i, role]``; None: every generation takes ``advantages``.
     num_micro_batches, pad_id: see ``split_micro_batches`` and ``collate``.
   Raises:
     ValueError: no trainable row (every trajectory invalid or no trained role present), or see ``collate``.
@@ -243,7 +254,14 @@ def build_batch(
     for role, row in sorted(traj.rows.items()):
       if role in cfg.trained_roles and row.num_trained_tokens:
         rows.append(row)
-        adv.append(float(advantages[i, role]))
+        a = float(advantages[i, role])
+        flags = empty[1][i].get(role) if empty is not None else None
+        if flags is not None and flags.any():  # per token: the empty generations' own advantage
+          a = np.full(len(row.tokens), a, np.float32)
+          for (start, stop), flag in zip(generation_spans(row.loss_mask), flags, strict=True):
+            if flag:
+              a[start:stop] = empty[0][i, role]
+        adv.append(a)
         groups.append(traj.group)
   if not rows:
     raise ValueError("build_batch: no trainable rows (every trajectory invalid, or no row of a trained role).")
