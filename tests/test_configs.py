@@ -291,6 +291,7 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
       "rollout.external_user.base_url='': rollout.user_mode='external' needs an http(s) API root",
     ),
     (["--config.reward.kind=judge", "--config.reward.judge_url=http://x/v1"], "reward.judge_model is empty"),
+    (["--config.reward.empty_output_penalty=-0.1"], "reward.empty_output_penalty=-0.1 must be >= 0"),
     (["--config.train.sft_warmup_steps=9"], "train.sft_warmup_steps=9 must be <= train.steps=2"),
     (["--config.train.checkpoint_every=0"], "train.checkpoint_every=0 must be >= 1"),
     (["--config.eval.rehearsal=both"], "eval.rehearsal='both' is not valid; choose one or more of 'off', 'parallel'"),
