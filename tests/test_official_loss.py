@@ -39,6 +39,15 @@ def test_the_defaults_are_the_official_loss_and_our_advantage_choices():
   assert c.grpo.lone_member_advantage == "zero"  # ours; "reward" is the official (see the departures table)
 
 
+def test_a_checkpoint_from_before_these_settings_resumes_as_it_trained():
+  c = defaults.get_config().to_dict()
+  del c["grpo"]["loss_aggregation"], c["reward"]["empty_output_penalty"]
+  old = defaults.completed(c)
+  assert old.grpo.loss_aggregation == "token_mean" and old.reward.empty_output_penalty == 0.0
+  assert old.grpo.lone_member_advantage == "zero" and old.grpo.baseline_groups == "task_role"  # as before
+  assert defaults.completed(defaults.get_config().to_dict()) == defaults.get_config()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Advantages
 

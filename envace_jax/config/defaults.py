@@ -46,10 +46,19 @@ def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.Conf
   return get_config() if config is None else config
 
 
+# Settings added with a default that changes what runs did before them: the value that keeps the earlier behaviour,
+# which a checkpoint written before the setting existed resumes with (`completed`).
+EARLIER_BEHAVIOUR: dict[str, Any] = {
+  "grpo.loss_aggregation": "token_mean",
+  "reward.empty_output_penalty": 0.0,
+}
+
+
 def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
-  setting's default keeps the earlier behaviour). Stored values win; a stored key no longer known is kept."""
+  setting's default keeps the earlier behaviour), or, where the default changed that behaviour, the value in
+  `EARLIER_BEHAVIOUR`. Stored values win; a stored key no longer known is kept."""
 
   def merge(default: dict, saved: Mapping) -> dict:
     out = dict(default)
@@ -58,7 +67,12 @@ def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
       out[key] = merge(out[key], value) if both else value
     return out
 
-  return ml_collections.ConfigDict(merge(get_config().to_dict(), stored))
+  base = get_config().to_dict()
+  for dotted, value in EARLIER_BEHAVIOUR.items():
+    section, key = dotted.split(".")
+    if key not in stored.get(section, {}):
+      base[section][key] = value
+  return ml_collections.ConfigDict(merge(base, stored))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
