@@ -25,6 +25,7 @@ from envace_jax.config.choices import (
   ACT_PARSERS,
   ARG_KEYS,
   ATTENTION,
+  BASELINE_GROUPS,
   CHAT_TEMPLATES,
   DTYPES,
   ENV_MODES,
@@ -32,6 +33,8 @@ from envace_jax.config.choices import (
   JUDGE_SCHEMAS,
   JUDGE_TRANSCRIPTS,
   KL_ESTIMATORS,
+  LONE_MEMBER_ADVANTAGES,
+  LOSS_AGGREGATIONS,
   MESH_AXES,
   OLD_LOGPROBS,
   PARALLEL_REHEARSALS,
@@ -427,6 +430,7 @@ def _check_reward(ck: _Checker) -> None:
   kind = ck.one_of("reward.kind", REWARD_KINDS)
   ck.one_of("reward.arg_keys", ARG_KEYS)
   ck.number("reward.malformed_penalty", lambda x: x >= 0, ">= 0")
+  ck.number("reward.empty_output_penalty", lambda x: x >= 0, ">= 0")
   if kind == "judge":
     url, name = ck.text("reward.judge_url"), ck.text("reward.judge_model")
     if url is not _MISSING and not re.match(r"https?://", url):
@@ -501,6 +505,9 @@ def _check_grpo(ck: _Checker, benchmark: str | None, env_mode: Any, user_mode: A
       )
       roles = ()
   ck.one_of("grpo.weighting", WEIGHTINGS)
+  ck.one_of("grpo.baseline_groups", BASELINE_GROUPS)
+  ck.one_of("grpo.lone_member_advantage", LONE_MEMBER_ADVANTAGES)
+  ck.one_of("grpo.loss_aggregation", LOSS_AGGREGATIONS)
   ck.boolean("grpo.std_normalize")
   ck.boolean("grpo.fresh_optimizer_after_sft")
   ck.number("grpo.adv_eps", lambda x: x > 0, "> 0")

@@ -349,6 +349,7 @@ def plan(
     parents=field(t), loss_mask=field(t, dtype=bool), old_logprobs=field(t, dtype=jnp.float32),
     ref_logprobs=field(t, dtype=jnp.float32), row_role=field(), target_index=field(t), source_index=field(t),
     target_mask=field(t, dtype=bool), target_advantages=field(t, dtype=jnp.float32),
+    target_weights=field(t, dtype=jnp.float32),
   )  # fmt: skip
   if update_mesh is not None:
     mb_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(update_mesh, jax.sharding.PartitionSpec(*s.spec[1:])),

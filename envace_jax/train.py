@@ -370,27 +370,50 @@ class Trainer:
   # -- one step: rollout, advantages, batch, (reference logprobs), update ------------------------------------------
 
   def advantages(self, trajectories: Sequence[Trajectory]):
-    """Role-wise GRPO advantages of scored trajectories: `advantages.role_advantages` (advantages, statistics) with
-    this run's settings."""
+    """Role-wise GRPO advantages of scored trajectories, (advantages float32[N, R'], statistics): those of their
+    non-empty generations (`generation_advantages`)."""
+    adv, _, stats = self.generation_advantages(trajectories)
+    return adv, stats
+
+  def generation_advantages(self, trajectories: Sequence[Trajectory]):
+    """`advantages.generation_advantages` with this run's settings: (advantages float32[N, R'], empty, statistics),
+    empty = (the empty generations' advantages float32[N, R'], their flags) for `training_batch`, None when
+    ``reward.empty_output_penalty`` is 0 (no generation is decoded then). A generation is empty when its ids decode
+    to blank text without special tokens (the official trainer's test)."""
     rewards_n, groups, generations, valid = advantages_lib.trajectory_arrays(trajectories)
-    return advantages_lib.role_advantages(
+    roles, penalty = self.grpo_cfg.trained_roles, self.grpo_cfg.empty_output_penalty
+    counts, flags = None, None
+    if penalty:
+      tokenizer = self.model.tokenizer
+      counts, flags = advantages_lib.empty_generations(
+        trajectories, roles, lambda ids: not tokenizer.decode(ids, skip_special_tokens=True).strip()
+      )
+    adv, adv_empty, stats = advantages_lib.generation_advantages(
       rewards_n,
       groups,
       generations,
       valid,
-      trained_roles=self.grpo_cfg.trained_roles,
+      trained_roles=roles,
       weighting=self.grpo_cfg.weighting,
       std_normalize=self.grpo_cfg.std_normalize,
       eps=self.grpo_cfg.adv_eps,
+      baseline_groups=self.grpo_cfg.baseline_groups,
+      lone_member_advantage=self.grpo_cfg.lone_member_advantage,
+      empty=counts,
+      empty_penalty=penalty,
     )
+    if counts is not None:
+      stats["empty_generations"] = float(np.sum(np.where(valid[:, None], counts, 0)))
+    return adv, (adv_empty, flags) if counts is not None and counts.any() else None, stats
 
-  def training_batch(self, trajectories: Sequence[Trajectory], adv) -> TrainBatch:
-    """The padded update batch of the trained roles' rows (`grpo.build_batch`).
+  def training_batch(self, trajectories: Sequence[Trajectory], adv, empty=None) -> TrainBatch:
+    """The padded update batch of the trained roles' rows (`grpo.build_batch`; ``empty`` from
+    `generation_advantages`).
 
     Raises:
       ValueError: nothing is trainable (e.g. every trajectory invalid); `step` logs it and skips the update.
     """
-    return grpo.build_batch(trajectories, adv, self.grpo_cfg, pad_id=self.model.tokenizer.pad_id or 0)
+    return grpo.build_batch(trajectories, adv, self.grpo_cfg, empty=empty, pad_id=self.model.tokenizer.pad_id or 0)
 
   def with_reference(self, batch: TrainBatch) -> TrainBatch:
     """``batch`` with the reference policy's logprobs, for the loss's KL term (`apply_update` calls it when
@@ -509,10 +532,10 @@ class Trainer:
       scalars.update(dynamic)
       scalars["time/rollout_s"] += dynamic["time/dynamic_sampling_s"]
     with self.phase("batch") as out:
-      adv, adv_stats = out["advantages"] = self.advantages(trajectories)
+      adv, empty, adv_stats = out["advantages"] = self.generation_advantages(trajectories)
       update_start = time.perf_counter()
       try:
-        batch = self.training_batch(trajectories, adv)
+        batch = self.training_batch(trajectories, adv, empty)
       except ValueError as e:  # nothing trainable this step (e.g. every trajectory invalid): log it, do not crash
         logging.warning("step %d: no update: %s", step, e)
         scalars["update/skipped"] = 1.0

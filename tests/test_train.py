@@ -251,9 +251,10 @@ def test_recomputed_old_logprobs_are_the_samplers_up_to_numerics(tmp_path, data_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["envace", "per_role"])
-def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_path, data_dir, mode):
+def test_sft_update_is_the_gradient_of_the_demonstrations_mean_nll(tmp_path, data_dir, mode):
   """Advantage 1 and old logprobs = the current policy's: the GRPO surrogate's gradient is exactly -grad log p,
-  token-mean over the demonstrations' trained tokens (per_role: each tree over its own role's tokens)."""
+  averaged as the loss aggregation averages (generation_mean: over the demonstrations' generations of each one's
+  token mean; per_role: each tree over its own role's generations)."""
   from envace_jax.model.roles import NUM_ROLES, Role
   from envace_jax.rl import grpo, logprobs
 
@@ -278,8 +279,9 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_token_mean_nll(tmp_pat
       if not keep(int(mb.row_role[0])):
         continue
       logp, _ = logprobs.target_logprobs(trainer.model.config, p, mb)
-      total += jnp.sum(jnp.where(mb.target_mask, logp, 0.0))
-      count += jnp.sum(mb.target_mask)
+      # grpo.loss_aggregation="generation_mean" (the default): each generation's token mean, averaged.
+      total += jnp.sum(jnp.where(mb.target_mask, logp * mb.target_weights, 0.0))
+      count += jnp.round(jnp.sum(mb.target_weights))
     return -total / count
 
   reference = jax.jit(
@@ -392,9 +394,9 @@ def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, mo
       traj.reward = dataclasses.replace(traj.reward, reward=0.5 if flat else float(traj.sample), valid=True)
     return trajectories, stats
 
-  def recorded(trajectories, adv):
+  def recorded(trajectories, adv, empty=None):
     trained.append([(t.task.id, t.group) for t in trajectories])
-    return training_batch(trajectories, adv)
+    return training_batch(trajectories, adv, empty)
 
   monkeypatch.setattr(trainer, "rollout", scripted)
   monkeypatch.setattr(trainer, "training_batch", recorded)

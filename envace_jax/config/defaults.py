@@ -46,11 +46,19 @@ def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.Conf
   return get_config() if config is None else config
 
 
+# Settings added with a default that changes what runs did before them: the value that keeps the earlier behaviour,
+# which a checkpoint written before the setting existed resumes with (`completed`).
+EARLIER_BEHAVIOUR: dict[str, Any] = {
+  "grpo.loss_aggregation": "token_mean",
+  "reward.empty_output_penalty": 0.0,
+}
+
+
 def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
-  setting's default keeps the earlier behaviour, unless its comment says otherwise: eval.sampling). Stored values
-  win; a stored key no longer known is kept."""
+  setting's default keeps the earlier behaviour), or, where the default changed that behaviour, the value in
+  `EARLIER_BEHAVIOUR`. Stored values win; a stored key no longer known is kept."""
 
   def merge(default: dict, saved: Mapping) -> dict:
     out = dict(default)
@@ -59,7 +67,12 @@ def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
       out[key] = merge(out[key], value) if both else value
     return out
 
-  return ml_collections.ConfigDict(merge(get_config().to_dict(), stored))
+  base = get_config().to_dict()
+  for dotted, value in EARLIER_BEHAVIOUR.items():
+    section, key = dotted.split(".")
+    if key not in stored.get(section, {}):
+      base[section][key] = value
+  return ml_collections.ConfigDict(merge(base, stored))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -252,6 +265,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.reward.kind = "rule"  # "rule": checklist from the task's gold actions; "judge": the paper's LLM checklist judge
   c.reward.arg_keys = "strict"  # "strict" or "tau2": which arguments a gold action compares (RuleChecklistConfig)
   c.reward.malformed_penalty = 1.0  # RuleChecklistConfig.malformed_penalty
+  # Subtracted from the score of a generation (ACT or REHEARSE) whose text is blank, in its advantage
+  # (rl/advantages.py generation_advantages). official: 0.1 (verl's invalid_action_penalty_coef); 0: off
+  c.reward.empty_output_penalty = 0.1
   c.reward.judge_url = ""  # "judge": OpenAI-compatible API root
   c.reward.judge_model = ""  # "judge": model name
   c.reward.judge_api_key_env = ""  # "judge": environment variable holding the API key ("": none)
@@ -304,11 +320,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Group baseline over a (task, role): "row" counts every generation (the paper's code), "trajectory" every
   # trajectory once.
   c.grpo.weighting = "row"
+  # The baseline group of a generation: "task_role", its role's generations in the task's G trajectories (the paper's
+  # role-wise GRPO; official group_by_agent_id=True), or "task", every trained role's together (official
+  # group_by_agent_id=False, the role-agnostic ablation; with weighting="trajectory" as the official averages it).
+  c.grpo.baseline_groups = "task_role"
+  # A group of one member (one generation, or one trajectory) gets advantage "zero" (ours: no baseline to compare
+  # with) or "reward" (the official: baseline 0, std 1, so its raw reward, always reinforcing with rewards >= 0).
+  c.grpo.lone_member_advantage = "zero"
   c.grpo.std_normalize = False  # divide advantages by the role's reward std in the group. paper: off
   c.grpo.adv_eps = 1e-6  # added to that std
   c.grpo.clip_eps_low = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]. paper: 0.2 / 0.2
   c.grpo.clip_eps_high = 0.2
   c.grpo.clip_ratio_c = 3.0  # dual-clip constant (> 1) for negative advantages
+  # How token losses make the step's loss: "generation_mean" (the official: each generation, one ACT or REHEARSE
+  # output, weighs the same, its loss the mean over its tokens; the official micro-batch of one generation,
+  # token-mean, divided by the accumulation steps) or "token_mean" (one mean over every trained token of the step, so
+  # long generations weigh more).
+  c.grpo.loss_aggregation = "generation_mean"
   c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
   c.grpo.kl_coef = 1e-4
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"

@@ -50,6 +50,10 @@ class TrainBatch:
     target_mask: bool[B, I] True on real entries of target_index.
     target_advantages: float32[B, I] the advantage of each trained token: that of the row (of a packed suffix: of
       the row it came from); 0 on padding, frozen roles and invalid rows.
+    target_weights: float32[B, I] 1 / (trained tokens of the generation the token belongs to), 0 on padding: a
+      generation is a maximal run of trained tokens of a ``TrainingRow`` (one sampler output: `View.record` writes
+      its ids trained and the template's framing untrained around them), so each generation's weights sum to 1.
+      ``grpo.loss_aggregation="generation_mean"`` weighs each token's loss by it (see rl/grpo.py).
   """
 
   tokens: Any
@@ -66,11 +70,38 @@ class TrainBatch:
   source_index: Any
   target_mask: Any
   target_advantages: Any
+  target_weights: Any
 
   @property
   def num_tokens(self) -> int:
     """Trained tokens in the batch (host)."""
     return int(np.sum(np.asarray(self.target_mask)))
+
+  @property
+  def num_generations(self) -> int:
+    """Generations with a trained token in the batch (host): the runs of trained tokens of its rows."""
+    return int(np.round(np.sum(np.asarray(self.target_weights, np.float64))))
+
+
+def generation_spans(mask: np.ndarray) -> list[tuple[int, int]]:
+  """The generations of a row: the (start, stop) of each maximal run of True in ``mask`` (bool[n], a
+  `TrainingRow`'s loss mask), in order."""
+  edges = np.diff(np.concatenate([[0], np.asarray(mask, bool).astype(np.int8), [0]]))
+  return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
+def generation_weights(mask: np.ndarray) -> np.ndarray:
+  """Per-token weights of a row's trained tokens: 1 / (length of the run of ``mask`` the token lies in), 0 off it.
+
+  Args:
+    mask: bool[n] trained tokens of one row (a `TrainingRow`'s loss mask, as ``collate`` keeps it).
+  Returns:
+    float32[n]; each maximal run of True (one generation, `generation_spans`) sums to 1.
+  """
+  weights = np.zeros(np.shape(mask), np.float32)
+  for start, stop in generation_spans(mask):
+    weights[start:stop] = np.float32(1.0 / (stop - start))
+  return weights
 
 
 def bucket_length(n: int, step: int, minimum: int = 16) -> int:
@@ -93,10 +124,11 @@ class _Packed:
   logprobs: np.ndarray  # float32[n]
   source: np.ndarray  # int32[n]: the position whose hidden state predicts each token
   advantages: np.ndarray  # float32[n]: each token's advantage
+  weights: np.ndarray  # float32[n]: each trained token's generation weight (`generation_weights`)
   role: int
 
 
-def _plain(row: TrainingRow, loss_mask: np.ndarray, advantage: float) -> _Packed:
+def _plain(row: TrainingRow, loss_mask: np.ndarray, advantages: np.ndarray) -> _Packed:
   n = len(row.tokens)
   return _Packed(
     tokens=np.asarray(row.tokens, np.int32),
@@ -107,7 +139,8 @@ def _plain(row: TrainingRow, loss_mask: np.ndarray, advantage: float) -> _Packed
     loss_mask=loss_mask,
     logprobs=np.asarray(row.logprobs, np.float32),
     source=np.maximum(np.arange(n, dtype=np.int32) - 1, 0),
-    advantages=np.full(n, advantage, np.float32),
+    advantages=advantages,
+    weights=generation_weights(loss_mask),
     role=int(row.role),
   )
 
@@ -132,7 +165,7 @@ def _segment(
   segment: int,
   parent: int,
   mask: np.ndarray,
-  advantage: float,
+  advantages: np.ndarray | None,
 ) -> _Packed:
   """Tokens lo..hi-1 of ``row`` placed at packed positions start.., their first predicted from ``source0``."""
   n = hi - lo
@@ -148,7 +181,8 @@ def _segment(
     loss_mask=mask[lo:hi],
     logprobs=np.asarray(row.logprobs[lo:hi], np.float32),
     source=source,
-    advantages=np.full(n, advantage, np.float32),
+    advantages=np.zeros(n, np.float32) if advantages is None else advantages[lo:hi],
+    weights=generation_weights(mask)[lo:hi],
     role=int(row.role),
   )
 
@@ -158,20 +192,20 @@ def _pack(
   groups: Sequence[tuple[Sequence[int], int]],
   root: int,
   loss_masks: Sequence[np.ndarray],
-  advantages: Sequence[float],
+  advantages: Sequence[np.ndarray],
 ) -> _Packed:
   """Rows sharing their first ``root`` tokens as one row: the root (segment 0), then per group (row indices, P: the
   first P tokens its rows share, P >= root) the group's tokens root..P-1 as one segment (none when P == root), then
   each of its rows' remaining tokens as one segment (parent: the group's segment, else the root)."""
   first = rows[groups[0][0][0]]
-  parts = [_segment(first, 0, root, 0, 0, 0, 0, np.zeros(len(first.tokens), bool), 0.0)]
+  parts = [_segment(first, 0, root, 0, 0, 0, 0, np.zeros(len(first.tokens), bool), None)]
   start, segment = root, 0
   for members, p in groups:
     lead, parent, last = rows[members[0]], 0, root - 1  # last: the packed position of the shared part's last token
     if p > root:
       segment += 1
       parent = segment
-      parts.append(_segment(lead, root, p, start, last, segment, 0, np.zeros(len(lead.tokens), bool), 0.0))
+      parts.append(_segment(lead, root, p, start, last, segment, 0, np.zeros(len(lead.tokens), bool), None))
       start += p - root
       last = start - 1
     for i in members:
@@ -195,7 +229,7 @@ def _packed_length(rows: Sequence[TrainingRow], units: Sequence[tuple[Sequence[i
 
 def collate(
   rows: Sequence[TrainingRow],
-  advantages: Sequence[float] | np.ndarray,
+  advantages: Sequence[float | np.ndarray] | np.ndarray,
   *,
   trained_roles: Sequence[int],
   row_valid: Sequence[bool] | np.ndarray | None = None,
@@ -226,7 +260,8 @@ def collate(
 
   Args:
     rows: B training rows (``TrainingRow``: one view of one trajectory).
-    advantages: float[B], each row's advantage (``advantages_nr[row.trajectory, row.role]``).
+    advantages: B advantages, each a row's (``advantages_nr[row.trajectory, row.role]``) or float[n] of its tokens
+      (read where they are trained: e.g. one per generation).
     trained_roles: role ids that are trained; a row of another role, and any token whose role id is not trained,
       gets loss_mask 0.
     row_valid: bool[B]; False rows (e.g. of an invalid trajectory) are kept as fully masked rows. Default all True.
@@ -242,10 +277,17 @@ def collate(
   b = len(rows)
   if b == 0:
     raise ValueError("collate: no rows; a step needs at least one training row.")
-  adv = np.asarray(advantages, np.float32).reshape(-1)
   row_valid = np.ones(b, bool) if row_valid is None else np.asarray(row_valid, bool).reshape(-1)
-  if adv.shape != (b,) or row_valid.shape != (b,):
-    raise ValueError(f"collate: {b} rows need {b} advantages and row_valid; got {adv.shape} and {row_valid.shape}.")
+  if len(advantages) != b or row_valid.shape != (b,):
+    raise ValueError(
+      f"collate: {b} rows need {b} advantages and row_valid; got {len(advantages)} and {row_valid.shape}."
+    )
+  adv = []  # float32[n_i] per row
+  for i, (row, a) in enumerate(zip(rows, advantages, strict=True)):
+    a = np.asarray(a, np.float32)
+    if a.ndim and a.shape != (len(row.tokens),):
+      raise ValueError(f"collate: row {i} has {len(row.tokens)} tokens but advantages of shape {a.shape}.")
+    adv.append(np.broadcast_to(a, (len(row.tokens),)).copy())
   if pack_groups is not None and len(pack_groups) != b:
     raise ValueError(f"collate: {b} rows need {b} pack_groups; got {len(pack_groups)}.")
   if min_shared_prefix < 1:
@@ -260,7 +302,7 @@ def collate(
       mask = np.asarray(row.loss_mask, bool) & np.isin(np.asarray(row.roles), trained)
     mask[:1] = False  # nothing predicts position 0
     masks.append(mask)
-  adv = np.where([m.any() for m in masks], adv, 0.0).astype(np.float32)
+  adv = [np.where(m, a, 0.0).astype(np.float32) for m, a in zip(masks, adv, strict=True)]
 
   # Units of packing, per role in row order: a group of rows sharing at least min_shared_prefix tokens, else a row.
   units: dict[int, list[tuple[list[int], int]]] = {}  # role -> [(row indices, the tokens they share)]
@@ -321,12 +363,14 @@ def collate(
   target_index = np.zeros((b, width), np.int32)
   source_index = np.zeros((b, width), np.int32)
   target_adv = np.zeros((b, width), np.float32)
+  target_weights = np.zeros((b, width), np.float32)
   target_mask = np.arange(width)[None, :] < counts[:, None]
   for i, row in enumerate(out):
     where = np.flatnonzero(loss_mask[i])
     target_index[i, : counts[i]] = where
     source_index[i, : counts[i]] = row.source[where]
     target_adv[i, : counts[i]] = row.advantages[where]
+    target_weights[i, : counts[i]] = row.weights[where]
   return TrainBatch(
     tokens=tokens,
     roles=roles,
@@ -342,10 +386,12 @@ def collate(
     source_index=source_index,
     target_mask=target_mask,
     target_advantages=target_adv,
+    target_weights=target_weights,
   )
 
 
-_TARGET_FIELDS = ("target_index", "source_index", "target_mask", "target_advantages")  # [.., I]; row_role is [..]
+# The [.., I] fields; row_role is [..].
+_TARGET_FIELDS = ("target_index", "source_index", "target_mask", "target_advantages", "target_weights")
 
 
 def trimmed(batch: TrainBatch, length_bucket: int) -> TrainBatch:
@@ -427,4 +473,5 @@ def split_micro_batches(
     source_index=take(host.source_index, 0),
     target_mask=take(host.target_mask, False),
     target_advantages=take(host.target_advantages, 0.0),
+    target_weights=take(host.target_weights, 0.0),
   )

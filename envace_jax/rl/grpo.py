@@ -16,7 +16,7 @@ rl/advantages.py, the padded batch in rl/batch.py, the training forward in rl/lo
 
 Modes (``GrpoConfig.mode``) share one code path. ``per_role`` keeps two trees ``{"act": ..., "rehearse": ...}`` (the
 paper's ablation): micro-batches hold rows of one role, whose loss moves only its own tree; each tree has its own
-AdamW state, global-norm clip and token denominator, as two separate models would. ``grpo_real_env`` trains ACT only.
+AdamW state, global-norm clip and loss denominator, as two separate models would. ``grpo_real_env`` trains ACT only.
 
 Shapes: N trajectories, R role ids (``roles.NUM_ROLES``), K micro-batches, M rows per micro-batch, T tokens per row
 (bucketed), I trained-token slots per row (bucketed), V vocabulary. A row may pack the G rows of one (task, role)
@@ -39,14 +39,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from envace_jax import distributed
 from envace_jax.config import choices, defaults
+from envace_jax.config.choices import (
+  BASELINE_GROUPS,
+  KL_ESTIMATORS,
+  LONE_MEMBER_ADVANTAGES,
+  LOSS_AGGREGATIONS,
+  OLD_LOGPROBS,
+  WEIGHTINGS,
+)
 from envace_jax.config.choices import GRPO_MODES as MODES
-from envace_jax.config.choices import KL_ESTIMATORS, OLD_LOGPROBS, WEIGHTINGS
 from envace_jax.model import transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
 from envace_jax.rl.advantages import role_name
-from envace_jax.rl.batch import TrainBatch, collate, split_micro_batches, trimmed
+from envace_jax.rl.batch import TrainBatch, collate, generation_spans, split_micro_batches, trimmed
 from envace_jax.rl.logprobs import target_logprobs
 from envace_jax.sampling import sharding
 
@@ -76,18 +83,23 @@ class GrpoConfig:
   """Everything the update needs; validated on construction. Frozen and hashable (a static jit argument).
 
   The fields are ``config.grpo``'s keys, each explained once in ``envace_jax/config/defaults.py`` (no defaults
-  here: `from_config` reads them), and ``sft_steps``, the run's supervised warm-up updates
-  (``train.sft_warmup_steps``). ``trained_roles`` is stored as a sorted tuple of role ids.
+  here: `from_config` reads them), ``sft_steps``, the run's supervised warm-up updates (``train.sft_warmup_steps``),
+  and ``empty_output_penalty`` (``reward.empty_output_penalty``). ``trained_roles`` is stored as a sorted tuple of
+  role ids.
   """
 
   mode: str
   trained_roles: tuple[int, ...]
   weighting: str
+  baseline_groups: str
+  lone_member_advantage: str
+  empty_output_penalty: float
   std_normalize: bool
   adv_eps: float
   clip_eps_low: float
   clip_eps_high: float
   clip_ratio_c: float
+  loss_aggregation: str
   use_kl: bool
   kl_coef: float
   kl_estimator: str
@@ -112,13 +124,16 @@ class GrpoConfig:
   old_logprobs: str
 
   def __post_init__(self):
-    named = (
+    enumerated = (
       ("mode", MODES),
       ("weighting", WEIGHTINGS),
+      ("baseline_groups", BASELINE_GROUPS),
+      ("lone_member_advantage", LONE_MEMBER_ADVANTAGES),
+      ("loss_aggregation", LOSS_AGGREGATIONS),
       ("kl_estimator", KL_ESTIMATORS),
       ("old_logprobs", OLD_LOGPROBS),
     )
-    for name, valid in named:
+    for name, valid in enumerated:
       if getattr(self, name) not in valid:
         raise ValueError(f"GrpoConfig.{name}={getattr(self, name)!r}; valid values: {valid}.")
     roles = self.trained_roles
@@ -143,6 +158,7 @@ class GrpoConfig:
       ("clip_eps_high", self.clip_eps_high >= 0.0, ">= 0"),
       ("clip_ratio_c", self.clip_ratio_c > 1.0, "> 1"),
       ("adv_eps", self.adv_eps > 0.0, "> 0"),
+      ("empty_output_penalty", self.empty_output_penalty >= 0.0, ">= 0"),
       ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
       ("learning_rate", self.learning_rate > 0.0, "> 0"),
       ("sft_steps", self.sft_steps >= 0, ">= 0"),
@@ -165,14 +181,18 @@ class GrpoConfig:
 
   @classmethod
   def from_config(cls, config=None, **overrides) -> GrpoConfig:
-    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps``, then ``overrides`` (field: value); config
-    None: the defaults.
+    """``config.grpo`` with ``sft_steps = config.train.sft_warmup_steps`` and ``empty_output_penalty =
+    config.reward.empty_output_penalty``, then ``overrides`` (field: value); config None: the defaults.
 
     Raises:
       ValueError: an unknown key or an invalid value.
     """
     c = defaults.or_defaults(config)
-    fields = {**c.grpo.to_dict(), "sft_steps": c.train.sft_warmup_steps}
+    fields = {
+      **c.grpo.to_dict(),
+      "sft_steps": c.train.sft_warmup_steps,
+      "empty_output_penalty": c.reward.empty_output_penalty,
+    }
     fields["trained_roles"] = choices.parse_names(fields["trained_roles"])
     return cls.from_mapping({**fields, **overrides})
 
@@ -211,6 +231,7 @@ def build_batch(
   advantages: np.ndarray,
   cfg: GrpoConfig,
   *,
+  empty: tuple[np.ndarray, Sequence[Mapping[int, np.ndarray]]] | None = None,
   num_micro_batches: int | None = None,
   pad_id: int = 0,
 ) -> TrainBatch:
@@ -221,19 +242,33 @@ def build_batch(
 
   Args:
     trajectories: N scored trajectories; trajectory i's advantages are ``advantages[i]``.
-    advantages: float32[N, R'] from ``role_advantages``.
+    advantages: float32[N, R'] from ``role_advantages`` (``generation_advantages``: of the non-empty generations).
+    empty: (empty_advantages float32[N, R'], flags) from ``generation_advantages`` and ``empty_generations``: the
+      tokens of a generation flagged empty (``flags[i][role][k]``, the row's k-th run of trained tokens) take
+      ``empty_advantages[i, role]``; None: every generation takes ``advantages``.
     num_micro_batches, pad_id: see ``split_micro_batches`` and ``collate``.
   Raises:
     ValueError: no trainable row (every trajectory invalid or no trained role present), or see ``collate``.
   """
   rows, adv, groups = [], [], []
+  left = [dict(flags) for flags in empty[1]] if empty is not None else None  # each role's flags not yet used
   for i, traj in enumerate(trajectories):
     if traj.reward is None or not traj.reward.valid:
       continue
     for row in traj.training_rows():
       if row.role in cfg.trained_roles and row.num_trained_tokens:
         rows.append(row)
-        adv.append(float(advantages[i, row.role]))
+        a = float(advantages[i, row.role])
+        flags = left[i].get(row.role) if empty is not None else None
+        if flags is not None:  # per token: the empty generations' own advantage (flags: the role's rows in order)
+          spans = generation_spans(row.loss_mask)
+          mine, left[i][row.role] = flags[: len(spans)], flags[len(spans) :]
+          if mine.any():
+            a = np.full(len(row.tokens), a, np.float32)
+            for (start, stop), flag in zip(spans, mine, strict=True):
+              if flag:
+                a[start:stop] = empty[0][i, row.role]
+        adv.append(a)
         groups.append(traj.group)
   if not rows:
     raise ValueError("build_batch: no trainable rows (every trajectory invalid, or no row of a trained role).")
@@ -315,39 +350,64 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
 def micro_batch_sums(
   config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Sums over the trained tokens of one [M, ...] micro-batch.
-
-  Returns:
-    (objective, sums): objective float32[] = sum over trained tokens of the policy loss (+ kl_coef * KL when
-    use_kl), the value to differentiate; sums (no gradient) over trained tokens: ``objective``, ``pg_loss``, ``kl``,
-    ``tokens``, ``clip_low``, ``clip_high``, ``clip_dual``, ``entropy``, ``approx_kl`` and ``tokens/<role>``.
-  """
+  """Weighted sums over the trained tokens of one [M, ...] micro-batch: `logprob_sums` of the training forward's
+  logprobs (`target_logprobs`)."""
   logp, entropy = target_logprobs(config, params, batch, cfg.remat, cfg.head_chunk)
+  return logprob_sums(cfg, batch, logp, entropy)
+
+
+def logprob_sums(
+  cfg: GrpoConfig, batch: TrainBatch, logp: jax.Array, entropy: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The loss terms of a micro-batch from its trained tokens' logprobs, summed with each token's aggregation weight.
+
+  ``cfg.loss_aggregation`` sets the weight w of a trained token and what one unit of the loss's denominator is:
+  "token_mean": w = 1, units = trained tokens (one mean over every trained token of the step); "generation_mean":
+  w = ``batch.target_weights`` (1 / the tokens of its generation), units = generations, so the step's loss is the
+  mean over generations of each generation's token mean, as the official trainer's one-generation micro-batches
+  with ``loss_agg_mode=token-mean`` divided by the accumulation steps make it (verl/workers/actor/dp_actor.py
+  ``update_policy``; the KL term is weighted the same way). `normalize` divides by the step's units.
+
+  Args:
+    batch: [M, ...] micro-batch (TrainBatch; its [M, I] target fields are read).
+    logp, entropy: float32[M, I] of the trained tokens (``target_index``) under the policy.
+  Returns:
+    (objective, sums): objective float32[] = sum of w * (policy loss (+ kl_coef * KL when use_kl)), the value to
+    differentiate; sums (no gradient): ``objective``, ``pg_loss``, ``kl``, ``clip_low``, ``clip_high``,
+    ``clip_dual``, ``entropy``, ``approx_kl`` (each the sum of w * term), ``units``, ``tokens``, ``generations`` and
+    ``tokens/<role>`` (counts).
+  """
   mask = batch.target_mask
   old = jnp.take_along_axis(batch.old_logprobs, batch.target_index, axis=1)
   log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   pg, low, high, dual = clipped_policy_loss(
     log_ratio, batch.target_advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_ratio_c
   )
+  msum = lambda x: jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32))  # noqa: E731
+  generations = jnp.round(msum(batch.target_weights))  # each generation's weights sum to 1
+  weight = batch.target_weights if cfg.loss_aggregation == "generation_mean" else 1.0
+  wsum = lambda x: msum(x * weight)  # noqa: E731
   objective = pg
-  msum = lambda x: jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32))
   sums = {}
   if cfg.use_kl:
     ref = jnp.take_along_axis(batch.ref_logprobs, batch.target_index, axis=1)
     kl = kl_penalty(logp, ref, cfg.kl_estimator)
     objective = pg + cfg.kl_coef * kl
-    sums["kl"] = msum(kl)
+    sums["kl"] = wsum(kl)
   else:
     sums["kl"] = jnp.zeros((), jnp.float32)
+  tokens = msum(1.0)
   sums.update(
-    objective=msum(objective),
-    pg_loss=msum(pg),
-    tokens=msum(1.0),
-    clip_low=msum(low),
-    clip_high=msum(high),
-    clip_dual=msum(dual),
-    entropy=msum(entropy),
-    approx_kl=msum(-log_ratio),
+    objective=wsum(objective),
+    pg_loss=wsum(pg),
+    units=generations if cfg.loss_aggregation == "generation_mean" else tokens,
+    tokens=tokens,
+    generations=generations,
+    clip_low=wsum(low),
+    clip_high=wsum(high),
+    clip_dual=wsum(dual),
+    entropy=wsum(entropy),
+    approx_kl=wsum(-log_ratio),
   )
   for r in cfg.trained_roles:
     sums[f"tokens/{role_name(r)}"] = msum(jnp.broadcast_to((batch.row_role == r)[:, None], mask.shape))
@@ -367,8 +427,8 @@ def micro_batch_grads(
   role ``row_role[0]`` (a per-leaf select, so the other tree's gradient is exactly 0).
 
   Returns:
-    (grads float32 like params, sums): ``micro_batch_sums``' sums plus ``tree_tokens/<tree>`` and
-    ``tree_objective/<tree>`` (the micro-batch's tokens and objective under the tree it trained).
+    (grads float32 like params, sums): ``micro_batch_sums``' sums plus ``tree_units/<tree>`` and
+    ``tree_objective/<tree>`` (the micro-batch's loss units and objective under the tree it trained).
   """
   names = _tree_names(cfg)
   if cfg.per_role:
@@ -384,39 +444,43 @@ def micro_batch_grads(
     tree_of = {"policy": jnp.bool_(True)}
   (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params)
   for name in names:  # per-tree denominators and objectives
-    sums[f"tree_tokens/{name}"] = jnp.where(tree_of[name], sums["tokens"], 0.0)
+    sums[f"tree_units/{name}"] = jnp.where(tree_of[name], sums["units"], 0.0)
     sums[f"tree_objective/{name}"] = jnp.where(tree_of[name], sums["objective"], 0.0)
   return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
 
 
 def normalize(cfg: GrpoConfig, grads: Any, sums: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]:
-  """Summed micro-batch gradients and sums to the token-mean gradient and the step's metrics (see `loss_and_grads`):
-  each tree's gradient divided by its own token count (per_role) or by all trained tokens."""
+  """Summed micro-batch gradients and sums to the step's mean gradient and metrics (see `loss_and_grads`): each
+  tree's gradient divided by its own loss units (per_role) or by all of the step's (``logprob_sums``: trained tokens
+  or generations, per ``loss_aggregation``)."""
   names = _tree_names(cfg)
   if cfg.per_role:
-    grads = {name: _scale(grads[name], sums[f"tree_tokens/{name}"]) for name in names}
+    grads = {name: _scale(grads[name], sums[f"tree_units/{name}"]) for name in names}
   else:
-    grads = _scale(grads, sums["tokens"])
+    grads = _scale(grads, sums["units"])
   return grads, _finalize(sums, names)
 
 
 def loss_and_grads(
   config: ModelConfig, cfg: GrpoConfig, params: Any, batch: TrainBatch
 ) -> tuple[Any, dict[str, jax.Array]]:
-  """Gradient of the token-mean loss over all K micro-batches, accumulated exactly.
+  """Gradient of the step's loss over all K micro-batches, accumulated exactly.
 
-  A ``lax.scan`` over the micro-batches sums each one's gradient (`micro_batch_grads`) and token count; the result
-  is (sum of gradients) / (sum of counts), the gradient of sum(objective) / sum(tokens), however the rows are split
-  (per_role: per tree, `normalize`).
+  A ``lax.scan`` over the micro-batches sums each one's gradient (`micro_batch_grads`) and loss units; the result
+  is (sum of gradients) / (sum of units), the gradient of sum(w * objective) / sum(units) (`logprob_sums`: a mean
+  over trained tokens or over generations), however the rows are split, packed or sharded (per_role: per tree,
+  `normalize`).
 
   Args:
     config: model config (``scan_layers=True`` is the training layout; either works).
     params: a tree, or the per_role dict.
     batch: TrainBatch with [K, M, ...] fields.
   Returns:
-    (grads like params (float32), metrics): float32[] scalars ``loss`` (= objective / tokens), ``pg_loss``, ``kl``,
+    (grads like params (float32), metrics): float32[] scalars ``loss`` (= objective / units), ``pg_loss``, ``kl``,
     ``entropy``, ``approx_kl`` (mean logp_old - logp_new), ``clip_frac_low`` / ``_high`` / ``_dual`` (fractions of
-    trained tokens), ``tokens`` and ``tokens/<role>``; per_role also ``loss/<tree>`` (each tree's own token mean).
+    trained tokens), each a mean in the loss's aggregation (over tokens, or over generations of each generation's
+    token mean), ``tokens``, ``generations`` and ``tokens/<role>``; per_role also ``loss/<tree>`` (each tree's own
+    mean).
   """
 
   def body(carry, mb):
@@ -436,7 +500,7 @@ def _sums_shape(config, cfg, params, mb):
   p = params["act"] if cfg.per_role else params
   sums = micro_batch_sums(config, cfg, p, mb)[1]
   for name in _tree_names(cfg):
-    sums[f"tree_tokens/{name}"] = sums["tokens"]
+    sums[f"tree_units/{name}"] = sums["units"]
     sums[f"tree_objective/{name}"] = sums["objective"]
   return sums
 
@@ -446,7 +510,7 @@ def _scale(tree: Any, count: jax.Array) -> Any:
 
 
 def _finalize(sums: dict[str, jax.Array], names: Sequence[str]) -> dict[str, jax.Array]:
-  count = jnp.maximum(sums["tokens"], 1.0)
+  count = jnp.maximum(sums["units"], 1.0)
   m = {
     "loss": sums["objective"] / count,
     "pg_loss": sums["pg_loss"] / count,
@@ -457,10 +521,10 @@ def _finalize(sums: dict[str, jax.Array], names: Sequence[str]) -> dict[str, jax
     "clip_frac_high": sums["clip_high"] / count,
     "clip_frac_dual": sums["clip_dual"] / count,
   }
-  m.update({k: v for k, v in sums.items() if k == "tokens" or k.startswith("tokens/")})
+  m.update({k: v for k, v in sums.items() if k in ("tokens", "generations") or k.startswith("tokens/")})
   if len(names) > 1:
     for name in names:
-      m[f"loss/{name}"] = sums[f"tree_objective/{name}"] / jnp.maximum(sums[f"tree_tokens/{name}"], 1.0)
+      m[f"loss/{name}"] = sums[f"tree_objective/{name}"] / jnp.maximum(sums[f"tree_units/{name}"], 1.0)
   return m
 
 
