@@ -192,11 +192,13 @@ def test_the_settings_are_checked(tokenizer):
     config_check.validate(c)
   assert sorted(p.split("=")[0] for p in err.value.problems) == [
     "reward.judge_schema", "reward.judge_top_p", "reward.unfinished_turn"]  # fmt: skip
-  # A checkpoint written before these settings existed completes with today's defaults.
+  # A config stored before these settings existed completes with what that version did (defaults.EARLIER_BEHAVIOUR).
   stored = defaults.get_config().to_dict()
   for key in ("judge_granularity", "required_items", "unfinished_turn", "judge_schema", "judge_top_p"):
     del stored["reward"][key]
-  assert judge_lib.JudgeConfig.from_config(defaults.completed(stored), base_url="http://x/v1", model="m").granularity
+  old = judge_lib.JudgeConfig.from_config(defaults.completed(stored), base_url="http://x/v1", model="m")
+  assert (old.granularity, old.unfinished_turn, old.schema, old.top_p) == ("turn", "judge", "analysis", 1.0)
+  assert defaults.completed(stored).reward.required_items == "ignore"
 
 
 def test_a_tool_item_fails_without_a_request_on_a_step_answered_by_an_error_tool_call(server):

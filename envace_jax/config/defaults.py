@@ -46,11 +46,24 @@ def or_defaults(config: ml_collections.ConfigDict | None) -> ml_collections.Conf
   return get_config() if config is None else config
 
 
-# Settings added with a default that changes what runs did before them: the value that keeps the earlier behaviour,
-# which a checkpoint written before the setting existed resumes with (`completed`).
+# Settings added with a default that changes what runs did before them (issue 41 moved these to the official
+# behaviour, docs/departures.md): the value that keeps the earlier behaviour, which a config stored before the setting
+# existed is completed with (`completed`). eval.sampling: evaluation sampled with the rollouts' settings, 1.0 / 1.0 / 0
+# unless a run changed rollout.act_sampling.
 EARLIER_BEHAVIOUR: dict[str, Any] = {
   "grpo.loss_aggregation": "token_mean",
   "reward.empty_output_penalty": 0.0,
+  "reward.judge_granularity": "turn",
+  "reward.required_items": "ignore",
+  "reward.unfinished_turn": "judge",
+  "reward.judge_schema": "analysis",
+  "reward.judge_temperature": 0.0,
+  "reward.judge_top_p": 1.0,
+  "reward.judge_max_tokens": 1024,
+  "reward.judge_max_retries": 3,
+  "reward.judge_timeout_s": 60.0,
+  "eval.sampling.temperature": 1.0,
+  "eval.sampling.top_p": 1.0,
 }
 
 
@@ -69,9 +82,12 @@ def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
 
   base = get_config().to_dict()
   for dotted, value in EARLIER_BEHAVIOUR.items():
-    section, key = dotted.split(".")
-    if key not in stored.get(section, {}):
-      base[section][key] = value
+    *path, key = dotted.split(".")
+    saved, node = stored, base
+    for part in path:
+      saved, node = saved.get(part, {}) if isinstance(saved, Mapping) else {}, node[part]
+    if key not in saved:
+      node[key] = value
   return ml_collections.ConfigDict(merge(base, stored))
 
 

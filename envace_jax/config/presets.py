@@ -20,7 +20,11 @@ from typing import Any
 import ml_collections
 
 OFFICIAL: dict[str, Any] = {
-  # the update (verl/workers/actor/dp_actor.py, verl/trainer/ppo/core_algos.py)
+  # the update (verl/workers/actor/dp_actor.py, verl/trainer/ppo/core_algos.py): each generation weighs the same, a
+  # group of one keeps its reward as advantage, a blank generation scores 0.1 less, old log-probs recomputed
+  "grpo.loss_aggregation": "generation_mean",
+  "grpo.lone_member_advantage": "reward",
+  "reward.empty_output_penalty": 0.1,
   "grpo.old_logprobs": "recompute",
   # ACT parsing (agent_system/environments/env_package/checklist/tool_parser.py, envs.py): the official rules, a
   # malformed call ends the episode, several calls per message
