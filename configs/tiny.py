@@ -22,8 +22,8 @@ _spec.loader.exec_module(base)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg, presets = base.presets.split(arg)
-  c = base.get_config(arg)
+  presets = base.presets.only(arg)  # tiny takes no argument of its own
+  c = base.get_config()
   c.model = "tiny"
   c.tokenizer = "smollm2-135m"
   c.sampler.capacity = 512  # the demo prompt with its tool schema is 246 SmolLM2 tokens

@@ -55,6 +55,7 @@ from envace_jax.config.choices import GRPO_MODES as MODES
 from envace_jax.config.choices import INVALID_REHEARSAL_POLICIES as ON_INVALID_REHEARSAL
 from envace_jax.config.choices import MALFORMED_POLICIES as ON_MALFORMED
 from envace_jax.config.choices import REHEARSAL_MODES as REHEARSAL
+from envace_jax.config.presets import PRESETS
 from envace_jax.envs import registry
 from envace_jax.envs.base import EnvError
 from envace_jax.model import config as model_config
@@ -613,6 +614,11 @@ def validate(config, *, weights: bool = True) -> None:
   """
   ck = _Checker(config)
   ck.integer("seed", 0)
+  names = ck.get("presets")
+  for name in names if isinstance(names, (tuple, list)) else ():
+    if name not in PRESETS:
+      known = ", ".join(repr(p) for p in PRESETS)
+      ck.add(f"presets: unknown preset {name!r} (after '+' in --config=configs/<file>.py:...); known: {known}")
   context = _check_model(ck, weights)
   _check_mesh(ck)
   ck.integer("sampler.prefill_chunk", 1)

@@ -68,6 +68,15 @@ def test_where_the_official_parser_raises_the_official_rules_report_bad_json():
     assert _ours(case["text"], rules="official") == _ours(case["text"]) == Kind.BAD_JSON
 
 
+def test_the_official_rules_parse_the_text_as_the_official_env_cleans_it():
+  """envs.py sanitises the caller's text before parse_tool_calls: a raw NUL or noncharacter in the JSON becomes
+  U+FFFD (a valid JSON string character), where the raw text would not parse."""
+  text = '\n<tool_call>\n{"name": "f\ufffe", "arguments": {"a": "b\x00c"}}\n</tool_call>'
+  out = views.parse_act(text, ["f"], parallel=True, rules="official")
+  assert out.error is None and [(c.name, c.arguments) for c in out.calls] == [("f\ufffd", {"a": "b\ufffdc"})]
+  assert views.parse_act(text, ["f"], rules="ours").error.kind == Kind.BAD_JSON
+
+
 def test_the_official_parser_writes_the_replacement_character_into_the_arguments():
   assert CASES["escaped_lone_surrogate"]["calls"][0][1] == '{"order_id": "W\ufffdX", "nul": "a\\u0000b"}'
 

@@ -96,6 +96,21 @@ def test_the_paper_preset_sets_the_papers_sizes_and_asks_for_the_weights():
     config_check.validate(config)
 
 
-def test_an_unknown_preset_is_named():
-  with pytest.raises(ValueError, match=r"unknown config preset 'offical' .*known: \['official', 'paper'\]"):
-    _load("tau2").get_config("airline+offical")
+@pytest.mark.parametrize(
+  "name,arg,unknown",
+  [("tau2", "airline+offical", "offical"), ("tiny", "offical", "offical"), ("base", "official+", "")],
+)
+def test_an_unknown_preset_stops_the_run_in_one_line(name, arg, unknown):
+  config = _load(name).get_config(arg)
+  with pytest.raises(config_check.ConfigError) as err:
+    config_check.validate(config)
+  assert [p for p in err.value.problems if p.startswith("presets")] == [
+    f"presets: unknown preset {unknown!r} (after '+' in --config=configs/<file>.py:...); known: 'official', 'paper'"
+  ]
+
+
+def test_base_and_tiny_take_the_preset_and_record_it():
+  for name in ("base", "tiny"):
+    config = _load(name).get_config("official")
+    assert config.presets == ("official",) and config.rollout.act_parser == "official", name
+  assert _load("tau2").get_config("mock").presets == ()

@@ -96,6 +96,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
   c = ml_collections.ConfigDict()
   c.seed = 0  # seeds parameter init (random presets), task order (TaskStream) and the rollout RNG
+  # The presets the config took, in order, as configs/*.py record them from their argument's "+<name>"s
+  # (envace_jax/config/presets.py: "official", "paper"; docs/departures.md). A record: their settings are applied.
+  c.presets = ()
 
   # --- model ----------------------------------------------------------------------------------------------------------
   # Which architecture: a preset name of envace_jax.model.config.PRESETS ("tiny" is randomly initialised,
@@ -411,6 +414,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # execution, test-time rehearsals, the reward gap; the fidelity probes stay greedy, the user keeps
   # rollout.user_sampling). The official one: temperature 0.6, top_p 0.95, no top-k (run_checklist_share.sh's
   # val_kwargs). Temperature 1.0, top_p 1.0 evaluates with the training rollouts' sampling, as before this setting
-  # (a checkpoint stored before it is evaluated with today's default too).
+  # (a config stored before it is completed so: EARLIER_BEHAVIOUR).
   c.eval.sampling = ml_collections.ConfigDict({"temperature": 0.6, "top_p": 0.95, "top_k": 0})
   return c

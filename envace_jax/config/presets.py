@@ -41,9 +41,9 @@ OFFICIAL: dict[str, Any] = {
   "rollout.on_invalid_rehearsal": "end",
   "rollout.on_rehearsed_error": "end",
   "rollout.parallel_rehearsal": "independent",
-  # the rollout's sampling (examples/drmas_trainer/run_checklist_share.sh: tool_temperature, tool_top_p; val_kwargs)
-  "rollout.rehearse_sampling.temperature": 0.6,
-  "rollout.rehearse_sampling.top_p": 0.8,
+  # held-out sampling (examples/drmas_trainer/run_checklist_share.sh: val_kwargs). Training samples REHEARSE as ACT,
+  # at verl's rollout defaults (1.0, 1.0) like ours: the run's co-trained simulator (TOOL_RETURN_MODE=agent) generates
+  # through the actor's rollout; tool_temperature / tool_top_p only reach an external simulator server (mcp_tool.py).
   "eval.sampling.temperature": 0.6,
   "eval.sampling.top_p": 0.95,
   "eval.sampling.top_k": 0,
@@ -64,6 +64,7 @@ PAPER: dict[str, Any] = {
   **OFFICIAL,
   "model": "qwen3-8b",
   "tokenizer": "",
+  "chat_template": "chatml",  # append-only views; Qwen3's own template rewrites earlier turns (docs/departures.md)
   "dtype": "bfloat16",
   "param_dtype": "float32",
   "train.tasks_per_step": 16,
@@ -86,7 +87,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {"official": OFFICIAL, "paper": PAPER
 
 def split(arg: str | None) -> tuple[str | None, tuple[str, ...]]:
   """A config argument ``"<arg>+<preset>+..."`` as (arg, presets); an argument that is only a preset name gives
-  (None, (name,)). Unknown names are not checked here (``apply`` raises)."""
+  (None, (name,)). Names are not checked here (`apply` records them, ``config_check`` names an unknown one)."""
   if not arg:
     return arg, ()
   head, *tail = arg.split("+")
@@ -95,14 +96,18 @@ def split(arg: str | None) -> tuple[str | None, tuple[str, ...]]:
   return head or None, tuple(tail)
 
 
-def apply(config: ml_collections.ConfigDict, names: Sequence[str]) -> ml_collections.ConfigDict:
-  """``config`` with the settings of each preset in ``names`` (in order), set in place and returned.
+def only(arg: str | None) -> tuple[str, ...]:
+  """The presets of a config that takes no argument of its own (configs/base.py, configs/tiny.py): every
+  ``+``-separated name of ``arg``, known or not (an unknown one is reported, never ignored)."""
+  return tuple(arg.split("+")) if arg else ()
 
-  Raises:
-    ValueError: an unknown preset name (the message lists the known ones).
-  """
+
+def apply(config: ml_collections.ConfigDict, names: Sequence[str]) -> ml_collections.ConfigDict:
+  """``config`` with the settings of each known preset in ``names`` (in order), set in place, and ``names`` recorded
+  in ``config.presets`` (a tuple), where ``config_check.validate`` reports an unknown one in one line before the run
+  starts; returns ``config``."""
   for name in names:
-    if name not in PRESETS:
-      raise ValueError(f"unknown config preset {name!r} (after '+' in --config=...); known: {sorted(PRESETS)}")
-    config.update_from_flattened_dict(dict(PRESETS[name]))
+    if name in PRESETS:
+      config.update_from_flattened_dict(dict(PRESETS[name]))
+  config.presets = tuple(names)
   return config
