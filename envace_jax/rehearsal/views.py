@@ -460,12 +460,13 @@ def parse_act(text: str, known_tools: Sequence[str] | None, parallel: bool = Fal
   parsed on its own and the text outside them joins the reply; the first malformed block makes the whole output an
   error. Without it, more than one call is ``MULTIPLE_CALLS`` (one call per turn, paper §3.1).
 
-  ``rules="official"``: the text with its unencodable code points as U+FFFD (`sanitize.sanitize`, as the official
-  env cleans the caller's text before parsing, envs.py), then ``tool_format.parse_action_official`` (several calls
-  per message, in several blocks or a list; names not checked against ``known_tools``, so an unknown tool goes to
-  REHEARSE or the real env's own error); the reply is the text before the first block. Then, as our tool layer takes an object: arguments given as a string
-  that decodes to an object are that object (the official code hands the string itself to the simulator), and other
-  non-object arguments are ``ARGUMENTS_NOT_OBJECT``. Without ``parallel``, more than one call is ``MULTIPLE_CALLS``.
+  ``rules="official"``: the text with its unencodable code points as U+FFFD (`sanitize.sanitize`, as the official env
+  cleans the caller's text before parsing, envs.py), then ``tool_format.parse_action_official`` (several calls per
+  message, in several blocks or a list; names not checked against ``known_tools``, so an unknown tool goes to REHEARSE
+  or the real env's own error); the reply is the text before the first block. Then, as our tool layer takes an object:
+  arguments given as a string that decodes to an object are that object (the official code hands the string itself to
+  the simulator), and other non-object arguments are ``ARGUMENTS_NOT_OBJECT``. Without ``parallel``, more than one
+  call is ``MULTIPLE_CALLS``.
 
   Raises:
     ValueError: ``rules`` is neither "ours" nor "official".
