@@ -614,8 +614,8 @@ def validate(config, *, weights: bool = True) -> None:
   """
   ck = _Checker(config)
   ck.integer("seed", 0)
-  names = ck.get("presets")
-  for name in names if isinstance(names, (tuple, list)) else ():
+  names = ck.text("presets")
+  for name in names.split(",") if isinstance(names, str) and names else ():
     if name not in PRESETS:
       known = ", ".join(repr(p) for p in PRESETS)
       ck.add(f"presets: unknown preset {name!r} (after '+' in --config=configs/<file>.py:...); known: {known}")

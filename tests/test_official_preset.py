@@ -98,7 +98,7 @@ def test_the_paper_preset_sets_the_papers_sizes_and_asks_for_the_weights():
 
 @pytest.mark.parametrize(
   "name,arg,unknown",
-  [("tau2", "airline+offical", "offical"), ("tiny", "offical", "offical"), ("base", "official+", "")],
+  [("tau2", "airline+offical", "offical"), ("tiny", "offical", "offical"), ("base", "official+offical+", "offical")],
 )
 def test_an_unknown_preset_stops_the_run_in_one_line(name, arg, unknown):
   config = _load(name).get_config(arg)
@@ -112,5 +112,5 @@ def test_an_unknown_preset_stops_the_run_in_one_line(name, arg, unknown):
 def test_base_and_tiny_take_the_preset_and_record_it():
   for name in ("base", "tiny"):
     config = _load(name).get_config("official")
-    assert config.presets == ("official",) and config.rollout.act_parser == "official", name
-  assert _load("tau2").get_config("mock").presets == ()
+    assert config.presets == "official" and config.rollout.act_parser == "official", name
+  assert _load("tau2").get_config("mock+").presets == "" and _load("tau2").get_config("mock+paper").presets == "paper"

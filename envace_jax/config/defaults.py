@@ -96,9 +96,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
   c = ml_collections.ConfigDict()
   c.seed = 0  # seeds parameter init (random presets), task order (TaskStream) and the rollout RNG
-  # The presets the config took, in order, as configs/*.py record them from their argument's "+<name>"s
-  # (envace_jax/config/presets.py: "official", "paper"; docs/departures.md). A record: their settings are applied.
-  c.presets = ()
+  # The presets the config took, comma-separated in order, as configs/*.py record them from their argument's
+  # "+<name>"s (envace_jax/config/presets.py: "official", "paper"; docs/departures.md). A record: their settings are
+  # applied by the config file.
+  c.presets = ""
 
   # --- model ----------------------------------------------------------------------------------------------------------
   # Which architecture: a preset name of envace_jax.model.config.PRESETS ("tiny" is randomly initialised,

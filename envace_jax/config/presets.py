@@ -87,27 +87,28 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {"official": OFFICIAL, "paper": PAPER
 
 def split(arg: str | None) -> tuple[str | None, tuple[str, ...]]:
   """A config argument ``"<arg>+<preset>+..."`` as (arg, presets); an argument that is only a preset name gives
-  (None, (name,)). Names are not checked here (`apply` records them, ``config_check`` names an unknown one)."""
+  (None, (name,)); empty names (a trailing "+") are dropped. Names are not checked here (`apply` records them,
+  ``config_check`` names an unknown one)."""
   if not arg:
     return arg, ()
   head, *tail = arg.split("+")
   if head in PRESETS:
-    return None, (head, *tail)
-  return head or None, tuple(tail)
+    return None, only(arg)
+  return head or None, only("+".join(tail))
 
 
 def only(arg: str | None) -> tuple[str, ...]:
   """The presets of a config that takes no argument of its own (configs/base.py, configs/tiny.py): every
   ``+``-separated name of ``arg``, known or not (an unknown one is reported, never ignored)."""
-  return tuple(arg.split("+")) if arg else ()
+  return tuple(name for name in (arg or "").split("+") if name)
 
 
 def apply(config: ml_collections.ConfigDict, names: Sequence[str]) -> ml_collections.ConfigDict:
   """``config`` with the settings of each known preset in ``names`` (in order), set in place, and ``names`` recorded
-  in ``config.presets`` (a tuple), where ``config_check.validate`` reports an unknown one in one line before the run
-  starts; returns ``config``."""
+  in ``config.presets`` (comma-separated), where ``config_check.validate`` reports an unknown one in one line before
+  the run starts; returns ``config``."""
   for name in names:
     if name in PRESETS:
       config.update_from_flattened_dict(dict(PRESETS[name]))
-  config.presets = tuple(names)
+  config.presets = ",".join(names)
   return config
