@@ -261,7 +261,8 @@ def test_a_prompt_template_file_gives_the_wording(server, tmp_path):
   with judge_lib.ChecklistJudge(settings) as judge:
     before = len(server.requests)
     assert judge.judge_turn(task, conversation, 0)["passed"] == {"turn[0]/A": True, "turn[0]/B": False}
-  prompt = server.requests[before]["body"]["messages"][0]["content"]
+  prompts = [r["body"]["messages"][0]["content"] for r in server.requests[before:]]  # items A, B in either order
+  (prompt,) = [p for p in prompts if p.startswith("Q: Does the turn show kw=cloudy?")]
   assert prompt.startswith("Q: Does the turn show kw=cloudy?\nF: []\nE: []\n# Current turn (judge this)\n# Turn: 0\n")
   assert "content.user_visible_reply: It is cloudy." in prompt
   template.write_text("Q: $question $answer")

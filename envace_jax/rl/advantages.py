@@ -21,36 +21,14 @@ def role_name(role: int) -> str:
   return Role(role).name.lower() if 0 <= role < NUM_ROLES else str(role)
 
 
-def role_advantages(
-  rewards: np.ndarray,
-  groups: np.ndarray,
-  generations: np.ndarray,
-  valid: np.ndarray | None = None,
-  *,
-  trained_roles: Sequence[int],
-  weighting: str = "row",
-  std_normalize: bool = False,
-  eps: float = 1e-6,
-  baseline_groups: str = "task_role",
-  lone_member_advantage: str = "zero",
-) -> tuple[np.ndarray, dict[str, float]]:
-  """Role-wise GRPO advantages, one per (trajectory, role): `generation_advantages` without empty generations.
+def role_advantages(*args, **kwargs) -> tuple[np.ndarray, dict[str, float]]:
+  """Role-wise GRPO advantages, one per (trajectory, role): `generation_advantages` (same arguments) without empty
+  generations.
 
   Returns:
     (advantages float32[N, R'], stats): see `generation_advantages`.
   """
-  adv, _, stats = generation_advantages(
-    rewards,
-    groups,
-    generations,
-    valid,
-    trained_roles=trained_roles,
-    weighting=weighting,
-    std_normalize=std_normalize,
-    eps=eps,
-    baseline_groups=baseline_groups,
-    lone_member_advantage=lone_member_advantage,
-  )
+  adv, _, stats = generation_advantages(*args, **kwargs)
   return adv, stats
 
 

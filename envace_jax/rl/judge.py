@@ -426,6 +426,15 @@ def split_turns(conversation: Sequence[ChatMessage]) -> tuple[list[ChatMessage],
   return preamble, turns
 
 
+def _unjudged(failures: Mapping[str, str], sent: int) -> RewardInfo:
+  """The invalid reward of a conversation some of whose ``sent`` judge requests gave no verdict (``failures``: item
+  key -> why), naming the first."""
+  item, why = next(iter(failures.items()))
+  message = f"{len(failures)} of {sent} judge requests gave no verdict; first: {item}: {why}"
+  info = {"scoring_error": message, "judge_failures": failures, "requests": sent}
+  return RewardInfo(math.nan, valid=False, info=info)
+
+
 class ChecklistJudge:
   """The paper's checklist reward: an LLM judges each checklist item of each user turn.
 
@@ -733,16 +742,7 @@ class ChecklistJudge:
       now_passed, failures = self._items(verdicts)
       passed |= now_passed
     if failures:
-      item, why = next(iter(failures.items()))
-      return RewardInfo(
-        math.nan,
-        valid=False,
-        info={
-          "scoring_error": f"{len(failures)} of {sent} judge requests gave no verdict; first: {item}: {why}",
-          "judge_failures": failures,
-          "requests": sent,
-        },
-      )
+      return _unjudged(failures, sent)
     breakdown: dict[str, float] = {}
     total, turns = 0.0, len(annotations[0])
     for a, annotation in enumerate(annotations):
@@ -778,16 +778,7 @@ class ChecklistJudge:
       return RewardInfo(math.nan, valid=False, info=info)
     failures = {k: v.error for k, v in verdicts.items() if v.passed is None}
     if failures:
-      item, why = next(iter(failures.items()))
-      return RewardInfo(
-        math.nan,
-        valid=False,
-        info={
-          "scoring_error": f"{len(failures)} of {len(requests)} judge requests gave no verdict; first: {item}: {why}",
-          "judge_failures": failures,
-          "requests": len(requests),
-        },
-      )
+      return _unjudged(failures, len(requests))
     breakdown = {k: float(verdicts[k].passed) for k in requests}
     score = 0.0
     for item in derived:
