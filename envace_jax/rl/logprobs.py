@@ -153,15 +153,8 @@ _RECOMPUTE_FIELDS = tuple("tokens roles valid positions segments parents target_
 
 @functools.partial(jax.jit, static_argnames="config")
 def _recompute(config, params, fields):
-  batch = TrainBatch(
-    **fields,
-    loss_mask=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    row_role=None,
-    target_advantages=None,
-    target_weights=None,
-  )
+  unused = ("loss_mask", "old_logprobs", "ref_logprobs", "row_role", "target_advantages", "target_weights")
+  batch = TrainBatch(**fields, **dict.fromkeys(unused))
   logp, _ = target_logprobs(config, params, batch)
   b = batch.tokens.shape[0]
   rows = jnp.arange(b)[:, None]
