@@ -146,7 +146,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- environment: which tasks ---------------------------------------------------------------------------------------
   c.env = ml_collections.ConfigDict()
-  # "tau2", "bfcl", "checklist", "vitabench" or "finmcp" (envace_jax.envs.registry.BENCHMARKS)
+  # "tau2", "bfcl", "testbed", "checklist", "vitabench" or "finmcp" (envace_jax.envs.registry.BENCHMARKS)
   c.env.benchmark = "tau2"
   # τ² domain ("airline", "retail", "mock") or BFCL category ("multi_turn_base", ...); unused for "checklist".
   c.env.domain = "airline"

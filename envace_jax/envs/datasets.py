@@ -59,6 +59,12 @@ def _load_bfcl_tasks(category: str) -> list[Task]:
   return bfcl.load_tasks(category)
 
 
+def _load_testbed_tasks(level: str, split: str) -> list[Task]:
+  from envace_jax.envs import testbed
+
+  return testbed.load_tasks(level, split)
+
+
 def _load_checklist_tasks(path: str) -> list[Task]:
   from envace_jax.envs import checklist
 
@@ -188,6 +194,30 @@ class EnvaceBfcl(_TaskBuilder):
     yield from _examples(_load_bfcl_tasks(category), f"bfcl {category}")
 
 
+class EnvaceTestbed(_TaskBuilder):
+  """The testbed's generated tasks of one level (envs/testbed.py), one split per testbed split.
+
+  The version's major number is the generator's (`testbed.GENERATOR_VERSION`): a generator change prepares anew.
+  """
+
+  name = "envace_testbed"
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Generator version 1: MessageAPI and TicketAPI tasks, splits train/iid/compositional/rules."}
+  DESCRIPTION = "Generated multi-turn tasks over BFCL-v4's MessageAPI and TicketAPI (one config per level)."
+  BUILDER_CONFIGS = [
+    TaskConfig(name=level, source=level, splits=s, description=f"testbed level {level}")
+    for level, s in registry.get("testbed").packaged_splits.items()
+  ]
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
+    del dl_manager  # generated here, from the bfcl-eval package's classes
+    return {split: self._generate_examples(split) for split in self.builder_config.splits}
+
+  def _generate_examples(self, split: str) -> Iterator[tuple[str, dict[str, str]]]:
+    level = self.builder_config.source
+    yield from _examples(_load_testbed_tasks(level, split), f"testbed {level}/{split}")
+
+
 class EnvaceChecklist(_TaskBuilder):
   """Tasks in the paper's checklist format from a user-supplied file or folder; one TFDS split per `Task.split`.
 
@@ -253,6 +283,7 @@ class EnvaceFinmcp(_UserDataBuilder):
 _BUILDERS: dict[str, type[_TaskBuilder]] = {
   "tau2": EnvaceTau2,
   "bfcl": EnvaceBfcl,
+  "testbed": EnvaceTestbed,
   "checklist": EnvaceChecklist,
   "vitabench": EnvaceVitabench,
   "finmcp": EnvaceFinmcp,

@@ -164,6 +164,14 @@ BENCHMARKS: dict[str, Benchmark] = {
       _reference=lambda m, task, env: m.oracle_conversation(task, env),
     ),
     Benchmark(
+      "testbed", "the testbed", "testbed level", "packaged", logged_user_turns=True, tools_unreachable="",
+      demonstrations=True, judged=False,
+      # envs/testbed.py's LEVELS and SPLITS (tests/envs/test_testbed.py checks they agree).
+      packaged_splits={level: ("train", "iid", "compositional", "rules") for level in ("cpu", "full")},
+      _make_env=lambda m, task, **_: m.TestbedEnv(),
+      _reference=lambda m, task, env: m.oracle_conversation(task, env),
+    ),
+    Benchmark(
       "checklist", "the checklist data", "checklist data", "path", logged_user_turns=True, tools_unreachable="",
       demonstrations=False, judged=False,
       _make_env=lambda m, task, rule_checklist, **_: m.ChecklistEnv(scorer=rule_checklist),
