@@ -68,6 +68,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(str(e)) from e
 
   console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)
+  from envace_jax import compilation_cache
+
+  compilation_cache.enable()  # before the first compile (envace_jax/compilation_cache.py: where, how to turn it off)
   try:
     if _MODE.value == "demo":
       from envace_jax import demo

@@ -719,6 +719,9 @@ def main(argv: list[str]) -> None:
     raise absl_app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import compilation_cache
+
+  compilation_cache.enable()
 
   try:
     config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)

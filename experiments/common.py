@@ -196,18 +196,18 @@ def budget_mismatch(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
   return [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in wanted.items() if saved.get(k) != v]
 
 
-def use_compilation_cache(directory: str | None, workdir: str) -> None:
-  """JAX's persistent compilation cache in ``directory`` (None: ``workdir/jax_cache``; "none": off). Every cell
-  builds fresh samplers and update steps with the same shapes, so later cells (and reruns) load the compiled programs
-  instead of compiling them again. Process-wide and set once: tests pass "none"."""
+def use_compilation_cache(directory: str | None = None) -> None:
+  """JAX's persistent compilation cache (envace_jax/compilation_cache.py): the user's shared folder when
+  ``directory`` is None, ``directory`` when given, off when "none". Every cell builds fresh samplers and update steps
+  with the same shapes, so later cells (and reruns) load the compiled programs. Process-wide and set once: tests pass
+  "none"."""
   if directory is not None and directory.lower() == "none":
     return
-  import jax
+  from envace_jax import compilation_cache
 
-  directory = directory or os.path.join(workdir, "jax_cache")
-  os.makedirs(directory, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  if directory is not None:
+    os.environ[compilation_cache.ENV_VAR] = directory
+  compilation_cache.enable()
 
 
 def quiet_libraries() -> None:

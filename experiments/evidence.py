@@ -625,7 +625,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--workdir", default="/tmp/envace_evidence", help="one subfolder per cell; a rerun resumes")
   parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="evidence.json and the PNGs")
   parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
-  parser.add_argument("--compile-cache", default=None, help="JAX compilation cache (default --workdir/jax_cache)")
+  parser.add_argument("--compile-cache", default=None, help="JAX compilation cache folder (default: the user's, envace_jax/compilation_cache.py; 'none': off)")
   for name, value in DEFAULTS["default"].items():  # default None: filled from DEFAULTS below
     kind = str if name == "heldout" else type(value)  # heldout: a count of test tasks, or the ids themselves
     parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {value!r}")
@@ -670,7 +670,7 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
       begin, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
       path.write_text(text[:begin] + section + text[end:], encoding="utf-8")
     return result
-  common.use_compilation_cache(args.compile_cache, args.workdir)
+  common.use_compilation_cache(args.compile_cache)
   common.quiet_libraries()
   if args.smoke:
     print(common.TINY_CAVEAT, flush=True)

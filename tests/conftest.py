@@ -56,26 +56,21 @@ def pytest_runtest_protocol(item, nextitem):  # runs where the test runs (an xdi
         f.write(f"{worker} {start:.3f} {time.time():.3f} {item.nodeid}\n")
 
 
-# JAX's persistent compilation cache, one folder for the whole run (shared by pytest-xdist's workers): tests build
+# JAX's persistent compilation cache (envace_jax/compilation_cache.py): the user's folder, shared by pytest-xdist's
+# workers and kept between runs, so a second run loads what the first compiled (CI starts cold: .ci/run). Tests build
 # fresh samplers, update steps and Trainers with the same shapes, and each new `jax.jit` would compile them again. The
-# flags also go to the environment, so a test's subprocess (the CLI, a notebook kernel, a killed main job) shares it.
+# settings also go to the environment, so a test's subprocess (the CLI, a notebook kernel, a killed main job) shares it.
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """The run's compilation-cache folder (under pytest's base temp, which pytest prunes after 3 runs)."""
+def compilation_cache():
+  """The run's compilation-cache folder (None: ENVACE_JAX_COMPILATION_CACHE=off)."""
   from jax.experimental.compilation_cache import compilation_cache as cache
 
-  base = tmp_path_factory.getbasetemp()
-  directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
-  directory.mkdir(exist_ok=True)
-  flags = {
-    "jax_compilation_cache_dir": str(directory),
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-    "jax_compilation_cache_max_size": 16 << 30,  # bytes; any limit turns on the cache's file lock (workers share it)
-  }
-  for name, value in flags.items():
-    jax.config.update(name, value)
-    os.environ[name.upper()] = str(value)
+  from envace_jax import compilation_cache as envace_cache
+
+  directory = envace_cache.enable(min_compile_seconds=0.0)
+  if directory is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.0"
   cache.reset_cache()  # whether the cache is used is decided once per process, at the first compile
   return directory
 

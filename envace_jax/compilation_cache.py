@@ -1,0 +1,67 @@
+"""JAX's persistent compilation cache, on by default: a run loads the programs an earlier run compiled.
+
+The main job compiles about 60 programs over a second each (samplers per prompt chunk and cache capacity, the update
+per micro-batch shape); a second run on the same machine, an evaluation of a finished run, the next cell of an
+experiment and every test worker would compile the same programs again. JAX's own cache
+(``jax_compilation_cache_dir``; it caches CPU executables too) keys each program by its HLO, the compile options, the
+backend and the jax/jaxlib versions, so a stale entry is never loaded.
+
+Where: ``$ENVACE_JAX_COMPILATION_CACHE`` when set ("off" turns the cache off), else
+``$XDG_CACHE_HOME/envace_jax/jax`` (``~/.cache/envace_jax/jax``). A ``JAX_COMPILATION_CACHE_DIR`` the user set for JAX
+itself is kept. One folder is shared by every process of the user (the file lock of a bounded cache keeps concurrent
+writers apart: test workers, multi-process runs). CI starts from a cold cache (``.ci/run`` sets ``XDG_CACHE_HOME``
+to an empty folder). Used by ``python -m envace_jax.main``, ``python -m envace_jax.serve``, the experiment scripts
+(``experiments/common.py``) and the test suite (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV_VAR = "ENVACE_JAX_COMPILATION_CACHE"
+_OFF = ("off", "none", "0", "false")
+# Programs that compile faster than this are not written (their file costs more than compiling them again).
+MIN_COMPILE_SECONDS = 0.2
+MAX_SIZE_BYTES = 8 << 30  # least recently used entries go beyond this; any limit also turns on the cache's file lock
+
+
+def default_directory() -> str:
+  """``$XDG_CACHE_HOME/envace_jax/jax``, or ``~/.cache/envace_jax/jax`` without XDG_CACHE_HOME."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "envace_jax", "jax")
+
+
+def directory() -> str | None:
+  """The cache folder a run uses (module docstring); None when the cache is off."""
+  value = os.environ.get(ENV_VAR)
+  if value is not None:
+    return None if value.strip().lower() in _OFF or not value.strip() else os.path.expanduser(value)
+  return jax.config.jax_compilation_cache_dir or default_directory()
+
+
+def enable(min_compile_seconds: float = MIN_COMPILE_SECONDS) -> str | None:
+  """Turns the persistent cache on in ``directory()`` for this process (before its first compile).
+
+  Returns:
+    The folder, or None when ``ENVACE_JAX_COMPILATION_CACHE=off``.
+  Raises:
+    OSError: the folder cannot be created (say another one with ``ENVACE_JAX_COMPILATION_CACHE=DIR``).
+  """
+  folder = directory()
+  if folder is None:
+    return None
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    raise OSError(f"cannot create the compilation cache {folder!r} ({e}); set {ENV_VAR}=DIR or {ENV_VAR}=off") from e
+  settings = {
+    "jax_compilation_cache_dir": folder,
+    "jax_persistent_cache_min_compile_time_secs": min_compile_seconds,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+    "jax_compilation_cache_max_size": MAX_SIZE_BYTES,
+  }
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  return folder

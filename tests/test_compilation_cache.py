@@ -1,0 +1,78 @@
+"""envace_jax/compilation_cache.py: where the persistent cache lives, how it is turned off, and that a second process
+loads what the first compiled instead of compiling it again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from envace_jax import compilation_cache
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  """No ENVACE_JAX_COMPILATION_CACHE and no JAX cache folder (the session's is restored afterwards)."""
+  monkeypatch.delenv(compilation_cache.ENV_VAR, raising=False)
+  saved = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)
+  yield monkeypatch
+  jax.config.update("jax_compilation_cache_dir", saved)
+
+
+def test_default_folder_is_per_user_under_xdg_cache_home(clean_env, tmp_path):
+  clean_env.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert compilation_cache.directory() == str(tmp_path / "envace_jax" / "jax")
+  clean_env.delenv("XDG_CACHE_HOME")
+  assert compilation_cache.directory() == os.path.join(os.path.expanduser("~"), ".cache", "envace_jax", "jax")
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "none", "0", "false", ""])
+def test_env_var_turns_it_off(clean_env, value):
+  clean_env.setenv(compilation_cache.ENV_VAR, value)
+  assert compilation_cache.directory() is None
+  assert compilation_cache.enable() is None
+
+
+def test_env_var_moves_it(clean_env, tmp_path):
+  clean_env.setenv(compilation_cache.ENV_VAR, str(tmp_path / "elsewhere"))
+  assert compilation_cache.directory() == str(tmp_path / "elsewhere")
+
+
+def test_jax_own_setting_is_kept(clean_env, tmp_path):
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_own"))
+  assert compilation_cache.directory() == str(tmp_path / "jax_own")
+
+
+def test_uncreatable_folder_names_the_fix(clean_env, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a folder")
+  clean_env.setenv(compilation_cache.ENV_VAR, str(blocker / "cache"))
+  with pytest.raises(OSError, match=compilation_cache.ENV_VAR):
+    compilation_cache.enable()
+
+
+_PROGRAM = """
+import jax, jax.numpy as jnp
+from envace_jax import compilation_cache
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))
+compilation_cache.enable(min_compile_seconds=0.0)
+f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0))
+f(jnp.ones((64, 32))).block_until_ready()
+print("HIT" if "/jax/compilation_cache/cache_hits" in hits else "MISS")
+"""
+
+
+def test_second_process_loads_the_first_ones_program(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"})
+  runs = [
+    subprocess.run([sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, check=True).stdout
+    for _ in range(2)
+  ]
+  assert [r.strip().splitlines()[-1] for r in runs] == ["MISS", "HIT"]
+  assert any(p.name.startswith("jit_") for p in (tmp_path / "cache").iterdir())
