@@ -79,6 +79,8 @@ def qwen3_8b_dir(tmp_path):
     ("bfcl.py", "bfcl", "multi_turn_base", "test"),
     ("bfcl.py:multi_turn_long_context", "bfcl", "multi_turn_long_context", "test"),
     ("tiny.py", "tau2", "mock", "base"),
+    ("testbed.py", "testbed", "cpu", "train"),
+    ("testbed.py:full", "testbed", "full", "train"),
   ],
 )
 def test_every_config_loads_and_validates(spec, benchmark, domain, split):
@@ -233,7 +235,7 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
     (["--config.train.group_size=1"], "train.group_size=1 must be >= 2 (GRPO advantages compare each rollout"),
     (
       ["--config.env.benchmark=webshop"],
-      "env.benchmark='webshop' is not valid; choose one of 'tau2', 'bfcl', 'checklist'",
+      "env.benchmark='webshop' is not valid; choose one of 'tau2', 'bfcl', 'testbed', 'checklist'",
     ),
     (["--config.env.domain=telecom"], "env.domain='telecom' is not a τ² domain; choose one of 'mock', 'airline'"),
     (["--config.env.split=base"], "env.split='base' is not a split of tau2 airline; choose one of 'train', 'test'"),

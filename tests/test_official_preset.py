@@ -81,7 +81,9 @@ def _load(name: str):
   return module
 
 
-@pytest.mark.parametrize("name,arg", [("tau2", "mock+official"), ("bfcl", "official"), ("tiny", "official")])
+@pytest.mark.parametrize(
+  "name,arg", [("tau2", "mock+official"), ("bfcl", "official"), ("tiny", "official"), ("testbed", "cpu+official")]
+)
 def test_every_config_takes_the_preset_and_validates(name, arg):
   config = _load(name).get_config(arg)
   for key, value in presets.OFFICIAL.items():

@@ -590,6 +590,8 @@ def make_task(level: str | Level, split: str, index: int) -> Task:
   Raises:
     EnvError: unknown level or split; a gold call whose real result contradicts its step (a generator bug).
   """
+  if isinstance(level, str) and level not in LEVELS:
+    raise EnvError(f"unknown testbed level {level!r}; choose one of {list(LEVELS)}")
   level = LEVELS[level] if isinstance(level, str) else level
   if split not in SPLITS:
     raise EnvError(f"unknown testbed split {split!r}; choose one of {SPLITS}")

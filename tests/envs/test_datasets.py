@@ -150,7 +150,7 @@ def test_checklist_builder_splits_by_task_and_follows_file_content(tmp_path, mon
 
 def test_errors_name_the_choices(tmp_path, fake_tau2, monkeypatch):
   with pytest.raises(
-    EnvError, match=r"unknown benchmark 'gsm8k'.*\['tau2', 'bfcl', 'checklist', 'vitabench', 'finmcp'\]"
+    EnvError, match=r"unknown benchmark 'gsm8k'.*\['tau2', 'bfcl', 'testbed', 'checklist', 'vitabench', 'finmcp'\]"
   ):
     datasets.prepare("gsm8k", "x", tmp_path)
   with pytest.raises(EnvError, match=r"unknown tau2 config 'banking'.*'mock', 'airline', 'retail'"):

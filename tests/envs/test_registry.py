@@ -40,5 +40,5 @@ def test_environments_and_conversations_come_from_each_adapter():
   assert registry.get("tau2").make_env(Task("t", "tau2", "mock", "base", "", ())).domain == "mock"
   assert registry.initial_conversation(task) == ()
   assert registry.initial_conversation(Task("t", "not-registered", "d", "train", "", ())) == ()
-  with pytest.raises(EnvError, match=r"supports tau2, bfcl \(set train.sft_warmup_steps=0\)"):
+  with pytest.raises(EnvError, match=r"supports tau2, bfcl, testbed \(set train.sft_warmup_steps=0\)"):
     registry.get("checklist").reference_conversation(task, env)
