@@ -202,7 +202,9 @@ class EnvaceTestbed(_TaskBuilder):
 
   name = "envace_testbed"
   VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Generator version 1: MessageAPI and TicketAPI tasks, splits train/iid/compositional/rules."}
+  RELEASE_NOTES = {
+    "1.0.0": "Generator version 1: MessageAPI and TicketAPI tasks, splits train/iid/compositional/rules."
+  }
   DESCRIPTION = "Generated multi-turn tasks over BFCL-v4's MessageAPI and TicketAPI (one config per level)."
   BUILDER_CONFIGS = [
     TaskConfig(name=level, source=level, splits=s, description=f"testbed level {level}")

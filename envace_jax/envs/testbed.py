@@ -117,31 +117,104 @@ _NAMES = (
   "Ximena Yosef Zara"
 ).split()
 _TEXTS = (
-  "The meeting moved to 3pm", "Please review the draft", "Lunch is on me today", "The build is green again",
-  "Can you call me back", "Slides are in the shared folder", "Happy birthday", "The client signed the contract",
-  "Remember the standup", "Your package arrived", "The server is back online", "Thanks for the quick fix",
-  "Budget approved", "See you at the airport", "Invoice sent", "The demo went well", "Please update the wiki",
-  "Parking lot is closed tomorrow", "New laptop is ready", "The report is due Friday", "Coffee at 10",
-  "Interview moved to Monday", "Keys are at the front desk", "Printer on floor 2 is fixed", "Welcome to the team",
-  "Quarterly goals are posted", "The release is postponed", "Fire drill at noon", "Pizza in the kitchen",
-  "Timesheets are due", "Contract renewal is next week", "Training starts at 9",
+  "The meeting moved to 3pm",
+  "Please review the draft",
+  "Lunch is on me today",
+  "The build is green again",
+  "Can you call me back",
+  "Slides are in the shared folder",
+  "Happy birthday",
+  "The client signed the contract",
+  "Remember the standup",
+  "Your package arrived",
+  "The server is back online",
+  "Thanks for the quick fix",
+  "Budget approved",
+  "See you at the airport",
+  "Invoice sent",
+  "The demo went well",
+  "Please update the wiki",
+  "Parking lot is closed tomorrow",
+  "New laptop is ready",
+  "The report is due Friday",
+  "Coffee at 10",
+  "Interview moved to Monday",
+  "Keys are at the front desk",
+  "Printer on floor 2 is fixed",
+  "Welcome to the team",
+  "Quarterly goals are posted",
+  "The release is postponed",
+  "Fire drill at noon",
+  "Pizza in the kitchen",
+  "Timesheets are due",
+  "Contract renewal is next week",
+  "Training starts at 9",
 )
 _TITLES = (
-  "Printer jam", "VPN drops", "Login fails", "Screen flickers", "Email bounce", "Slow wifi", "Broken chair",
-  "Password reset", "Disk full", "Badge not working", "Monitor dead", "Keyboard sticky", "Projector offline",
-  "License expired", "Backup failed", "Calendar sync", "Phone no tone", "Door lock stuck", "AC too cold",
-  "Mouse lag", "Server alarm", "Sink leaking", "Lights flicker", "Update stuck", "Camera blurry", "Mic muted",
-  "Fan noisy", "Cable missing", "Desk wobbly", "Toner empty", "Router reboot", "Laptop overheats",
+  "Printer jam",
+  "VPN drops",
+  "Login fails",
+  "Screen flickers",
+  "Email bounce",
+  "Slow wifi",
+  "Broken chair",
+  "Password reset",
+  "Disk full",
+  "Badge not working",
+  "Monitor dead",
+  "Keyboard sticky",
+  "Projector offline",
+  "License expired",
+  "Backup failed",
+  "Calendar sync",
+  "Phone no tone",
+  "Door lock stuck",
+  "AC too cold",
+  "Mouse lag",
+  "Server alarm",
+  "Sink leaking",
+  "Lights flicker",
+  "Update stuck",
+  "Camera blurry",
+  "Mic muted",
+  "Fan noisy",
+  "Cable missing",
+  "Desk wobbly",
+  "Toner empty",
+  "Router reboot",
+  "Laptop overheats",
 )
 _DESCRIPTIONS = (
-  "since this morning", "on the third floor", "after the update", "for the whole team", "every few minutes",
-  "in meeting room B", "since last week", "when I plug it in", "on my desk", "for new hires", "at the reception",
-  "in the lab", "after lunch", "on the guest network", "in building 2", "during calls",
+  "since this morning",
+  "on the third floor",
+  "after the update",
+  "for the whole team",
+  "every few minutes",
+  "in meeting room B",
+  "since last week",
+  "when I plug it in",
+  "on my desk",
+  "for new hires",
+  "at the reception",
+  "in the lab",
+  "after lunch",
+  "on the guest network",
+  "in building 2",
+  "during calls",
 )
 _RESOLUTIONS = (
-  "Replaced the part", "Restarted the service", "Reset the settings", "Updated the driver", "Cleared the cache",
-  "Swapped the cable", "Reinstalled the app", "Renewed the license", "Tightened the screws", "Refilled the toner",
-  "Reconfigured the router", "Moved to a new desk",
+  "Replaced the part",
+  "Restarted the service",
+  "Reset the settings",
+  "Updated the driver",
+  "Cleared the cache",
+  "Swapped the cable",
+  "Reinstalled the app",
+  "Renewed the license",
+  "Tightened the screws",
+  "Refilled the toner",
+  "Reconfigured the router",
+  "Moved to a new desk",
 )
 _KEYWORDS = ("upload", "file", "report", "meeting", "draft", "invoice", "demo", "budget")
 
@@ -290,7 +363,9 @@ def _user_id(world: _World, memo: dict[str, Any]) -> Turn:
   request = _say(world, "What is {n}'s user ID?", "Look up the user ID of {n}, please.", "Can you find {n}'s ID?",
                  "I need the workspace ID of {n}.", n=name)  # fmt: skip
   uid = world.users[name]
-  return Turn(request, (Call("get_user_id", {"user": name}),), lambda r: f"{name}'s user ID is {uid}.", lambda r: (uid,))
+  return Turn(
+    request, (Call("get_user_id", {"user": name}),), lambda r: f"{name}'s user ID is {uid}.", lambda r: (uid,)
+  )
 
 
 def _send(world: _World, memo: dict[str, Any]) -> Turn:
@@ -367,8 +442,10 @@ def _close_ticket(world: _World, memo: dict[str, Any]) -> Turn:
   request = _say(world, "Close ticket {i}.", "Please close ticket number {i}.", "Ticket {i} can be closed now.",
                  i=ticket["id"])  # fmt: skip
   return Turn(
-    request, (Call("close_ticket", {"ticket_id": ticket["id"]}),), lambda r: f"Closed ticket {ticket['id']}.",
-    lambda r: ()
+    request,
+    (Call("close_ticket", {"ticket_id": ticket["id"]}),),
+    lambda r: f"Closed ticket {ticket['id']}.",
+    lambda r: (),
   )
 
 
@@ -553,7 +630,9 @@ def _function_docs() -> dict[str, dict[str, Any]]:
   """BFCL's function docs of `CLASSES`, with the package's Python hint, by function name."""
   utils = bfcl._import_bfcl("bfcl_eval.utils")
   entries = [{"id": "multi_turn_base_0", "involved_classes": list(CLASSES)}]
-  entries = utils.add_language_specific_hint_to_function_doc(utils.populate_test_cases_with_predefined_functions(entries))
+  entries = utils.add_language_specific_hint_to_function_doc(
+    utils.populate_test_cases_with_predefined_functions(entries)
+  )
   return {doc["name"]: doc for doc in entries[0]["function"]}
 
 
