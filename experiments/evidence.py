@@ -4,8 +4,8 @@
     python experiments/evidence.py --methods=base,warmup  # only these methods' cells (a session's share)
     python experiments/evidence.py --methods=             # run nothing: gather the finished cells, write the JSON
     python experiments/evidence.py --smoke --workdir=DIR  # pipeline check: the tiny model on τ² mock, ≈1 min
-    python experiments/evidence.py --readme               # the README's results section, from the committed JSON
-    python experiments/evidence.py --update-readme        # ... written into README.md between its markers
+    python experiments/evidence.py --results-page         # docs/results.md's results section, from the committed JSON
+    python experiments/evidence.py --update-results-page  # ... written into docs/results.md between its markers
     python experiments/evidence.py --full --model-path=/path/to/Qwen3-8B --workdir=/ckpt/evidence   # paper sizes
 
 Protocol. SmolLM2-135M-Instruct on τ²-bench mock with held-out tasks, as τ²'s airline and retail train/test splits hold
@@ -67,12 +67,13 @@ trained cell that still lacks test-time rows is trained again first, determinist
 Output: the tables (mean ± sample std over seeds, n = seeds), ``--out-dir/evidence.json`` (every cell, the protocol, the
 aggregate rows, which cells of the grid are still missing) and three PNGs there (held-out metrics per method with error
 bars; learning curves: training reward per role per step, held-out gold-call fidelity and reward at base / after the
-warm-up / after GRPO; test-time pass^1 and cost vs N). ``--readme`` prints the README's results section from that JSON
-(a test checks that the README holds exactly it). ``--smoke`` is the pipeline check the tests run (the tiny random model
-on τ² mock, whose one split is cut into train and held-out ids here; the base and EnvACE cells: its numbers say nothing
-about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``: Qwen3-8B computing in
-bfloat16, B=16 × G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``, ``--heldout`` and the rest still
-apply, and any config value can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``).
+warm-up / after GRPO; test-time pass^1 and cost vs N). ``--results-page`` prints docs/results.md's results section
+from that JSON (a test checks that the page holds exactly it). ``--smoke`` is the pipeline check the tests run (the
+tiny random model on τ² mock, whose one split is cut into train and held-out ids here; the base and EnvACE cells: its
+numbers say nothing about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``:
+Qwen3-8B computing in bfloat16, B=16 × G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``,
+``--heldout`` and the rest still apply, and any config value can be set as for ``python -m envace_jax.main``
+(``--config.KEY=VALUE``).
 
 Budget: the default grid is sized for about 8 CPU-hours on 2 cores, run in parts (``--methods``, ``--seeds``) across
 sessions.
@@ -104,7 +105,8 @@ RESULTS_FILE = "evidence.json"
 PNGS = {"ablation": "evidence_ablation.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
 CELL_FILE = "cell.json"
 TRANSCRIPTS_FILE = "heldout_transcripts.json"  # the committed executions of the evaluation, for reading
-README_BEGIN, README_END = "<!-- evidence.py --readme: begin -->", "<!-- evidence.py --readme: end -->"
+RESULTS_PAGE = ROOT / "docs" / "results.md"  # the results section's page (README.md summarises it)
+RESULTS_BEGIN, RESULTS_END = "<!-- evidence.py --results-page: begin -->", "<!-- evidence.py --results-page: end -->"
 
 METHODS = ("base", "warmup", "warmup_grounded", "envace", "grpo_real_env", "per_role")
 WARMUP_ONLY = ("warmup", "warmup_grounded")
@@ -392,7 +394,7 @@ def run_test_time(args, method: str, seed: int, on_row) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Aggregation, tables, figures, README
+# Aggregation, tables, figures, the results page
 
 
 def aggregate(cells: Sequence[Mapping[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
@@ -470,13 +472,13 @@ def test_time_table(result: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def readme_section(result: Mapping[str, Any]) -> str:
-  """The README's results section, between the two markers, from ``evidence.json``'s content."""
+def results_section(result: Mapping[str, Any]) -> str:
+  """docs/results.md's results section, between the two markers, from ``evidence.json``'s content."""
   p = result["protocol"]
   done, grid = len(result["cells"]), len(result["cells"]) + len(result["missing"])
   grounding = f"with {p['grounding']} tokens of grounding" if p.get("grounding") else "without grounding"
   lines = [
-    README_BEGIN,
+    RESULTS_BEGIN,
     f"Held-out evidence (`python experiments/evidence.py`; {done} of {grid} cells of the grid done). "
     f"{p['model']} on τ² {p['domain']}: trained on {len(p['train_task_ids'])} tasks of the `{p['train_split']}` "
     f"split ({_ids(p['train_task_ids'])}), judged on {len(p['heldout_task_ids'])} tasks of `{p['eval_split']}` it "
@@ -497,7 +499,7 @@ def readme_section(result: Mapping[str, Any]) -> str:
   not_run = [*result["missing"], *result.get("missing_test_time", [])]
   if not_run:
     lines += ["", "Not run yet: " + ", ".join(not_run) + "."]
-  lines += ["", *(f"![{name}](experiments/results/{file})" for name, file in PNGS.items()), README_END]
+  lines += ["", *(f"![{name}](../experiments/results/{file})" for name, file in PNGS.items()), RESULTS_END]
   return "\n".join(lines)
 
 
@@ -620,12 +622,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--smoke", action="store_true", help="the pipeline check: tiny model on τ² mock")
   parser.add_argument("--full", action="store_true", help="the paper's sizes (Qwen3-8B; needs --model-path)")
   parser.add_argument("--model-path", default="", help="--full: local Hugging Face directory of Qwen3-8B")
-  parser.add_argument("--readme", action="store_true", help="print the README section from --out-dir's JSON")
-  parser.add_argument("--update-readme", action="store_true", help="--readme, written between README.md's markers")
+  parser.add_argument("--results-page", action="store_true", help="print the results section from --out-dir's JSON")
+  parser.add_argument(
+    "--update-results-page", action="store_true", help="--results-page, written between docs/results.md's markers"
+  )
   parser.add_argument("--workdir", default="/tmp/envace_evidence", help="one subfolder per cell; a rerun resumes")
   parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="evidence.json and the PNGs")
   parser.add_argument("--data-dir", default=common.DEFAULT_DATA_DIR)
-  parser.add_argument("--compile-cache", default=None, help="JAX compilation cache folder (default: the user's, envace_jax/compilation_cache.py; 'none': off)")
+  parser.add_argument(
+    "--compile-cache",
+    default=None,
+    help="JAX compilation cache folder (default: the user's, envace_jax/compilation_cache.py; 'none': off)",
+  )
   for name, value in DEFAULTS["default"].items():  # default None: filled from DEFAULTS below
     kind = str if name == "heldout" else type(value)  # heldout: a count of test tasks, or the ids themselves
     parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {value!r}")
@@ -653,21 +661,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> dict[str, Any]:
   """Runs (or resumes) the cells asked for: first every cell's training and held-out evaluation (`run_cell`), then
   the test-time grids (`run_test_time`), rewriting ``--out-dir/evidence.json`` and the PNGs after every cell and row
-  (`write_results`); then prints the tables. With ``--readme``: prints the README section only.
+  (`write_results`); then prints the tables. With ``--results-page``: prints the results section only.
 
   Returns:
     evidence.json's content (`write_results`).
   """
   args = parse_args(argv)
   out_dir = pathlib.Path(args.out_dir)
-  if args.readme or args.update_readme:
+  if args.results_page or args.update_results_page:
     result = common.read_json(out_dir / RESULTS_FILE)
-    section = readme_section(result)
+    section = results_section(result)
     print(section)
-    if args.update_readme:
-      path = ROOT / "README.md"
+    if args.update_results_page:
+      path = RESULTS_PAGE
       text = path.read_text(encoding="utf-8")
-      begin, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+      begin, end = text.index(RESULTS_BEGIN), text.index(RESULTS_END) + len(RESULTS_END)
       path.write_text(text[:begin] + section + text[end:], encoding="utf-8")
     return result
   common.use_compilation_cache(args.compile_cache)

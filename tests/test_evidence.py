@@ -110,8 +110,8 @@ def test_smoke_grid_cells_rows_files_and_resume(smoke, data_dir, capsys):
   assert json.dumps(restored["test_time"]) == json.dumps(result["test_time"])
   assert [c["eval"] for c in restored["cells"]] == [c["eval"] for c in result["cells"]]
   assert next(c for c in restored["cells"] if c["method"] == "envace")["retrained_for_test_time"] is True
-  evidence.main(["--readme", f"--out-dir={tmp / 'out'}"])
-  assert capsys.readouterr().out.strip() == evidence.readme_section(saved)
+  evidence.main(["--results-page", f"--out-dir={tmp / 'out'}"])
+  assert capsys.readouterr().out.strip() == evidence.results_section(saved)
   with pytest.raises(SystemExit, match="another budget"):
     _run(tmp, data_dir, "--steps=2")
   assert restored["missing"] == restored["missing_test_time"] == []
@@ -177,16 +177,16 @@ def test_aggregate_and_tables_by_hand():
   assert want in table
 
 
-def test_readme_results_section_is_the_committed_json():
-  """The README's results section is exactly what ``evidence.py --readme`` prints from the committed JSON, the PNGs
-  it shows are committed, and that JSON judged only held-out tasks: the protocol's training and held-out ids are
-  disjoint, and every cell was evaluated on exactly the protocol's held-out tasks."""
+def test_results_page_section_is_the_committed_json():
+  """docs/results.md's results section is exactly what ``evidence.py --results-page`` prints from the committed JSON,
+  the PNGs it shows are committed, and that JSON judged only held-out tasks: the protocol's training and held-out ids
+  are disjoint, and every cell was evaluated on exactly the protocol's held-out tasks."""
   result = json.loads((evidence.RESULTS_DIR / evidence.RESULTS_FILE).read_text(encoding="utf-8"))
   proto = result["protocol"]
   assert proto["heldout_task_ids"] and proto["train_task_ids"]
   assert not set(proto["train_task_ids"]) & set(proto["heldout_task_ids"])
   assert result["cells"] and all(c["heldout_task_ids"] == proto["heldout_task_ids"] for c in result["cells"])
-  readme = (evidence.ROOT / "README.md").read_text(encoding="utf-8")
-  assert evidence.readme_section(result) in readme
+  page = evidence.RESULTS_PAGE.read_text(encoding="utf-8")
+  assert evidence.results_section(result) in page
   for png in evidence.PNGS.values():
     assert (evidence.RESULTS_DIR / png).stat().st_size > 0

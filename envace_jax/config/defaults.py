@@ -139,9 +139,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.top_k = 0  # demo; 0: off
 
   c.demo = ml_collections.ConfigDict()
-  c.demo.system = "You are an airline assistant. Use the tools to answer."
-  c.demo.user = "Is flight HAT170 on time today, 2024-05-16?"
-  c.demo.tools_json = json.dumps(DEMO_TOOLS)
+  c.demo.system = "You are an airline assistant. Use the tools to answer."  # demo: the system message
+  c.demo.user = "Is flight HAT170 on time today, 2024-05-16?"  # demo: the user message
+  c.demo.tools_json = json.dumps(DEMO_TOOLS)  # demo: the tool schemas (JSON, OpenAI format)
   c.demo.num_samples = 2  # G samples of the same prompt share one prefill (group prefix sharing)
 
   # --- environment: which tasks ---------------------------------------------------------------------------------------
@@ -358,15 +358,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # long generations weigh more).
   c.grpo.loss_aggregation = "generation_mean"
   c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
-  c.grpo.kl_coef = 1e-4
+  c.grpo.kl_coef = 1e-4  # the KL term's weight (grpo.use_kl)
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
   c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
   c.grpo.sft_learning_rate = 0.0  # AdamW during train.sft_warmup_steps; 0: learning_rate
   # The first RL step after the warm-up starts from a fresh AdamW state (the warm-up's momentum would otherwise keep
   # pushing the supervised direction for about ten more steps); the warm-up's parameters are kept.
   c.grpo.fresh_optimizer_after_sft = True
-  c.grpo.weight_decay = 0.01
-  c.grpo.adam_b1 = 0.9
+  c.grpo.weight_decay = 0.01  # AdamW's decoupled weight decay
+  c.grpo.adam_b1 = 0.9  # AdamW's moment decay rates and epsilon
   c.grpo.adam_b2 = 0.999
   c.grpo.adam_eps = 1e-8
   c.grpo.max_grad_norm = 1.0  # global-norm clip before AdamW
