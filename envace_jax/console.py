@@ -1,4 +1,5 @@
-"""What ``python -m envace_jax.main`` prints, and how absl's ``--verbosity`` brings the rest back (README).
+"""What ``python -m envace_jax.main`` prints, and how absl's ``--verbosity`` brings the rest back
+(docs/getting-started.md).
 
     console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)   # in main(), after absl parsed the flags
     console.config_error(error)                                            # one line per problem, exit status 2

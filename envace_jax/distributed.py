@@ -2,7 +2,7 @@
 
     python -m envace_jax.main --config=... --workdir=DIR --coordinator=HOST:PORT --num_processes=N --process_id=I
 
-Every process runs the same program (README, "Scaling out"). What each one does in a training step
+Every process runs the same program (docs/scaling.md). What each one does in a training step
 (`train.Trainer`):
 
   * draws the same B tasks from the task stream (the same seed and position everywhere) and rolls out its

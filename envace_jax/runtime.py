@@ -179,13 +179,14 @@ def release_host_memory(staging: bool = False) -> None:
   """Drops JAX's tracing and lowering caches, keeping the compiled programs, and hands the C heap's free pages back
   to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
 
-  Why (README, the main job's memory): XLA's CPU runtime frees a program's temporaries into glibc's arenas, which
-  keep them (one main-job update: 6.2 GiB resident, 3.1 GiB after the trim), and JAX keeps every program's jaxpr and
-  lowered module. `jax.clear_caches()` would drop the compiled programs too; after `_clear_staging_caches` a call
-  with shapes seen before runs the program it has without tracing or compiling again (``tests/test_runtime.py``).
-  Eager operations' small programs do compile again, so the caches are dropped only when a program of
-  ``_LARGE_COMPILE_S`` or more was compiled since they last were, or when ``staging`` is True. Training and
-  evaluation call this between phases, when no large program runs; the pages come back zeroed when next used.
+  Why (experiments/results/2026-12-03_main_job.md): XLA's CPU runtime frees a program's temporaries into glibc's
+  arenas, which keep them (one main-job update: 6.2 GiB resident, 3.1 GiB after the trim), and JAX keeps every
+  program's jaxpr and lowered module. `jax.clear_caches()` would drop the compiled programs too; after
+  `_clear_staging_caches` a call with shapes seen before runs the program it has without tracing or compiling again
+  (``tests/test_runtime.py``). Eager operations' small programs do compile again, so the caches are dropped only
+  when a program of ``_LARGE_COMPILE_S`` or more was compiled since they last were, or when ``staging`` is True.
+  Training and evaluation call this between phases, when no large program runs; the pages come back zeroed when
+  next used.
   """
   global _large_at_clear
   if staging or _large_compiles > _large_at_clear:

@@ -1,6 +1,6 @@
 """How a trajectory gets its reward, and what a scorer's failure becomes.
 
-Three scorers (paper §3.3; README, "How a training step runs", step 5):
+Three scorers (paper §3.3; docs/method.md, "How a training step runs", step 5):
   * the benchmark's own evaluator on the real environment the trajectory ran in (τ²: ``evaluate_simulation``; BFCL:
     its multi-turn checker): committed executions, ``grpo_real_env`` rollouts, the reward gap's replay;
   * the rule checklist (`rl.rewards.rule_checklist`, ``reward.kind="rule"``) for rehearsed trajectories, which have

@@ -2,7 +2,7 @@
 
     python -m envace_jax.main --config=configs/tau2.py --workdir=DIR
 
-A step is README's "How a training step runs" (paper §3). A workdir with a checkpoint resumes from it, bit for bit:
+A step: docs/method.md, "How a training step runs" (paper §3). A workdir with a checkpoint resumes from it, bit for bit:
 step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored ``TaskStream`` position, so a resumed
 run repeats exactly what the uninterrupted run would have done. Across processes (``--coordinator``, ...) each rolls
 out its share of the step's tasks and the update runs over the global mesh (``distributed.py``).
@@ -479,7 +479,7 @@ class Trainer:
     """A supervised warm-up step: one update on the token-mean negative log-likelihood of B demonstrations.
 
     The update is the GRPO update step with advantage 1 and ``old_logprobs`` = the current logprobs, so the ratio is
-    exactly 1 and the surrogate's gradient is that of -log p (README, the supervised warm-up). Returns ``sft/*``
+    exactly 1 and the surrogate's gradient is that of -log p (docs/method.md, the warm-up). Returns ``sft/*``
     metrics: ``nll`` (before the update; per role ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``,
     ``skipped_tasks`` and the time.
     """

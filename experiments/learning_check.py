@@ -25,7 +25,8 @@ rollouts come from the policy before any GRPO update). Prints a table and the ve
 per-step training reward per seed, and before/after per seed).
 Not a timed test. Measured on 2 CPU cores with the defaults (SmolLM2; 2 warm-up steps, 6 GRPO steps of B=3 x G=4
 at lr 2e-5, the fixed set 3 tasks x 8): 25 min per seed for EnvACE; PASSED, fixed-set gains +0.27, +0.23,
-+0.23, mean training reward 0.25 at the first GRPO step and 0.50 at the last (README's table).
++0.23, mean training reward 0.25 at the first GRPO step and 0.50 at the last
+(experiments/results/2026-11-30_learning_check.md).
 """
 
 from __future__ import annotations

@@ -269,7 +269,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the simulated user's; later turns stay simulated. For a user simulator too weak to state the request.
   c.rollout.scenario_opening = False
   # True: a finished generation's row takes its trajectory's next one while the others decode (same trajectories).
-  # On a 2-core CPU it saved decode steps but cost wall time (README, "Tests and benchmarks"): lockstep by default.
+  # On a 2-core CPU it saved decode steps but cost wall time (experiments/results/2026-12-03_rollout_engine.md):
+  # lockstep by default.
   # It applies when the policy's roles share one sampler and equal sampling settings (lockstep otherwise).
   c.rollout.continuous_batching = False
   # Each view's own KV slots in pages of this many slots: reserved for a generation, kept as its tokens fill them,

@@ -119,7 +119,7 @@ class ChatMessage:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceInteraction:
-  """A logged (tool, arguments, result): grounding for the rehearsing role (README, "How a training step runs", step 1).
+  """A logged (tool, arguments, result): grounding for the rehearsing role (docs/method.md, a training step, step 1).
 
   For τ² it is produced by replaying a gold action on a fresh environment at data-preparation time; for the
   checklist format it is a logged tool result of the reference conversation.

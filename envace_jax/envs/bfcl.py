@@ -4,8 +4,8 @@ Everything benchmark-specific comes from the package: the task files (`bfcl_eval
 `possible_answer/`, `multi_turn_func_doc/`) through `bfcl_eval.utils.load_dataset_entry` / `load_ground_truth_entry`,
 the executable backends (GorillaFileSystem, TwitterAPI, TradingBot, TravelAPI, MessageAPI, TicketAPI, MathAPI,
 VehicleControlAPI) and the checker (`bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker`: state + response
-checks after every turn). Nothing here re-implements a tool or a check. Install: `INSTALL_HINT` (README: why
-`--no-deps`).
+checks after every turn). Nothing here re-implements a tool or a check. Install: `INSTALL_HINT`
+(docs/troubleshooting.md: why `--no-deps`).
 
 How the BFCL harness maps onto `Task` / `ToolEnv`:
 - Categories: `CATEGORIES` (multi_turn_base, _miss_func, _miss_param, _long_context). BFCL has no train split: every

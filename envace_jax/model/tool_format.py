@@ -10,9 +10,9 @@ The text formats (what the model reads and writes):
   * A tool result: ``<tool_response>\\n...\\n</tool_response>``.
 
 ``parse_action`` turns one ACT generation into an ``Action``: a tool call, a plain reply, or a typed parse error. It
-never raises on model output: malformed output is data (recorded on the trajectory and scored; README, "How a
-training step runs", step 3). ``parse_action_official`` applies the official EnvACE implementation's rules instead
-(setting ``rollout.act_parser``; tests/data/official/act_parse.json holds the official parser's outputs).
+never raises on model output: malformed output is data (recorded on the trajectory and scored; docs/method.md,
+"How a training step runs", step 3). ``parse_action_official`` applies the official EnvACE implementation's rules
+instead (setting ``rollout.act_parser``; tests/data/official/act_parse.json holds the official parser's outputs).
 """
 
 from __future__ import annotations

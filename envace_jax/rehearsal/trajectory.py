@@ -1,6 +1,6 @@
 """Trajectories and their training rows: the token bookkeeping between the rollout and the update.
 
-A self-unfolded trajectory (paper §3; README, "How a training step runs") keeps one append-only token sequence per
+A self-unfolded trajectory (paper §3; docs/method.md) keeps one append-only token sequence per
 **view**: the agent's (ACT), the environment's (REHEARSE) and the user simulator's (USER). Each view's sequence is
 exactly what that view's KV cache holds: prompt tokens rendered from messages, and generated tokens exactly as the
 sampler produced them. At the end each view becomes one `TrainingRow`: nothing is re-tokenised from text.

@@ -1,7 +1,7 @@
 """Role-wise GRPO: the config, the dual-clipped policy loss with exact micro-batch accumulation, the optax step.
 
 The paper trains one policy that wears two hats, ACT and REHEARSE, with GRPO where the group of a generation is
-(task, role) (paper §3, role-wise GRPO; README, "How a training step runs", steps 6-7). The advantages live in
+(task, role) (paper §3, role-wise GRPO; docs/method.md, a training step, steps 6-7). The advantages live in
 rl/advantages.py, the padded batch in rl/batch.py, the training forward in rl/logprobs.py. Data flows:
 
     rewards, groups, generations, valid = advantages.trajectory_arrays(trajectories)   # host numpy

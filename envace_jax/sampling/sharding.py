@@ -1,6 +1,6 @@
 """The device mesh, and the logical-axis rules that place parameters, batches and KV caches on it.
 
-One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor) (README, "Scaling out"). The model names every
+One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor) (docs/scaling.md). The model names every
 parameter dimension with a logical axis (``transformer.logical_axes``: 'embed', 'heads', 'mlp', ...); the table
 ``LOGICAL_RULES`` below maps each logical name to a mesh axis (or to None: replicated), as MaxText does. Everything
 here turns (logical names, shape, mesh, rules) into a ``NamedSharding``:

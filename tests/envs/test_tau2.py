@@ -238,7 +238,7 @@ def test_cli_oracle_on_mock(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("domain,n", [("airline", 20), ("retail", 40)])
 def test_oracle_test_split_is_perfect(domain, n):
-  """README: `python -m envace_jax.envs.tau2 --domain=DOMAIN --split=test --oracle` scores 20/20 (airline), 40/40
+  """docs/benchmarks.md: `envace_jax.envs.tau2 --domain=DOMAIN --split=test --oracle` scores 20/20 (airline), 40/40
   (retail): every gold-action replay gets reward 1 from τ²'s own evaluator, with no known defect to excuse. The only
   notes allowed are gold calls the tools refuse: some retail gold sequences start with a lookup that fails by design
   (an unknown e-mail), as the user's scenario has it."""
