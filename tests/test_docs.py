@@ -133,3 +133,23 @@ def test_readme_install_line_is_the_makefiles():
   line = recipe.replace("$(ALL_EXTRAS)", "dev,tau2,bfcl")
   assert "ALL_EXTRAS := dev,tau2,bfcl$(" in make and f"\n{line}\n" in readme
   assert re.search(r"\nTest:\n```bash\nmake test\n", readme)
+
+
+# Links to files another change is to add (docs/testbed.md names the report experiments/testbed_calibration.py is to
+# write; neither is in the tree yet).
+PENDING_LINKS = {"docs/testbed.md: ../experiments/results/testbed_calibration.md"}
+
+
+def test_relative_links_resolve():
+  """Every relative link in README.md, docs/*.md and the dated reports names a file that exists."""
+  pages = [*PAGES, *sorted((ROOT / "experiments" / "results").glob("*.md"))]
+  broken = []
+  for path in pages:
+    text = path.read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(\s*([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]: (\S+)$", text, re.M)
+    for target in targets:
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue
+      if not (path.parent / target.split("#")[0]).exists():
+        broken.append(f"{path.relative_to(ROOT)}: {target}")
+  assert [b for b in broken if b not in PENDING_LINKS] == []
