@@ -102,7 +102,8 @@ def _flat(config, prefix: str = "") -> dict[str, object]:
 
 def rows() -> list[tuple[str, object, str, str, str]]:
   """(key, default, paper value from the comment, the +paper preset's value, meaning) per key of get_config(), in
-  the order ``defaults.py`` sets them. A key without a comment that directly follows one with a comment shares it."""
+  the order ``defaults.py`` sets them. A key without a comment that directly follows one with a comment shares it, and
+  a key whose comment is the key before's (the keys of one dict literal) says so instead of repeating it."""
   found = _assignments(SOURCE.read_text(encoding="utf-8"))
   placed = []
   for key, default in _flat(defaults.get_config()).items():
@@ -115,7 +116,7 @@ def rows() -> list[tuple[str, object, str, str, str]]:
   out, previous = [], None
   for _, key, default, (_, note, first, last) in sorted(placed, key=lambda p: (p[0], p[1])):
     shown = note
-    if not note and previous and first <= previous[2] + 1:
+    if previous and (note == previous[1] or (not note and first <= previous[2] + 1)):
       note, shown = previous[1], f"As `{previous[0]}`."
       previous = (previous[0], note, last)
     elif note:
