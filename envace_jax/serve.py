@@ -45,7 +45,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import json
+import logging
 import os
 import queue
 import re
@@ -74,6 +76,9 @@ from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MIN_CAPACITY = 512  # a batch's cache slots per row: a power of two >= its longest prompt + budget, at least this
+MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects a request body (or a tool call's arguments) may have
+MAX_BODY_BYTES = 4 * 2**20  # --max_body_bytes's default: a request body over it is a 413 (OpenAI caps far lower)
+DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this, so the client reads the 413, not a reset
 
 
 class ApiError(Exception):
@@ -127,6 +132,53 @@ class Job:
   rehearsal: RehearsalRequest | None
   rehearsal_info: dict[str, Any] | None = None
   future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+def json_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+  """Whether JSON-like ``value`` nests arrays and objects deeper than ``limit`` levels (``{"a": [1]}`` is 2 deep).
+  Iterative: no recursion however deep ``value`` is."""
+  stack = [(value, 1)]
+  while stack:
+    item, depth = stack.pop()
+    if isinstance(item, Mapping):
+      children = item.values()
+    elif isinstance(item, list | tuple):
+      children = item
+    else:
+      continue
+    if depth > limit:
+      return True
+    stack.extend((child, depth + 1) for child in children)
+  return False
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
+  """``text`` parsed as strict JSON: no NaN or Infinity, at most `MAX_JSON_DEPTH` levels of nesting.
+
+  Raises:
+    ApiError: 400 naming ``what`` (e.g. "the request body") and ``param``: ``text`` is not JSON, holds NaN or
+      Infinity, or nests deeper than the limit (code ``json_too_deep``; before parsing ran out of stack, a
+      RecursionError, it was a 500).
+  """
+  deep = ApiError(
+    400,
+    f"{what} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels, the limit; send flatter JSON",
+    param=param,
+    code="json_too_deep",
+  )
+  try:
+    value = json.loads(text, parse_constant=_no_constant)
+  except RecursionError:
+    raise deep from None
+  except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+    raise ApiError(400, f"{what} is not valid JSON: {e}", param=param) from e
+  if json_too_deep(value):
+    raise deep
+  return value
 
 
 def check_text(value: Any, where: str) -> None:
@@ -188,12 +240,11 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
       if not isinstance(name, str) or not name:
         raise ApiError(400, f"{where}.tool_calls[{j}] needs function.name", param=where)
       arguments = fn.get("arguments") or "{}"
-      try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-      except ValueError as e:
-        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}", param=where) from e
+      field = f"{where}.tool_calls[{j}].function.arguments"
+      if isinstance(arguments, str):
+        arguments = parse_json(arguments, field, param=field)
       if not isinstance(arguments, Mapping):
-        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param=where)
+        raise ApiError(400, f"{field} must be a JSON object", param=field)
       check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
       calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
     out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
@@ -276,6 +327,9 @@ class Engine:
     self.max_batch, self.default_max_tokens = max_batch, default_max_tokens
     self.unfold_config = UnfoldConfig.from_config(config, group_size=1)
     self.act_stops = tuple(self.unfold_config.stop_strings(Role.ACT))
+    # A token stands for at most this many bytes: a text of B bytes is at least B / (2 * this) tokens (2: room for a
+    # normalizer that composes characters), which refuses a huge prompt without tokenizing it.
+    self.token_bytes = max(1, *(len(b) for b in tokenizer.token_bytes()))
     self._key = jax.random.key(seed)
     self._counter = 0
     self.stats = {"sampler_calls": 0, "rows": 0, "requests": 0, "rehearsals": 0}
@@ -317,6 +371,15 @@ class Engine:
           param="rehearsal",
         )
       rehearsal = None if mode == "off" else RehearsalRequest(mode, count)
+    size = sum(len(m.content.encode("utf-8", "replace")) for m in messages if m.role != "assistant")
+    if size // (2 * self.token_bytes) > self.context:  # an assistant's text may be dropped by the template
+      raise ApiError(
+        400,
+        f"This model's maximum context length is {self.context} tokens. However, your messages hold {size} bytes "
+        f"of text, at least {size // (2 * self.token_bytes)} tokens. Please reduce the length of the messages.",
+        param="messages",
+        code="context_length_exceeded",
+      )
     prompt, roles = self.render(messages, tools)
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
     room = self.context - len(prompt)
@@ -597,21 +660,98 @@ def _stream_events(body: Mapping[str, Any], usage: bool):
   yield "data: [DONE]\n\n"
 
 
-def make_app(engine: Engine, name: str, api_key: str = ""):
+async def _drain(receive, budget: int) -> None:
+  """Reads and drops what is left of a request body, at most ``budget`` bytes."""
+  while budget > 0:
+    message = await receive()
+    if message["type"] != "http.request":
+      return
+    budget -= len(message.get("body", b""))
+    if not message.get("more_body", False):
+      return
+
+
+class Guard:
+  """The outermost layer of the app (pure ASGI, so that nothing it does buffers a body or hides a disconnect): the
+  API key, compared in constant time (`hmac.compare_digest`; a 401 carries ``WWW-Authenticate: Bearer``); the body
+  size limit, a 413 before any parsing, from ``Content-Length`` or, for a chunked body, as soon as the bytes read
+  pass it; and a JSON 500 in OpenAI's shape for any exception that escapes the app before its response started
+  (logged with its traceback), so that no request gets a plain-text 500 or a reset connection."""
+
+  def __init__(self, app, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES):
+    self.app, self.api_key, self.max_body_bytes = app, api_key.encode("utf-8"), max_body_bytes
+
+  def too_large(self, size: int | None = None) -> ApiError:
+    sent = f" ({size} bytes)" if size is not None else ""
+    message = (
+      f"the request body{sent} is over the server's limit of {self.max_body_bytes} bytes (--max_body_bytes); "
+      "send a shorter request"
+    )
+    return ApiError(413, message, code="request_too_large")
+
+  @staticmethod
+  async def reply(send, error: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    payload = json.dumps(error.body()).encode("utf-8")
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers]
+    await send({"type": "http.response.start", "status": error.status, "headers": head})
+    await send({"type": "http.response.body", "body": payload})
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    if self.api_key:
+      header = dict(scope["headers"]).get(b"authorization", b"")
+      scheme, _, given = header.partition(b" ")
+      # the scheme is case-insensitive (RFC 9110); compare_digest: no timing signal of how much of the key matched
+      if not (scheme.lower() == b"bearer") & hmac.compare_digest(given.strip(), self.api_key):
+        message = "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'."
+        error = ApiError(401, message, code="invalid_api_key")
+        return await self.reply(send, error, [(b"www-authenticate", b"Bearer")])
+    length = dict(scope["headers"]).get(b"content-length", b"")
+    if length.isdigit() and int(length) > self.max_body_bytes:
+      if int(length) <= DRAIN_BYTES:
+        await _drain(receive, DRAIN_BYTES)
+      return await self.reply(send, self.too_large(int(length)))
+    received = 0
+
+    async def limited_receive():
+      nonlocal received
+      message = await receive()
+      if message["type"] == "http.request":
+        received += len(message.get("body", b""))
+        if received > self.max_body_bytes:
+          if message.get("more_body", False):
+            await _drain(receive, DRAIN_BYTES)
+          raise self.too_large()  # the route's ApiError handler answers it
+      return message
+
+    started = False
+
+    async def watched_send(message):
+      nonlocal started
+      started = started or message["type"] == "http.response.start"
+      await send(message)
+
+    try:
+      await self.app(scope, limited_receive, watched_send)
+    except ApiError as e:  # raised outside a route (its handler answers those)
+      if not started:
+        await self.reply(send, e)
+    except Exception as e:  # noqa: BLE001 -- one request failed; the server and the connection keep serving
+      logging.exception("envace_jax.serve: %s %s failed", scope.get("method"), scope.get("path"))
+      if not started:
+        error = ApiError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error")
+        await self.reply(send, error)
+
+
+def make_app(engine: Engine, name: str, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES):
   """The FastAPI app serving ``engine`` as model ``name``; every request must carry ``Bearer api_key`` when it is
-  set."""
+  set, and a body of at most ``max_body_bytes`` (`Guard`). Parsing, validation and tokenizing run in a worker
+  thread, so the event loop answers other requests (``/v1/models``) meanwhile."""
   app = fastapi.FastAPI(title="envace-jax", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
 
-  @app.middleware("http")
-  async def check_key(request: fastapi.Request, call_next):
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if api_key and (scheme.lower() != "bearer" or given.strip() != api_key):  # the scheme is case-insensitive
-      error = ApiError(
-        401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
-      )
-      return responses.JSONResponse(error.body(), status_code=401)
-    return await call_next(request)
+  app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
   @app.exception_handler(ApiError)
   async def api_error(request, error: ApiError):
@@ -632,10 +772,7 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
 
   @app.post("/v1/chat/completions")
   async def chat(request: fastapi.Request):
-    try:
-      body = json.loads(await request.body())
-    except ValueError as e:
-      raise ApiError(400, f"the request body is not JSON: {e}") from e
+    body = await asyncio.to_thread(parse_json, await request.body(), "the request body")
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") != name:
@@ -646,7 +783,7 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
         code="model_not_found",
       )
     try:
-      job = engine.job(body)
+      job = await asyncio.to_thread(engine.job, body)
     except ApiError:
       raise
     except Exception as e:  # noqa: BLE001 -- a malformed field that no check names: still the client's error
@@ -728,7 +865,8 @@ def main(argv: list[str]) -> None:
   except (ValueError, checkpoint_lib.CheckpointError) as e:  # what to serve is wrong: one line, no traceback
     raise SystemExit(f"envace_jax.serve: {e}") from None
   engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens, seed=config.seed)
-  uvicorn.run(make_app(engine, f.served_name or name, f.api_key), host=f.host, port=f.port, log_level="info")
+  app = make_app(engine, f.served_name or name, f.api_key, max_body_bytes=f.max_body_bytes)
+  uvicorn.run(app, host=f.host, port=f.port, log_level="info")
 
 
 def define_flags() -> None:
@@ -745,6 +883,7 @@ def define_flags() -> None:
   flags.DEFINE_string("api_key", "", "When set, every request must send 'Authorization: Bearer API_KEY'.")
   flags.DEFINE_integer("max_batch", 32, "The most rows (choices) of one sampler call; a power of two.")
   flags.DEFINE_integer("max_tokens", 512, "A request's generation budget when it sets no max_tokens.")
+  flags.DEFINE_integer("max_body_bytes", MAX_BODY_BYTES, "A request body over this many bytes is refused (413).")
 
 
 if __name__ == "__main__":

@@ -388,3 +388,110 @@ def test_load_serves_a_per_role_checkpoint(tmp_path):
   engine.close()
   with pytest.raises(ValueError, match="exactly one of"):
     serve.load(str(tmp_path / "run"), "tiny")
+
+
+def _raw_client(url):
+  """An httpx client with the key: one keep-alive connection, reused request after request."""
+  import httpx
+
+  headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+  return httpx.Client(base_url=url, headers=headers, timeout=300, limits=httpx.Limits(max_connections=1))
+
+
+def test_deeply_nested_json_is_a_400_and_errors_are_json(server, monkeypatch):
+  """Issue 46, 1: a body nested 1000 deep is a 400 naming the limit (before: a RecursionError, a plain-text 500 and a
+  reset connection), as are tool call arguments nested 990 deep (naming the field) and a body one level over the
+  limit; an unexpected exception is a JSON 500; the same keep-alive connection serves the next request each time."""
+  url, _, _, name = server
+  user = {"role": "user", "content": "hi"}
+
+  def called(arguments):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [user, {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+  deep_arguments = '{"a": ' + "[" * 989 + "]" * 989 + "}"
+  over = {"x": 1}
+  for _ in range(serve.MAX_JSON_DEPTH - 1):  # the body itself is one level: MAX_JSON_DEPTH + 1 in all
+    over = {"x": over}
+  with _raw_client(url) as http:
+    for raw, param in [
+      ('{"x":' + "[" * 1000 + "]" * 1000 + "}", None),
+      (json.dumps({"model": name, "messages": called(deep_arguments)}), "messages[1].tool_calls[0].function.arguments"),
+      (json.dumps({"model": name, "messages": [user], "metadata": over}), None),
+    ]:
+      response = http.post("/chat/completions", content=raw)
+      assert response.status_code == 400, response.text
+      error = response.json()["error"]
+      assert error["code"] == "json_too_deep" and error["param"] == param
+      assert f"deeper than {serve.MAX_JSON_DEPTH} levels" in error["message"]
+      ok = http.post("/chat/completions", json={"model": name, "messages": [user], "max_tokens": 2})
+      assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    flat = {"x": 1}
+    for _ in range(serve.MAX_JSON_DEPTH - 2):
+      flat = {"x": flat}
+    at_limit = http.post("/chat/completions", json={"model": name, "messages": [user], "max_tokens": 1, "m": flat})
+    assert at_limit.status_code == 200, at_limit.text
+
+    def broken(*args):
+      raise RuntimeError("an unexpected failure")
+
+    monkeypatch.setattr(serve, "response_body", broken)
+    response = http.post("/chat/completions", json={"model": name, "messages": [user], "max_tokens": 1})
+    assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"] == {
+      "message": "internal server error: RuntimeError: an unexpected failure",
+      "type": "server_error",
+      "param": None,
+      "code": None,
+    }
+    monkeypatch.undo()
+    ok = http.post("/chat/completions", json={"model": name, "messages": [user], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_body_limit_and_a_huge_prompt(server):
+  """Issue 46, 2: the issue's 10 MB prompt ("word " x 2,000,000) is a 413 naming the limit, before any parsing, sent
+  with a Content-Length or chunked; the connection then serves the next request. A prompt under the body limit but
+  far over the context is the usual 400 ``context_length_exceeded`` without being tokenized (before: 21.5 s of
+  tokenizing on the event loop), and ``/v1/models`` answers within 2 s meanwhile."""
+  url, _, _, name = server
+  huge = json.dumps({"model": name, "messages": [{"role": "user", "content": "word " * 2_000_000}]}).encode()
+  assert len(huge) > serve.MAX_BODY_BYTES
+
+  def chunks():
+    for start in range(0, len(huge), 2**20):
+      yield huge[start : start + 2**20]
+
+  with _raw_client(url) as http:
+    for content in (huge, chunks()):
+      start = time.monotonic()
+      response = http.post("/chat/completions", content=content)
+      assert response.status_code == 413, response.text
+      error = response.json()["error"]
+      assert error["code"] == "request_too_large" and f"limit of {serve.MAX_BODY_BYTES} bytes" in error["message"]
+      assert time.monotonic() - start < 5
+      ok = http.post("/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+      assert ok.status_code == 200, ok.text
+  large = {"model": name, "messages": [{"role": "user", "content": "word " * 700_000}]}  # 3.5 MB
+  result = {}
+
+  def send():
+    with _raw_client(url) as http:
+      start = time.monotonic()
+      result["response"] = http.post("/chat/completions", json=large)
+      result["seconds"] = time.monotonic() - start
+
+  sender = threading.Thread(target=send)
+  sender.start()
+  waits = []
+  with _raw_client(url) as http:
+    while sender.is_alive() or not waits:
+      start = time.monotonic()
+      assert http.get("/models").status_code == 200
+      waits.append(time.monotonic() - start)
+      time.sleep(0.02)
+  sender.join()
+  response = result["response"]
+  assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", response.text
+  assert max(waits) < 2.0, waits  # client and server share this process (and its GIL)
+  print(f"3.5 MB prompt: refused in {result['seconds']:.2f} s; /v1/models meanwhile: max {max(waits):.3f} s")
