@@ -218,10 +218,13 @@ def _text_content(content: Any, where: str) -> str:
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
   """OpenAI chat messages as `ChatMessage`s ("developer" is a system message; an assistant's ``tool_calls``, whose
-  ``function.arguments`` is a JSON object string, become calls). Raises ApiError (400) naming the bad message."""
+  ``function.arguments`` is a JSON object string, strict JSON as `parse_json` reads it, become calls); a ``tool``
+  message must answer one of the calls of the assistant message before it (after other tool messages), by its
+  ``tool_call_id``, as OpenAI requires. Raises ApiError (400) naming the bad message or field."""
   if not isinstance(raw, list) or not raw:
     raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
   out = []
+  answerable: set[str] | None = None  # the ids of the tool calls the messages since the last assistant's answer
   for i, m in enumerate(raw):
     where = f"messages[{i}]"
     if not isinstance(m, Mapping):
@@ -247,6 +250,17 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
         raise ApiError(400, f"{field} must be a JSON object", param=field)
       check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
       calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
+    if role == "tool":
+      if answerable is None:
+        message = f"{where}: a 'tool' message must follow an assistant message with 'tool_calls' (it answers one)"
+        raise ApiError(400, message, param=where)
+      call_id = m.get("tool_call_id")
+      if not isinstance(call_id, str) or call_id not in answerable:
+        known = ", ".join(sorted(repr(c) for c in answerable))
+        message = f"{where}.tool_call_id={call_id!r} names none of the preceding assistant message's calls ({known})"
+        raise ApiError(400, message, param=f"{where}.tool_call_id")
+    else:
+      answerable = {c.id for c in calls} if calls else None
     out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
   return out
 

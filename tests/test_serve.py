@@ -271,7 +271,11 @@ def test_unencodable_text_is_a_400_naming_the_field(server, client):
 
   def called(arguments):
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-    return [user, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "{}"}]
+    return [
+      user,
+      {"role": "assistant", "content": None, "tool_calls": [call]},
+      {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+    ]
 
   arguments = "messages[1].tool_calls[0].function.arguments.city"
   cases = [
@@ -279,7 +283,7 @@ def test_unencodable_text_is_a_400_naming_the_field(server, client):
     ("messages[0].content[1].text", {
       "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\udc00"}]}]
     }),
-    ("messages[2].content", {"messages": [*called("{}")[:2], {"role": "tool", "content": "x\x00"}]}),
+    ("messages[2].content", {"messages": [*called("{}")[:2], {**called("{}")[2], "content": "x\x00"}]}),
     (arguments, {"messages": called({"city": "\ud800"})}),  # an object
     (arguments[:-5], {"messages": called('{"city": "\ud800"}')}),  # a JSON string holding the character
     (arguments, {"messages": called('{"city": "\\ud800"}')}),  # a JSON string holding the escape
@@ -495,3 +499,52 @@ def test_body_limit_and_a_huge_prompt(server):
   assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", response.text
   assert max(waits) < 2.0, waits  # client and server share this process (and its GIL)
   print(f"3.5 MB prompt: refused in {result['seconds']:.2f} s; /v1/models meanwhile: max {max(waits):.3f} s")
+
+
+def test_tool_messages_nan_arguments_and_the_key(server):
+  """Issue 46, 5: a ``tool`` message answering no preceding assistant tool call (none at all, or another id) is a
+  400 naming it, as OpenAI answers; NaN or Infinity in a tool call's arguments is a 400 naming them; a 401 carries
+  ``WWW-Authenticate: Bearer`` (the key is compared in constant time: `Guard`)."""
+  url, _, _, name = server
+  user = {"role": "user", "content": "hi"}
+
+  def call(arguments='{"city": "Paris"}', call_id="c1"):
+    function = {"name": "get_weather", "arguments": arguments}
+    return {
+      "role": "assistant",
+      "content": None,
+      "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
+
+  def tool(call_id="c1"):
+    return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+
+  arguments = "messages[1].tool_calls[0].function.arguments"
+  cases = [
+    ([user, tool()], "messages[1]", "must follow an assistant message with 'tool_calls'"),
+    ([user, {"role": "assistant", "content": "ok"}, tool()], "messages[2]", "must follow an assistant message"),
+    ([user, call(), tool(), user, tool()], "messages[4]", "must follow an assistant message"),
+    ([user, call(), tool("c2")], "messages[2].tool_call_id", "tool_call_id='c2' names none of the preceding"),
+    ([user, call(), {"role": "tool", "content": "sunny"}], "messages[2].tool_call_id", "tool_call_id=None names"),
+    ([user, call('{"city": NaN}')], arguments, "NaN is not a JSON number"),
+    ([user, call('{"t": -Infinity}')], arguments, "-Infinity is not a JSON number"),
+  ]
+  with _raw_client(url) as http:
+    for messages, param, text in cases:
+      response = http.post("/chat/completions", json={"model": name, "messages": messages, "tools": [WEATHER]})
+      assert response.status_code == 400, (param, response.text)
+      error = response.json()["error"]
+      assert error["param"] == param and text in error["message"], error
+    answered = [user, call(), tool(), {"role": "user", "content": "thanks"}]
+    ok = http.post("/chat/completions", json={"model": name, "messages": answered, "tools": [WEATHER], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    nan_body = json.dumps({"model": name, "messages": [user], "temperature": 0.5}).replace("0.5", "NaN")
+    assert (
+      http.post("/chat/completions", content=nan_body)
+      .json()["error"]["message"]
+      .startswith("the request body is not valid JSON: NaN")
+    )
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}, {"Authorization": ""}):
+      response = http.get("/models", headers=headers)
+      assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+      assert response.json()["error"]["code"] == "invalid_api_key"
