@@ -58,8 +58,8 @@ class _Scripted:
   def __getattr__(self, name):
     return getattr(self.inner, name)
 
-  def generate(self, cache, prompts, prompt_roles, **kwargs):
-    out, cache = self.inner.generate(cache, prompts, prompt_roles, **kwargs)
+  def forced(self, prompts) -> dict[int, list[int]]:
+    """The forced ids of each scripted row of ``prompts``."""
     scripted = {}
     for r, prompt in enumerate(prompts):
       text = self.tokenizer.decode(prompt) if len(prompt) else ""
@@ -72,6 +72,14 @@ class _Scripted:
         forced = USER_DONE
       if forced is not None:
         scripted[r] = self.tokenizer.encode(forced) + [self.tokenizer.eos_ids[-1]]
+    return scripted
+
+  def stream(self, cache, **kwargs):  # the engine's batches (continuous batching)
+    return _ScriptedStream(self.inner.stream(cache, **kwargs), self)
+
+  def generate(self, cache, prompts, prompt_roles, **kwargs):  # the rehearsal's calls
+    out, cache = self.inner.generate(cache, prompts, prompt_roles, **kwargs)
+    scripted = self.forced(prompts)
     if scripted:
       width = max(out.tokens.shape[1], *(len(ids) for ids in scripted.values()))
       tokens = np.full((out.tokens.shape[0], width), self.inner.pad_id, np.int32)
@@ -82,6 +90,28 @@ class _Scripted:
         out.finish_reasons[r] = type(out.finish_reasons[r]).STOP
       out.tokens = tokens
     return out, cache
+
+
+class _ScriptedStream:
+  """A `Stream` whose scripted rows (`_Scripted.forced`) hand back their forced ids when they finish."""
+
+  def __init__(self, inner, scripted: _Scripted):
+    self.inner, self.scripted, self.forced = inner, scripted, {}
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def admit(self, prompts, prompt_roles, **kwargs):
+    self.forced.update(self.scripted.forced(prompts))
+    return self.inner.admit(prompts, prompt_roles, **kwargs)
+
+  def advance(self, *args, **kwargs):
+    out = self.inner.advance(*args, **kwargs)
+    for f in out:
+      if f.row in self.forced:
+        ids = self.forced.pop(f.row)
+        f.tokens, f.logprobs, f.finish = ids, [0.0] * len(ids), type(f.finish).STOP
+    return out
 
 
 def _free_port() -> int:
@@ -548,3 +578,87 @@ def test_tool_messages_nan_arguments_and_the_key(server):
       response = http.get("/models", headers=headers)
       assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
       assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def _abandon(url: str, body: dict, after: float) -> None:
+  """Sends ``body`` to the chat route on a socket of its own and closes it ``after`` seconds later, unread."""
+  host, port = url.split("//")[1].split("/")[0].split(":")
+  payload = json.dumps(body).encode()
+  head = (
+    f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+    f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+  )
+  with socket.create_connection((host, int(port))) as sock:
+    sock.sendall(head.encode() + payload)
+    time.sleep(after)
+
+
+def _wait_for(condition, seconds: float) -> float:
+  start = time.monotonic()
+  while not condition():
+    assert time.monotonic() - start < seconds, "timed out"
+    time.sleep(0.01)
+  return time.monotonic() - start
+
+
+SMALL_AFTER_ABANDONED_S = 10.0  # the bound: 8 abandoned 960-token streams, then a small request (before: 21.1 s)
+
+
+def test_abandoned_streams_are_dropped_and_short_requests_interleave(server):
+  """Issue 46, 3: 8 clients that close 960-token streams after 0.3 s have their rows dropped (not generated to the
+  end), and the next small request is answered within SMALL_AFTER_ABANDONED_S; a small request sent while a long
+  generation runs is answered before it ends (runs take turns of `decode_chunk` steps); a full queue is a 429 with
+  Retry-After."""
+  url, engine, _, name = server
+
+  def long(i, **fields):
+    messages = [{"role": "user", "content": f"tell a long story {i}"}]
+    return {"model": name, "messages": messages, "max_tokens": 960, "seed": i, "stream": True} | fields
+
+  small = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+  figures = []
+  with _raw_client(url) as http:
+    for round_ in range(2):  # the first compiles the programs these shapes take
+      before = dict(engine.stats)
+      clients = [threading.Thread(target=_abandon, args=(url, long(i + 10 * round_), 0.3)) for i in range(8)]
+      for c in clients:
+        c.start()
+      for c in clients:
+        c.join()
+      start = time.monotonic()
+      response = http.post("/chat/completions", json=small)
+      answered = time.monotonic() - start
+      assert response.status_code == 200, response.text
+      _wait_for(lambda before=before: engine.stats["cancelled"] - before["cancelled"] == 8, 30)
+      # none answered: each dropped before it started or stopped mid-generation (its rows freed)
+      dropped = engine.stats["dropped_rows"] - before["dropped_rows"]
+      assert 1 <= dropped <= 8 and engine.stats["rows"] - before["rows"] == dropped + 1, (dropped, engine.stats)
+      _wait_for(lambda: engine.pending == 0, 30)
+      figures.append((answered, dropped))
+    assert figures[-1][0] < SMALL_AFTER_ABANDONED_S, figures
+    print(f"a small request after 8 abandoned 960-token streams (s, rows dropped mid-generation): {figures}")
+    # A long generation in flight: a small request is answered before it ends.
+    result = {}
+
+    def send_long():
+      with _raw_client(url) as other:
+        result["long"] = other.post("/chat/completions", json=long(99, stream=False, max_tokens=400))
+        result["long_done"] = time.monotonic()
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    _wait_for(lambda: engine.pending == 1, 30)
+    response = http.post("/chat/completions", json=small)
+    small_done = time.monotonic()
+    assert response.status_code == 200
+    # The queue bound: one request generating, a limit of 1: the next one is refused with Retry-After.
+    engine.max_queue = 1
+    try:
+      busy = http.post("/chat/completions", json=small)
+    finally:
+      engine.max_queue = serve.MAX_QUEUE
+    sender.join()
+    assert result["long"].status_code == 200 and result["long"].json()["usage"]["completion_tokens"] > 2
+    assert small_done < result["long_done"]
+    assert busy.status_code == 429 and busy.headers["retry-after"] == str(serve.RETRY_AFTER_S), busy.text
+    assert busy.json()["error"]["code"] == "rate_limit_exceeded" and "--max_queue" in busy.json()["error"]["message"]
