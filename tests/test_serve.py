@@ -662,3 +662,72 @@ def test_abandoned_streams_are_dropped_and_short_requests_interleave(server):
     assert small_done < result["long_done"]
     assert busy.status_code == 429 and busy.headers["retry-after"] == str(serve.RETRY_AFTER_S), busy.text
     assert busy.json()["error"]["code"] == "rate_limit_exceeded" and "--max_queue" in busy.json()["error"]["message"]
+
+
+LOAD_SMALL = 48  # the load test's small requests, sent at once beside the hostile ones
+LOAD_BOUND_S = 30.0  # its wall-clock bound (loopback, the tiny model)
+
+
+def test_load_small_requests_beside_hostile_ones(server):
+  """Issue 46, the load test: 48 small requests at once, beside 2 oversized bodies (Content-Length, chunked), 4
+  bodies nested 1000 deep, 4 abandoned long streams, a wrong key and a wrong model: every response is a JSON object
+  with the right status, every small request is answered, all within LOAD_BOUND_S; prints the small requests'
+  p50/p95 latency."""
+  import httpx
+
+  url, engine, _, name = server
+  headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+  nested = '{"x":' + "[" * 1000 + "]" * 1000 + "}"
+  oversized = b" " * (serve.MAX_BODY_BYTES + 1)
+
+  async def chunked():
+    for start in range(0, len(oversized), 2**20):
+      yield oversized[start : start + 2**20]
+
+  def small(i):
+    return {"model": name, "messages": [{"role": "user", "content": f"question {i}: " + "word " * (i % 7)}],
+            "max_tokens": 1 + i % 4, "seed": i}  # fmt: skip
+
+  long = {"model": name, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 960, "stream": True}
+
+  async def timed(client, status, **kwargs):
+    start = time.monotonic()
+    response = await client.post("/chat/completions", **kwargs)
+    return status, response, time.monotonic() - start
+
+  async def run():
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=LOAD_BOUND_S) as client:
+      jobs = [timed(client, 200, json=small(i)) for i in range(LOAD_SMALL)]
+      jobs += [timed(client, 413, content=oversized), timed(client, 413, content=chunked())]
+      jobs += [timed(client, 400, content=nested) for _ in range(4)]
+      jobs += [timed(client, 401, json=small(0), headers={"Authorization": "Bearer wrong"})]
+      jobs += [timed(client, 404, json=small(0) | {"model": "gpt-4"})]
+      abandoned = [asyncio.to_thread(_abandon, url, long | {"seed": i}, 0.2) for i in range(4)]
+      for k, job in enumerate(abandoned):  # spread among the small requests
+        jobs.insert(k * LOAD_SMALL // 4, job)
+      return [r for r in await asyncio.gather(*jobs) if r is not None]
+
+  before = dict(engine.stats)
+  start = time.monotonic()
+  results = asyncio.run(run())
+  wall = time.monotonic() - start
+  statuses: dict[int, int] = {}
+  latencies = []
+  for status, response, seconds in results:
+    assert response.status_code == status, (status, response.text[:300])
+    body = response.json()
+    assert isinstance(body, dict) and (("choices" in body) if status == 200 else set(body) == {"error"}), body
+    statuses[status] = statuses.get(status, 0) + 1
+    if status == 200:
+      assert body["choices"][0]["finish_reason"] in ("length", "stop")
+      latencies.append(seconds)
+  assert statuses == {200: LOAD_SMALL, 413: 2, 400: 4, 401: 1, 404: 1}
+  assert wall < LOAD_BOUND_S, wall
+  _wait_for(lambda: engine.pending == 0, LOAD_BOUND_S)
+  assert engine.stats["cancelled"] - before["cancelled"] == 4  # the abandoned streams: none generated to its end
+  p50, p95 = np.percentile(latencies, [50, 95])
+  print(
+    f"load: {len(results) + 4} requests ({statuses}, 4 abandoned) in {wall:.1f} s; small requests "
+    f"p50 {p50:.2f} s, p95 {p95:.2f} s, max {max(latencies):.2f} s; "
+    f"{engine.stats['sampler_calls'] - before['sampler_calls']} runs"
+  )
