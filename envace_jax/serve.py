@@ -42,7 +42,9 @@ Limits (the server cannot be stalled or taken down by one request):
     ``arguments``: a 400 ``json_too_deep`` (``param``: the arguments' field). NaN and Infinity are refused (400).
   * parsing, validation and tokenizing run in a worker thread, off the event loop; a prompt whose text is bytes
     enough to be over the context for any tokenization (over ``2 x`` the longest token's bytes per context token)
-    is refused (400 ``context_length_exceeded``) without tokenizing it.
+    is refused (400 ``context_length_exceeded``) without tokenizing it, and one over `PRECOUNT_BYTES` of text is
+    counted first with the tokenizer's batch call, which releases the GIL (its single-text call, which the chat
+    template's rendering uses, holds it: 4 s for 2 MB with SmolLM2's), so only a prompt that fits is rendered.
   * queue: ``--max_queue`` (default `MAX_QUEUE`) requests waiting or generating; one more is a 429
     ``rate_limit_exceeded`` with ``Retry-After`` (`RETRY_AFTER_S`).
   * cancellation: a request whose client disconnects (checked every `DISCONNECT_POLL_S` while it waits; a streamed
@@ -105,6 +107,7 @@ DECODE_CHUNK = 8  # --decode_chunk's default: decode steps between the engine's 
 MAX_RUNS = 4  # batches generating at once (each its own cache), decoded in turns of DECODE_CHUNK steps
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still connected
 MAX_BODY_BYTES = 4 * 2**20  # --max_body_bytes's default: a request body over it is a 413 (OpenAI caps far lower)
+PRECOUNT_BYTES = 16 * 2**10  # messages with more text are counted (GIL released) before the template renders them
 DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this, so the client reads the 413, not a reset
 
 
@@ -445,12 +448,21 @@ class Engine:
           param="rehearsal",
         )
       rehearsal = None if mode == "off" else RehearsalRequest(mode, count)
-    size = sum(len(m.content.encode("utf-8", "replace")) for m in messages if m.role != "assistant")
-    if size // (2 * self.token_bytes) > self.context:  # an assistant's text may be dropped by the template
+    # A prompt far over the context is refused before the chat template renders it (its tokenizer call holds the
+    # GIL: seconds for megabytes, during which the event loop stalls): first by its bytes, then by counting the
+    # tokens of its texts with the backend's batch call, which releases the GIL. An assistant's text may be dropped
+    # by the template, so only the others count; each text may merge with the template's text around it (2 tokens).
+    texts = [m.content for m in messages if m.role != "assistant" and m.content]
+    size = sum(len(t.encode("utf-8", "replace")) for t in texts)
+    least = size // (2 * self.token_bytes)
+    if least <= self.context and size > PRECOUNT_BYTES:
+      counted = self.tokenizer.backend.encode_batch([sanitize.sanitize(t) for t in texts], add_special_tokens=False)
+      least = sum(len(e.ids) for e in counted) - 2 * len(texts)
+    if least > self.context:
       raise ApiError(
         400,
-        f"This model's maximum context length is {self.context} tokens. However, your messages hold {size} bytes "
-        f"of text, at least {size // (2 * self.token_bytes)} tokens. Please reduce the length of the messages.",
+        f"This model's maximum context length is {self.context} tokens. However, your messages hold at least "
+        f"{least} tokens ({size} bytes of text). Please reduce the length of the messages.",
         param="messages",
         code="context_length_exceeded",
       )

@@ -528,6 +528,12 @@ def test_body_limit_and_a_huge_prompt(server):
   response = result["response"]
   assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", response.text
   assert max(waits) < 2.0, waits  # client and server share this process (and its GIL)
+  least = 3_500_000 // (2 * server[1].token_bytes)  # bytes alone: 2 x the longest token's bytes per token
+  assert f"at least {least} tokens (3500000 bytes" in response.json()["error"]["message"]
+  with _raw_client(url) as http:  # 100 kB: its tokens counted (the GIL released), then refused
+    medium = {"model": name, "messages": [{"role": "user", "content": "word " * 20_000}]}
+    error = http.post("/chat/completions", json=medium).json()["error"]
+    assert error["code"] == "context_length_exceeded" and "at least 199" in error["message"], error
   print(f"3.5 MB prompt: refused in {result['seconds']:.2f} s; /v1/models meanwhile: max {max(waits):.3f} s")
 
 
