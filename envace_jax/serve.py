@@ -26,18 +26,42 @@ generated, and the answer is generated with the memory appended to the system me
 The response's ``rehearsal`` field holds the memory and the tokens the rehearsal generated (requests rehearsed in one
 batch share its cost equally). Budgets are ``config.eval``'s; while a rehearsal runs, other requests wait.
 
-Batching (`Engine`): one worker thread does every piece of JAX work. Requests that arrive while it is busy wait in a
-queue; it then takes all of them, rehearses those that ask for it (one `private.rehearse` per rehearsal setting),
-and answers them in one ``Sampler.generate`` per distinct (temperature, top_p, stop strings), at most ``max_batch``
-rows each (a request with ``n`` choices is n rows). Rows and cache slots are padded to powers of two, so few programs
-compile.
+Batching (`Engine`): one worker thread does every piece of JAX work, in turns. Requests wait in a queue; the worker
+takes all that arrived, rehearses those that ask for it (one `private.rehearse` per rehearsal setting), and starts
+them as runs: one ``Sampler.stream`` per distinct (temperature, top_p, stop strings), at most ``max_batch`` rows each
+(a request with ``n`` choices is n rows), its rows prefilled at once. Rows and cache slots are padded to powers of
+two, so few programs compile. The runs then decode in turns of ``--decode_chunk`` steps (default `DECODE_CHUNK`);
+between turns the worker takes new requests (a new run, at most `MAX_RUNS` at once; the others wait for one to end)
+and answers every request whose rows have finished. So a short request that arrives while a long one generates
+starts after at most one turn of each run, and is answered long before it.
+
+Limits (the server cannot be stalled or taken down by one request):
+  * body size: ``--max_body_bytes`` (default `MAX_BODY_BYTES`, 4 MiB): a 413 ``request_too_large`` from the
+    ``Content-Length`` or, for a chunked body, as soon as the bytes read pass it; nothing is parsed (`Guard`).
+  * JSON nesting: `MAX_JSON_DEPTH` (64) levels of arrays and objects, in the body and in a tool call's
+    ``arguments``: a 400 ``json_too_deep`` (``param``: the arguments' field). NaN and Infinity are refused (400).
+  * parsing, validation and tokenizing run in a worker thread, off the event loop; a prompt whose text is bytes
+    enough to be over the context for any tokenization (over ``2 x`` the longest token's bytes per context token)
+    is refused (400 ``context_length_exceeded``) without tokenizing it, and one over `PRECOUNT_BYTES` of text is
+    counted first with the tokenizer's batch call, which releases the GIL (its single-text call, which the chat
+    template's rendering uses, holds it: 4 s for 2 MB with SmolLM2's), so only a prompt that fits is rendered.
+  * queue: ``--max_queue`` (default `MAX_QUEUE`) requests waiting or generating; one more is a 429
+    ``rate_limit_exceeded`` with ``Retry-After`` (`RETRY_AFTER_S`).
+  * cancellation: a request whose client disconnects (checked every `DISCONNECT_POLL_S` while it waits; a streamed
+    answer counts, since it is sent when finished) is dropped before it starts, or its rows stop decoding at the end
+    of the current turn (at most ``--decode_chunk`` steps).
+  * any exception that escapes a route is a JSON 500 (``server_error``) and is logged; the connection stays usable.
+  Not bounded: a rehearsal runs to its end before the next turn of the runs (other requests wait meanwhile), and a
+  run's rows are not refilled while it decodes (a new request starts a new run instead).
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, a bad field
 or tool schema (JSON Schema, ``jsonschema``), text the tokenizer cannot take (a lone surrogate such as the JSON escape
 ``"\\ud800"``, NUL or a Unicode noncharacter: ``model/sanitize.py``) in a message, a tool call's arguments, a tool
-schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a conversation the chat
-template cannot render, or a context that does not fit (``context_length_exceeded``); 401 for a missing or wrong
-``--api_key``; 404 for another model name; 500 for a failure inside the engine. The server keeps serving after each.
+schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a ``tool`` message that
+answers no call of the assistant message before it, a conversation the chat template cannot render, or a context
+that does not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key`` (compared in constant
+time; with ``WWW-Authenticate: Bearer``); 404 for another model name; 413 for a body over the limit; 429 for a full
+queue; 500 for a failure inside the engine or the server. The server keeps serving after each.
 """
 
 from __future__ import annotations
@@ -45,7 +69,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import json
+import logging
 import os
 import queue
 import re
@@ -74,14 +100,26 @@ from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MIN_CAPACITY = 512  # a batch's cache slots per row: a power of two >= its longest prompt + budget, at least this
+MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects a request body (or a tool call's arguments) may have
+MAX_QUEUE = 256  # --max_queue's default: requests waiting or generating; one more is a 429 with Retry-After
+RETRY_AFTER_S = 1  # the Retry-After of that 429
+DECODE_CHUNK = 8  # --decode_chunk's default: decode steps between the engine's looks at new and abandoned requests
+MAX_RUNS = 4  # batches generating at once (each its own cache), decoded in turns of DECODE_CHUNK steps
+DISCONNECT_POLL_S = 0.1  # how often a waiting request checks that its client is still connected
+MAX_BODY_BYTES = 4 * 2**20  # --max_body_bytes's default: a request body over it is a 413 (OpenAI caps far lower)
+PRECOUNT_BYTES = 16 * 2**10  # messages with more text are counted (GIL released) before the template renders them
+DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this, so the client reads the 413, not a reset
 
 
 class ApiError(Exception):
   """A request the server refuses: HTTP ``status`` and OpenAI's error fields."""
 
-  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
+  def __init__(
+    self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None, headers=None
+  ):
     super().__init__(message)
     self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+    self.headers: dict[str, str] = dict(headers or {})
 
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -127,6 +165,54 @@ class Job:
   rehearsal: RehearsalRequest | None
   rehearsal_info: dict[str, Any] | None = None
   future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+  cancelled: bool = False  # set by `Engine.cancel` (its client went away): its rows stop at the next decode chunk
+
+
+def json_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+  """Whether JSON-like ``value`` nests arrays and objects deeper than ``limit`` levels (``{"a": [1]}`` is 2 deep).
+  Iterative: no recursion however deep ``value`` is."""
+  stack = [(value, 1)]
+  while stack:
+    item, depth = stack.pop()
+    if isinstance(item, Mapping):
+      children = item.values()
+    elif isinstance(item, list | tuple):
+      children = item
+    else:
+      continue
+    if depth > limit:
+      return True
+    stack.extend((child, depth + 1) for child in children)
+  return False
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
+  """``text`` parsed as strict JSON: no NaN or Infinity, at most `MAX_JSON_DEPTH` levels of nesting.
+
+  Raises:
+    ApiError: 400 naming ``what`` (e.g. "the request body") and ``param``: ``text`` is not JSON, holds NaN or
+      Infinity, or nests deeper than the limit (code ``json_too_deep``; before parsing ran out of stack, a
+      RecursionError, it was a 500).
+  """
+  deep = ApiError(
+    400,
+    f"{what} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels, the limit; send flatter JSON",
+    param=param,
+    code="json_too_deep",
+  )
+  try:
+    value = json.loads(text, parse_constant=_no_constant)
+  except RecursionError:
+    raise deep from None
+  except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+    raise ApiError(400, f"{what} is not valid JSON: {e}", param=param) from e
+  if json_too_deep(value):
+    raise deep
+  return value
 
 
 def check_text(value: Any, where: str) -> None:
@@ -166,10 +252,13 @@ def _text_content(content: Any, where: str) -> str:
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
   """OpenAI chat messages as `ChatMessage`s ("developer" is a system message; an assistant's ``tool_calls``, whose
-  ``function.arguments`` is a JSON object string, become calls). Raises ApiError (400) naming the bad message."""
+  ``function.arguments`` is a JSON object string, strict JSON as `parse_json` reads it, become calls); a ``tool``
+  message must answer one of the calls of the assistant message before it (after other tool messages), by its
+  ``tool_call_id``, as OpenAI requires. Raises ApiError (400) naming the bad message or field."""
   if not isinstance(raw, list) or not raw:
     raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
   out = []
+  answerable: set[str] | None = None  # the ids of the tool calls the messages since the last assistant's answer
   for i, m in enumerate(raw):
     where = f"messages[{i}]"
     if not isinstance(m, Mapping):
@@ -188,14 +277,24 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
       if not isinstance(name, str) or not name:
         raise ApiError(400, f"{where}.tool_calls[{j}] needs function.name", param=where)
       arguments = fn.get("arguments") or "{}"
-      try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-      except ValueError as e:
-        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}", param=where) from e
+      field = f"{where}.tool_calls[{j}].function.arguments"
+      if isinstance(arguments, str):
+        arguments = parse_json(arguments, field, param=field)
       if not isinstance(arguments, Mapping):
-        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param=where)
+        raise ApiError(400, f"{field} must be a JSON object", param=field)
       check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
       calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
+    if role == "tool":
+      if answerable is None:
+        message = f"{where}: a 'tool' message must follow an assistant message with 'tool_calls' (it answers one)"
+        raise ApiError(400, message, param=where)
+      call_id = m.get("tool_call_id")
+      if not isinstance(call_id, str) or call_id not in answerable:
+        known = ", ".join(sorted(repr(c) for c in answerable))
+        message = f"{where}.tool_call_id={call_id!r} names none of the preceding assistant message's calls ({known})"
+        raise ApiError(400, message, param=f"{where}.tool_call_id")
+    else:
+      answerable = {c.id for c in calls} if calls else None
     out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
   return out
 
@@ -259,16 +358,37 @@ class Engine:
     default_max_tokens: a request's budget when it gives none (clipped to what its context leaves).
     seed: the seed of the keys of requests without one.
 
+    max_queue: requests waiting or generating at most (`submit` refuses one more: 429).
+    decode_chunk: decode steps per turn of a run (between looks at new and abandoned requests).
+    max_runs: runs decoding at once (each its own cache); more requests wait for one to end.
+
   Attributes:
-    stats: counters since start: "sampler_calls" (``Sampler.generate`` calls answering requests), "rows" (their
-      rows, padding excluded), "requests", "rehearsals" (`private.rehearse` calls).
+    stats: counters since start: "sampler_calls" (runs started: ``Sampler.stream`` batches answering requests),
+      "rows" (their rows, padding excluded), "requests", "rehearsals" (`private.rehearse` calls), "cancelled"
+      (requests abandoned by their client before their answer), "dropped_rows" (rows of those stopped while
+      decoding), "decode_chunks" (turns).
   """
 
   def __init__(
-    self, samplers, tokenizer: Tokenizer, config, *, max_batch: int = 32, default_max_tokens: int = 512, seed: int = 0
+    self,
+    samplers,
+    tokenizer: Tokenizer,
+    config,
+    *,
+    max_batch: int = 32,
+    default_max_tokens: int = 512,
+    seed: int = 0,
+    max_queue: int = MAX_QUEUE,
+    decode_chunk: int = DECODE_CHUNK,
+    max_runs: int = MAX_RUNS,
   ):
     if max_batch < 1 or max_batch & (max_batch - 1):
       raise ValueError(f"max_batch={max_batch} must be a power of two")
+    if max_queue < 1 or decode_chunk < 1 or max_runs < 1:
+      raise ValueError(f"max_queue={max_queue}, decode_chunk={decode_chunk}, max_runs={max_runs} must be >= 1")
+    self.max_queue, self.decode_chunk, self.max_runs = max_queue, decode_chunk, max_runs
+    self._pending = 0  # submitted, not yet resolved
+    self._lock = threading.Lock()
     self.samplers, self.tokenizer, self.config = dict(samplers), tokenizer, config
     self.policy = policy_lib.Policy.from_config(config)
     self.sampler = self.samplers["policy"]
@@ -276,9 +396,20 @@ class Engine:
     self.max_batch, self.default_max_tokens = max_batch, default_max_tokens
     self.unfold_config = UnfoldConfig.from_config(config, group_size=1)
     self.act_stops = tuple(self.unfold_config.stop_strings(Role.ACT))
+    # A token stands for at most this many bytes: a text of B bytes is at least B / (2 * this) tokens (2: room for a
+    # normalizer that composes characters), which refuses a huge prompt without tokenizing it.
+    self.token_bytes = max(1, *(len(b) for b in tokenizer.token_bytes()))
     self._key = jax.random.key(seed)
     self._counter = 0
-    self.stats = {"sampler_calls": 0, "rows": 0, "requests": 0, "rehearsals": 0}
+    self.stats = {
+      "sampler_calls": 0,
+      "rows": 0,
+      "requests": 0,
+      "rehearsals": 0,
+      "cancelled": 0,
+      "dropped_rows": 0,
+      "decode_chunks": 0,
+    }
     self._queue: queue.Queue[Job | None] = queue.Queue()
     self._thread = threading.Thread(target=self._loop, name="envace-serve-engine", daemon=True)
     self._thread.start()
@@ -317,6 +448,24 @@ class Engine:
           param="rehearsal",
         )
       rehearsal = None if mode == "off" else RehearsalRequest(mode, count)
+    # A prompt far over the context is refused before the chat template renders it (its tokenizer call holds the
+    # GIL: seconds for megabytes, during which the event loop stalls): first by its bytes, then by counting the
+    # tokens of its texts with the backend's batch call, which releases the GIL. An assistant's text may be dropped
+    # by the template, so only the others count; each text may merge with the template's text around it (2 tokens).
+    texts = [m.content for m in messages if m.role != "assistant" and m.content]
+    size = sum(len(t.encode("utf-8", "replace")) for t in texts)
+    least = size // (2 * self.token_bytes)
+    if least <= self.context and size > PRECOUNT_BYTES:
+      counted = self.tokenizer.backend.encode_batch([sanitize.sanitize(t) for t in texts], add_special_tokens=False)
+      least = sum(len(e.ids) for e in counted) - 2 * len(texts)
+    if least > self.context:
+      raise ApiError(
+        400,
+        f"This model's maximum context length is {self.context} tokens. However, your messages hold at least "
+        f"{least} tokens ({size} bytes of text). Please reduce the length of the messages.",
+        param="messages",
+        code="context_length_exceeded",
+      )
     prompt, roles = self.render(messages, tools)
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
     room = self.context - len(prompt)
@@ -356,9 +505,40 @@ class Engine:
       raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
 
   def submit(self, job: Job) -> concurrent.futures.Future:
-    """Queues ``job``; its future resolves to a list of ``n`` `Choice`s (or an exception)."""
+    """Queues ``job``; its future resolves to a list of ``n`` `Choice`s (or an exception; it is cancelled after
+    `cancel`).
+
+    Raises:
+      ApiError: 429 with ``Retry-After`` when ``max_queue`` requests are waiting or generating already.
+    """
+    with self._lock:
+      if self._pending >= self.max_queue:
+        raise ApiError(
+          429,
+          f"the server is busy: {self._pending} requests are waiting or generating, its limit (--max_queue); retry "
+          f"after {RETRY_AFTER_S} s",
+          type="rate_limit_error",
+          code="rate_limit_exceeded",
+          headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+      self._pending += 1
+    job.future.add_done_callback(self._resolved)
     self._queue.put(job)
     return job.future
+
+  def _resolved(self, future) -> None:
+    with self._lock:
+      self._pending -= 1
+
+  @property
+  def pending(self) -> int:
+    """Requests submitted and not yet answered (waiting or generating)."""
+    return self._pending
+
+  def cancel(self, job: Job) -> None:
+    """Abandons ``job`` (its client went away): dropped before it starts, or its rows stop decoding at the next
+    chunk boundary (at most ``decode_chunk`` steps); its future is cancelled."""
+    job.cancelled = True
 
   def close(self) -> None:
     """Stops the worker after the jobs already queued."""
@@ -368,23 +548,44 @@ class Engine:
   # -- the worker thread
 
   def _loop(self) -> None:
+    """Takes new jobs whenever it can, starts them as new runs (at most ``max_runs`` at once), and decodes the
+    runs in turns of ``decode_chunk`` steps, dropping abandoned rows between turns: a request that arrives while
+    others generate starts after at most one chunk of each (a rehearsal, though, runs to its end first)."""
+    runs: list[_Run] = []
+    waiting: list[Job] = []
+    closing = False
     while True:
-      first = self._queue.get()
-      if first is None:
+      items = []
+      try:
+        items.append(self._queue.get() if not (runs or waiting or closing) else self._queue.get_nowait())
+        while True:
+          items.append(self._queue.get_nowait())
+      except queue.Empty:
+        pass
+      for item in items:
+        if item is None:
+          closing = True
+        else:
+          waiting.append(item)
+      waiting = [j for j in waiting if not self._abandoned(j)]
+      if waiting and len(runs) < self.max_runs:
+        runs += self._serve(waiting)
+        waiting = []
+      for run in runs:
+        self._step(run)
+      runs = [run for run in runs if not run.over]
+      if closing and not runs and not waiting:
         return
-      jobs = [first]
-      while True:  # everything that arrived while the last batch ran joins this one
-        try:
-          job = self._queue.get_nowait()
-        except queue.Empty:
-          break
-        if job is None:
-          self._queue.put(None)
-          break
-        jobs.append(job)
-      self._serve(jobs)
 
-  def _serve(self, jobs: list[Job]) -> None:
+  def _abandoned(self, job: Job) -> bool:
+    """Whether ``job`` was cancelled (its future then is)."""
+    if job.cancelled and not job.future.done():
+      job.future.cancel()
+      self.stats["cancelled"] += 1
+    return job.cancelled
+
+  def _serve(self, jobs: list[Job]) -> list[_Run]:
+    """Rehearses the ``jobs`` that ask for it, then starts the runs that answer them."""
     self.stats["requests"] += len(jobs)
     try:
       self._rehearse([j for j in jobs if j.rehearsal is not None])
@@ -392,19 +593,21 @@ class Engine:
       for j in jobs:
         if j.rehearsal is not None and not j.future.done():
           j.future.set_exception(e)
-    live = [j for j in jobs if not j.future.done()]
+    live = [j for j in jobs if not j.future.done() and not self._abandoned(j)]
     groups: dict[tuple, list[Job]] = {}
     for j in live:
       groups.setdefault((j.sampling, j.act_stops + j.stops), []).append(j)
+    runs = []
     for (sampling, stops), members in groups.items():
       batch: list[Job] = []
       for j in members:
         if sum(x.n for x in batch) + j.n > self.max_batch:
-          self._generate(batch, sampling, stops)
+          runs.append(self._start(batch, sampling, stops))
           batch = []
         batch.append(j)
       if batch:
-        self._generate(batch, sampling, stops)
+        runs.append(self._start(batch, sampling, stops))
+    return runs
 
   def _rehearse(self, jobs: list[Job]) -> None:
     """Private rehearsal for ``jobs`` (one `private.rehearse` per setting); re-renders each with its memory."""
@@ -462,10 +665,12 @@ class Engine:
     self._counter += 1
     return jax.random.fold_in(self._key, self._counter)
 
-  def _generate(self, jobs: list[Job], sampling: SamplingParams, stops: tuple[str, ...]) -> None:
-    """One ``Sampler.generate`` over every choice of ``jobs``; resolves their futures."""
+  def _start(self, jobs: list[Job], sampling: SamplingParams, stops: tuple[str, ...]) -> _Run:
+    """A run over every choice of ``jobs``: a `Sampler.stream` on a cache of its own, every row admitted (prefilled)
+    now. On failure the jobs get the exception and the run is over."""
+    rows = [(j, c) for j in jobs for c in range(j.n)]
+    run = _Run(jobs, rows)
     try:
-      rows = [(j, c) for j in jobs for c in range(j.n)]
       mult = self.sampler.batch_multiple
       b = -(-next_pow2(len(rows)) // mult) * mult
       longest = max(len(j.prompt) + j.max_tokens for j in jobs)
@@ -479,27 +684,46 @@ class Engine:
         keys.append(jax.random.fold_in(base, c))
       keys += [jax.random.key(0)] * (b - len(rows))
       cache = self.sampler.init_cache(batch=b, capacity=capacity)
-      out, _ = self.sampler.generate(
-        cache,
+      run.stream = self.sampler.stream(cache, num_new=max(budgets), sampling=sampling, stop_strings=stops)
+      run.stream.admit(
         prompts,
         roles,
         role=int(Role.ACT),
-        key=jax.numpy.stack(keys),
+        keys=jax.numpy.stack(keys),
         max_new_tokens=budgets,
-        sampling=sampling,
-        stop_strings=stops,
+        active=[r < len(rows) for r in range(b)],
       )
       self.stats["sampler_calls"] += 1
       self.stats["rows"] += len(rows)
-      choices: dict[int, list[Choice]] = {}
-      for r, (j, c) in enumerate(rows):
-        choices.setdefault(id(j), []).append(self._choice(j, c, out.row(r), out.finish_reasons[r]))
-      for j in jobs:
-        j.future.set_result(choices[id(j)])
     except Exception as e:  # noqa: BLE001 -- reported to each request, the engine keeps serving
-      for j in jobs:
-        if not j.future.done():
-          j.future.set_exception(e)
+      run.fail(e)
+    return run
+
+  def _step(self, run: _Run) -> None:
+    """One turn of ``run``: drops the rows of abandoned jobs, decodes the others for ``decode_chunk`` steps, and
+    answers every job whose rows have all finished."""
+    if run.over:
+      return
+    try:
+      gone = [r for r, (j, _) in enumerate(run.rows) if j.cancelled and run.stream.live[r]]
+      if gone:
+        run.stream.drop(gone)
+        self.stats["dropped_rows"] += len(gone)
+      for j in run.jobs:
+        self._abandoned(j)
+      if run.stream.live.any():
+        for f in run.stream.advance(max_steps=self.decode_chunk):
+          run.finished[f.row] = f
+        self.stats["decode_chunks"] += 1
+      for j in run.jobs:
+        rows = run.rows_of[id(j)]
+        if not j.future.done() and all(r in run.finished for r in rows):
+          answer = [self._choice(j, c, run.finished[r].tokens, run.finished[r].finish) for c, r in enumerate(rows)]
+          j.future.set_result(answer)
+      if not run.stream.live.any():
+        run.fail(RuntimeError("the generation ended without an answer"))  # no job is left unanswered
+    except Exception as e:  # noqa: BLE001 -- reported to each request, the engine keeps serving
+      run.fail(e)
 
   def _choice(self, job: Job, index: int, ids: list[int], finish: FinishReason) -> Choice:
     """One generated row as an OpenAI choice: text cut at the client's stop strings, tool calls parsed."""
@@ -526,6 +750,27 @@ class Engine:
         ]
         text, reason = act.reply, "tool_calls"
     return Choice(index, text, calls, reason, len(ids), job.rehearsal_info)
+
+
+class _Run:
+  """Jobs generating together on one `Stream` (`Engine._start`): ``rows`` (job, choice index) by row,
+  ``rows_of`` a job's rows, ``finished`` the rows handed back; ``over`` once every job is answered."""
+
+  def __init__(self, jobs: list[Job], rows: list[tuple[Job, int]]):
+    self.jobs, self.rows, self.stream, self.finished = jobs, rows, None, {}
+    self.rows_of: dict[int, list[int]] = {}  # by id(job)
+    for r, (j, _) in enumerate(rows):
+      self.rows_of.setdefault(id(j), []).append(r)
+
+  @property
+  def over(self) -> bool:
+    return all(j.future.done() for j in self.jobs)
+
+  def fail(self, error: Exception) -> None:
+    """Gives ``error`` to every job not answered yet."""
+    for j in self.jobs:
+      if not j.future.done():
+        j.future.set_exception(error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,25 +842,102 @@ def _stream_events(body: Mapping[str, Any], usage: bool):
   yield "data: [DONE]\n\n"
 
 
-def make_app(engine: Engine, name: str, api_key: str = ""):
+async def _drain(receive, budget: int) -> None:
+  """Reads and drops what is left of a request body, at most ``budget`` bytes."""
+  while budget > 0:
+    message = await receive()
+    if message["type"] != "http.request":
+      return
+    budget -= len(message.get("body", b""))
+    if not message.get("more_body", False):
+      return
+
+
+class Guard:
+  """The outermost layer of the app (pure ASGI, so that nothing it does buffers a body or hides a disconnect): the
+  API key, compared in constant time (`hmac.compare_digest`; a 401 carries ``WWW-Authenticate: Bearer``); the body
+  size limit, a 413 before any parsing, from ``Content-Length`` or, for a chunked body, as soon as the bytes read
+  pass it; and a JSON 500 in OpenAI's shape for any exception that escapes the app before its response started
+  (logged with its traceback), so that no request gets a plain-text 500 or a reset connection."""
+
+  def __init__(self, app, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES):
+    self.app, self.api_key, self.max_body_bytes = app, api_key.encode("utf-8"), max_body_bytes
+
+  def too_large(self, size: int | None = None) -> ApiError:
+    sent = f" ({size} bytes)" if size is not None else ""
+    message = (
+      f"the request body{sent} is over the server's limit of {self.max_body_bytes} bytes (--max_body_bytes); "
+      "send a shorter request"
+    )
+    return ApiError(413, message, code="request_too_large")
+
+  @staticmethod
+  async def reply(send, error: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    payload = json.dumps(error.body()).encode("utf-8")
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers]
+    await send({"type": "http.response.start", "status": error.status, "headers": head})
+    await send({"type": "http.response.body", "body": payload})
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    if self.api_key:
+      header = dict(scope["headers"]).get(b"authorization", b"")
+      scheme, _, given = header.partition(b" ")
+      # the scheme is case-insensitive (RFC 9110); compare_digest: no timing signal of how much of the key matched
+      if not (scheme.lower() == b"bearer") & hmac.compare_digest(given.strip(), self.api_key):
+        message = "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'."
+        error = ApiError(401, message, code="invalid_api_key")
+        return await self.reply(send, error, [(b"www-authenticate", b"Bearer")])
+    length = dict(scope["headers"]).get(b"content-length", b"")
+    if length.isdigit() and int(length) > self.max_body_bytes:
+      if int(length) <= DRAIN_BYTES:
+        await _drain(receive, DRAIN_BYTES)
+      return await self.reply(send, self.too_large(int(length)))
+    received = 0
+
+    async def limited_receive():
+      nonlocal received
+      message = await receive()
+      if message["type"] == "http.request":
+        received += len(message.get("body", b""))
+        if received > self.max_body_bytes:
+          if message.get("more_body", False):
+            await _drain(receive, DRAIN_BYTES)
+          raise self.too_large()  # the route's ApiError handler answers it
+      return message
+
+    started = False
+
+    async def watched_send(message):
+      nonlocal started
+      started = started or message["type"] == "http.response.start"
+      await send(message)
+
+    try:
+      await self.app(scope, limited_receive, watched_send)
+    except ApiError as e:  # raised outside a route (its handler answers those)
+      if not started:
+        await self.reply(send, e, [(k.lower().encode(), v.encode()) for k, v in e.headers.items()])
+    except Exception as e:  # noqa: BLE001 -- one request failed; the server and the connection keep serving
+      logging.exception("envace_jax.serve: %s %s failed", scope.get("method"), scope.get("path"))
+      if not started:
+        error = ApiError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error")
+        await self.reply(send, error)
+
+
+def make_app(engine: Engine, name: str, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES):
   """The FastAPI app serving ``engine`` as model ``name``; every request must carry ``Bearer api_key`` when it is
-  set."""
+  set, and a body of at most ``max_body_bytes`` (`Guard`). Parsing, validation and tokenizing run in a worker
+  thread, so the event loop answers other requests (``/v1/models``) meanwhile."""
   app = fastapi.FastAPI(title="envace-jax", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
 
-  @app.middleware("http")
-  async def check_key(request: fastapi.Request, call_next):
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if api_key and (scheme.lower() != "bearer" or given.strip() != api_key):  # the scheme is case-insensitive
-      error = ApiError(
-        401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
-      )
-      return responses.JSONResponse(error.body(), status_code=401)
-    return await call_next(request)
+  app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
   @app.exception_handler(ApiError)
   async def api_error(request, error: ApiError):
-    return responses.JSONResponse(error.body(), status_code=error.status)
+    return responses.JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
   @app.exception_handler(404)
   async def not_found(request, error):
@@ -632,10 +954,7 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
 
   @app.post("/v1/chat/completions")
   async def chat(request: fastapi.Request):
-    try:
-      body = json.loads(await request.body())
-    except ValueError as e:
-      raise ApiError(400, f"the request body is not JSON: {e}") from e
+    body = await asyncio.to_thread(parse_json, await request.body(), "the request body")
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") != name:
@@ -646,13 +965,22 @@ def make_app(engine: Engine, name: str, api_key: str = ""):
         code="model_not_found",
       )
     try:
-      job = engine.job(body)
+      job = await asyncio.to_thread(engine.job, body)
     except ApiError:
       raise
     except Exception as e:  # noqa: BLE001 -- a malformed field that no check names: still the client's error
       raise ApiError(400, f"invalid request: {type(e).__name__}: {e}") from e
+    waiter = asyncio.wrap_future(engine.submit(job))  # ApiError 429 when the queue is full
     try:
-      choices = await asyncio.wrap_future(engine.submit(job))
+      while not waiter.done():  # the client may leave meanwhile: then the engine drops the request's rows
+        await asyncio.wait([waiter], timeout=DISCONNECT_POLL_S)
+        if not waiter.done() and await request.is_disconnected():
+          engine.cancel(job)
+          return responses.Response(status_code=499)  # nginx's "client closed request": nobody reads it
+      choices = waiter.result()
+    except asyncio.CancelledError:  # the server cancelled this handler (shutdown, or a disconnect it saw first)
+      engine.cancel(job)
+      raise
     except ApiError:
       raise
     except Exception as e:  # noqa: BLE001 -- the engine failed this request; say so and keep serving
@@ -727,8 +1055,18 @@ def main(argv: list[str]) -> None:
     config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
   except (ValueError, checkpoint_lib.CheckpointError) as e:  # what to serve is wrong: one line, no traceback
     raise SystemExit(f"envace_jax.serve: {e}") from None
-  engine = Engine(samplers, tokenizer, config, max_batch=f.max_batch, default_max_tokens=f.max_tokens, seed=config.seed)
-  uvicorn.run(make_app(engine, f.served_name or name, f.api_key), host=f.host, port=f.port, log_level="info")
+  engine = Engine(
+    samplers,
+    tokenizer,
+    config,
+    max_batch=f.max_batch,
+    default_max_tokens=f.max_tokens,
+    seed=config.seed,
+    max_queue=f.max_queue,
+    decode_chunk=f.decode_chunk,
+  )
+  app = make_app(engine, f.served_name or name, f.api_key, max_body_bytes=f.max_body_bytes)
+  uvicorn.run(app, host=f.host, port=f.port, log_level="info")
 
 
 def define_flags() -> None:
@@ -745,6 +1083,11 @@ def define_flags() -> None:
   flags.DEFINE_string("api_key", "", "When set, every request must send 'Authorization: Bearer API_KEY'.")
   flags.DEFINE_integer("max_batch", 32, "The most rows (choices) of one sampler call; a power of two.")
   flags.DEFINE_integer("max_tokens", 512, "A request's generation budget when it sets no max_tokens.")
+  flags.DEFINE_integer("max_body_bytes", MAX_BODY_BYTES, "A request body over this many bytes is refused (413).")
+  flags.DEFINE_integer("max_queue", MAX_QUEUE, "Requests waiting or generating at most; one more gets a 429.")
+  flags.DEFINE_integer(
+    "decode_chunk", DECODE_CHUNK, "Decode steps between looks at new and abandoned requests (fairness vs overhead)."
+  )
 
 
 if __name__ == "__main__":

@@ -271,14 +271,14 @@ class Sampler:
       if kind == "prefill":  # params, cache, last_logits, tokens, roles, valid, last_index, is_last
         kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows2, rows2, rows2, rows1, rows1))
         kwargs["out_shardings"] = (c, rows2)
-      elif kind == "decode":  # params, state, max_new, row_keys, gen_roles, until
-        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, scalar))
+      elif kind == "decode":  # params, state, max_new, row_keys, gen_roles, until, limit
+        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, scalar, scalar))
         kwargs["out_shardings"] = (state, scalar)
       elif kind == "prefill_rows":  # as prefill, with the rows (int32[B']) after last_logits; B' rows unsplit
         kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows1, rows2, rows2, rows2, rows1, rows1))
         kwargs["out_shardings"] = (c, rows2)
       elif kind == "decode_rows":  # as decode, with the rows after the state
-        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, rows1, scalar))
+        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, rows1, scalar, scalar))
         kwargs["out_shardings"] = (state, scalar)
       else:  # state without its cache, last_logits, admitted, fitted
         state = state.replace(cache=None)
@@ -393,13 +393,16 @@ class Sampler:
     new = jnp.where(is_last[:, None], logits[:, 0], mine)
     return cache.put(rows, part), last_logits.at[rows].set(new, mode="drop")
 
-  def _decode_loop(self, params, state, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend):
+  def _decode_loop(
+    self, params, state, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit=None
+  ):
     """The decode ``while_loop``: every live row samples a token per iteration until ``until`` of them have finished
-    in this call, or all have (at most N iterations: a row's budget is at most N).
+    in this call, or all have, or ``limit`` iterations ran (at most N iterations: a row's budget is at most N).
 
     state: `_DecodeState` (B rows, N = its tokens' width); max_new: int32[B]; row_keys: key[B]; gen_roles: int32[B]
-    role id given to each row's generated tokens; until: int32[]. Static: sampling, stop_strings, attend (cache slots
-    attended over: covers every live row's history plus what it may still generate).
+    role id given to each row's generated tokens; until: int32[]; limit: int32[] or None (no limit). Static:
+    sampling, stop_strings, attend (cache slots attended over: covers every live row's history plus what it may
+    still generate).
     Returns (state, iterations int32[]).
     """
     self.compile_counts["decode"] += 1  # runs once per trace
@@ -411,7 +414,8 @@ class Sampler:
 
     def cond(carry):
       step, s = carry
-      return jnp.any(~s.done) & (step < num_new) & (jnp.sum(s.done & ~done_at_entry) < until)
+      more = jnp.any(~s.done) & (step < num_new) & (jnp.sum(s.done & ~done_at_entry) < until)
+      return more if limit is None else more & (step < limit)
 
     def body(carry):
       step, s = carry
@@ -460,7 +464,9 @@ class Sampler:
     steps, state = jax.lax.while_loop(cond, body, start)
     return state.replace(cache=state.cache.replace(prefix=prefix)), steps
 
-  def _decode_rows(self, params, state, rows, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend):
+  def _decode_rows(
+    self, params, state, rows, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit=None
+  ):
     """`_decode_loop` on B' rows of ``state`` (rows: int32[B'], B or more for padding; max_new, row_keys, gen_roles
     given for those rows): their states and histories (the first ``attend`` own slots) are gathered, decoded, and put
     back, so the loop reads and computes the live rows only."""
@@ -469,7 +475,9 @@ class Sampler:
     part = jax.tree.map(pick, bare).replace(  # padding rows: done, so the loop leaves them alone
       cache=state.cache.gather(rows, attend), done=jnp.take(state.done, rows, mode="fill", fill_value=True)
     )
-    part, steps = self._decode_loop(params, part, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend)
+    part, steps = self._decode_loop(
+      params, part, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit
+    )
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
     merged = jax.tree.map(put, bare, part.replace(cache=None))
     return merged.replace(cache=state.cache.put(rows, part.cache)), steps
@@ -753,14 +761,31 @@ class Stream:
     self.prefill_tokens += count
     return active & fitted
 
-  def advance(self, until: int | None = None) -> list[Finished]:
-    """Decodes the live rows until at least ``until`` of them (default: all) have finished, and hands back every
-    finished one (its row is free again).
+  def drop(self, rows) -> None:
+    """Ends the generations of ``rows`` (int[k]; those not live are ignored) without handing them back: they stop
+    decoding at once and are free (a later `admit` appends to their histories, as after a finished generation)."""
+    rows = np.asarray([r for r in np.asarray(rows, np.int64).reshape(-1) if self.live[r]], np.int32)
+    if len(rows):
+      done = np.asarray(jax.device_get(self._state.done)).copy()
+      done[rows] = True
+      place = jnp.asarray
+      if self.sampler.mesh is not None:
+        place = lambda x: jax.device_put(x, sharding.batch_sharding(self.sampler.mesh, 1, self.sampler.rules))  # noqa: E731
+      self._state = self._state.replace(done=place(done))
+      self.live[rows] = False
 
-    Raises ValueError: ``until`` below 1.
+  def advance(self, until: int | None = None, max_steps: int | None = None) -> list[Finished]:
+    """Decodes the live rows until at least ``until`` of them (default: all) have finished, or for ``max_steps``
+    tokens (default: no bound; then the list may be empty), and hands back every finished one (its row is free
+    again).
+
+    Raises ValueError: ``until`` or ``max_steps`` below 1.
     """
     if until is not None and until < 1:
       raise ValueError(f"until must be >= 1 (rows to wait for), got {until}.")
+    if max_steps is not None and max_steps < 1:
+      raise ValueError(f"max_steps must be >= 1 (decode steps), got {max_steps}.")
+    limit = np.int32(self.num_new if max_steps is None else min(max_steps, self.num_new))
     sampler, state = self.sampler, self._state
     done = np.asarray(jax.device_get(state.done))
     running = self.live & ~done
@@ -780,13 +805,13 @@ class Stream:
         keys = jax.random.wrap_key_data(jnp.asarray(self._keys[at]))
         state, steps = sampler._jit("decode_rows", state.cache)(
           sampler.params, state, rows, self._max_new[at], keys, self._roles[at], np.int32(waiting), self.sampling,
-          self.stops, attend,
+          self.stops, attend, limit,
         )  # fmt: skip
       else:
         keys = jax.random.wrap_key_data(jnp.asarray(self._keys))
         state, steps = sampler._jit("decode", state.cache)(
           sampler.params, state, self._max_new, keys, self._roles, np.int32(waiting), self.sampling, self.stops,
-          attend,
+          attend, limit,
         )  # fmt: skip
         m = b
       self._state = state

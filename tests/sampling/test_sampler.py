@@ -668,3 +668,41 @@ def test_paged_rows_compile_one_program_for_every_history_length(tiny_with_roles
   assert int(pages.lengths[0]) == int(dense.lengths[0]) == 50  # 5 turns of 4 + 6 tokens: buckets 8 .. 64
   assert dense_sampler.compile_counts["decode"] >= 3 and dense_sampler.compile_counts["prefill"] >= 3
   assert paged_sampler.compile_counts == {"prefill": 1, "decode": 1, "admit": 1}
+
+
+def test_advance_in_chunks_of_steps_and_dropped_rows(tiny_with_roles):
+  """``advance(max_steps=k)`` decodes at most k tokens per call (possibly handing back nothing) and ends with the
+  tokens of one unbounded call; a row ended with ``drop`` stops at once, is never handed back, and leaves the
+  others' tokens unchanged (the serving engine's cancellation between chunks)."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  hot = SamplingParams(temperature=1.0)
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(5), jnp.arange(len(PROMPTS), dtype=jnp.uint32))
+  want, _ = sampler.generate(
+    sampler.init_cache(len(PROMPTS), 96), PROMPTS, Role.USER, role=Role.ACT, key=keys, max_new_tokens=12, sampling=hot
+  )
+
+  def chunked(drop_after=None):
+    stream = sampler.stream(sampler.init_cache(len(PROMPTS), 96), num_new=12, sampling=hot)
+    stream.admit(PROMPTS, [[int(Role.USER)] * len(p) for p in PROMPTS], role=Role.ACT, keys=keys, max_new_tokens=12)
+    got, calls, steps = {}, 0, stream.decode_steps
+    while stream.live.any():
+      for f in stream.advance(max_steps=3):
+        got[f.row] = f
+      assert stream.decode_steps - steps <= 3
+      steps, calls = stream.decode_steps, calls + 1
+      if calls == drop_after:
+        stream.drop([0, 0])
+        assert not stream.live[0]
+    return got, calls
+
+  got, calls = chunked()
+  assert calls >= 12 // 3
+  for row in range(len(PROMPTS)):
+    assert got[row].tokens == want.row(row) and got[row].finish == want.finish_reasons[row]
+  got, _ = chunked(drop_after=2)
+  assert 0 not in got and sorted(got) == list(range(1, len(PROMPTS)))
+  for row in got:
+    assert got[row].tokens == want.row(row)
+  with pytest.raises(ValueError, match="max_steps must be >= 1"):
+    sampler.stream(sampler.init_cache(1, 96), num_new=4).advance(max_steps=0)
