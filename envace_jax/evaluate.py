@@ -32,12 +32,15 @@ RESULTS_FILE = "eval_results.json"
 
 def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[Any, int | None]:
   """The parameters to evaluate: the latest checkpoint's in ``workdir`` (layers apart, as the train state holds
-  them), else the model's base weights (``model.params`` itself).
+  them), else the model's base weights (``model.params`` itself). A latest step that does not read is reported in one
+  line (a warning) and the newest older step that reads is restored instead (``train.checkpoint_fallback``).
 
   Returns:
-    (params in `policy.Policy`'s layout: one tree, or one per role tree; the checkpoint's step or None).
+    (params in `policy.Policy`'s layout: one tree, or one per role tree; the restored checkpoint's step or None).
   Raises:
-    checkpoint.CheckpointError: the checkpoint does not match the configured model.
+    checkpoint.IncompatibleCheckpointError: the checkpoint does not match the configured model.
+    checkpoint.DamagedCheckpointError: the latest step does not read and ``train.checkpoint_fallback`` is off, or no
+      step reads.
   """
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax.rl import grpo
@@ -51,8 +54,13 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
     if step is None:
       return base
     target = jax.eval_shape(functools.partial(grpo.init_train_state, cfg), model.params)  # shapes: nothing allocated
-    restored = ckpt.restore(step, abstract_state={"params": target.params, "opt_state": target.opt_state})
-  return restored.params, step
+    restored = ckpt.restore(
+      step,
+      abstract_state={"params": target.params, "opt_state": target.opt_state},
+      fallback=config.train.checkpoint_fallback,
+      fallback_setting="train.checkpoint_fallback",
+    )
+  return restored.params, restored.step
 
 
 def eval_tasks(config) -> list[Task]:
@@ -75,7 +83,8 @@ def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model
   checkpoint in ``workdir`` (else the base weights).
 
   Raises:
-    config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint.
+    config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint, or
+      a damaged one with nothing to fall back to (`restore_policy`).
   """
   model = runtime.load_model(config)
   if model.tokenizer is None:
