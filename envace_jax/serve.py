@@ -708,7 +708,7 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32,
     if config.model == "tiny" and not config.tokenizer:
       config.tokenizer = "smollm2-135m"
     name = os.path.basename(os.path.normpath(model))
-  loaded, samplers, step = evaluate.load_policy(config, checkpoint, rows)
+  loaded, samplers, step = evaluate.load_policy(config, checkpoint, rows, "--checkpoint_fallback")
   if checkpoint:
     name = f"{os.path.basename(os.path.normpath(checkpoint))}-step{step}"  # the step restored
   return config, loaded.tokenizer, samplers, name

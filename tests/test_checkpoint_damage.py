@@ -11,6 +11,7 @@ which the compatibility check took for another config's 67 arrays).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -22,8 +23,11 @@ import numpy as np
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import evaluate, runtime, serve, train
 from envace_jax.checkpoint import Checkpointer, DamagedCheckpointError, IncompatibleCheckpointError
+from envace_jax.model import transformer
 from tests.test_checkpoint import _abstract, _assert_bitwise_equal, _config, _params, _trained_state
+from tests.test_resume import assert_same_state, assert_same_workdir, moved_from, shaped_rollout
 
 
 def _data_file(step_dir: pathlib.Path) -> pathlib.Path:
@@ -177,3 +181,85 @@ def test_set_aside_moves_the_damaged_steps_away(two_steps, tmp_path):
     assert sorted(os.listdir(target)) == ["2", "2.1"]
   with Checkpointer(workdir, read_only=True) as ckpt, pytest.raises(checkpoint_lib.CheckpointError, match="read-only"):
     ckpt.set_aside([1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training, --mode=eval and serve --checkpoint on a damaged copy of tests/conftest.py's ``tiny_run`` (steps 1 and 2)
+
+
+def _tiny_copies(tiny_run, tmp_path, *names: str) -> list[pathlib.Path]:
+  source, _ = tiny_run
+  copies = [tmp_path / name for name in names]
+  for copy in copies:
+    shutil.copytree(source, copy)  # the session's run is shared: damage copies only
+  return copies
+
+
+@pytest.fixture
+def shaped_rewards(monkeypatch):
+  """tests/test_resume.py's rewards that depend on the tokens sampled, so that an update moves the parameters."""
+  monkeypatch.setattr(train.Trainer, "rollout", shaped_rollout(train.Trainer.rollout))
+
+
+@pytest.mark.slow
+def test_training_resumed_from_the_fallback_step_ends_as_an_undamaged_resume_from_it(
+  tiny_run, tmp_path, shaped_rewards, capsys
+):
+  """Step 2's largest data file cut in half: with train.checkpoint_fallback=False the Trainer stops with the one
+  line; by default it resumes step 1, moves step 2 to damaged_checkpoints/, redoes
+  step 2 and ends as a Trainer resumed from the same run with step 2 simply absent: metrics rows, parameters (moved by
+  the shaped rewards of tests/test_resume.py), optimizer state, RNG key, data position, checkpoints."""
+  _, config = tiny_run
+  damaged, clean = _tiny_copies(tiny_run, tmp_path, "damaged", "clean")
+  path = damage(damaged, 2, "data file cut in half")
+  shutil.rmtree(clean / checkpoint_lib.CHECKPOINT_SUBDIR / "2")
+  step1 = Checkpointer(clean, read_only=True).restore(1).params
+
+  strict = config.copy_and_resolve_references()
+  strict.train.checkpoint_fallback = False
+  with pytest.raises(DamagedCheckpointError, match=r"train.checkpoint_fallback is off, so no older step is tried"):
+    train.Trainer(strict, str(damaged))
+  assert sorted(os.listdir(damaged / checkpoint_lib.CHECKPOINT_SUBDIR)) == ["1", "2"]  # nothing moved
+
+  resumed = train.Trainer(config, str(damaged))
+  assert (
+    resumed.start_step == 1 and list(resumed.damaged) == [2] and resumed.damaged[2].startswith(f"{path}: truncated")
+  )
+  moved = damaged / checkpoint_lib.DAMAGED_SUBDIR / "2"
+  assert (moved / path).stat().st_size == (
+    tiny_run[0] / checkpoint_lib.CHECKPOINT_SUBDIR / "2" / path
+  ).stat().st_size // 2
+  assert sorted(os.listdir(damaged / checkpoint_lib.CHECKPOINT_SUBDIR)) == ["1"]
+  resumed.run()
+  expected = train.Trainer(config, str(clean))
+  assert expected.start_step == 1 and expected.damaged == {}
+  expected.run()
+
+  out = capsys.readouterr().out
+  assert f"resumed from step 1 in {damaged / 'checkpoints'} (step 2 did not read: {path}: truncated (" in out
+  assert moved_from(resumed.state.params, step1)
+  assert_same_state(resumed, expected)
+  assert_same_workdir(damaged, clean)  # metrics.jsonl rows, checkpoints [1, 2], step 2's saved meta
+  with Checkpointer(damaged, read_only=True) as ckpt:
+    assert ckpt.restore(2).damaged == {}  # the new step 2 reads
+
+
+def test_eval_and_serve_restore_the_step_that_reads(tiny_run, tmp_path):
+  """serve.load (``serve --checkpoint``) reads the config and restores the policy through `evaluate.restore_policy`
+  (``--mode=eval``'s): both pass over the damaged step 2 and serve step 1's parameters; asked not to, one line."""
+  (workdir,) = _tiny_copies(tiny_run, tmp_path, "run")
+  path = damage(workdir, 2, "data file removed")
+  want = Checkpointer(workdir, read_only=True).restore(1).params
+  config, _, samplers, name = serve.load(str(workdir), None, rows=1)
+  assert name == "run-step1" and config.train.checkpoint_fallback is True
+  _assert_bitwise_equal(samplers["policy"].params, want)
+
+  model = runtime.load_model(config)
+  model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
+  config.train.checkpoint_fallback = False
+  with pytest.raises(DamagedCheckpointError) as err:
+    evaluate.restore_policy(config, model, str(workdir))
+  assert str(err.value).startswith(f"checkpoint step 2 in {workdir / 'checkpoints'} is damaged: {path}: missing (")
+  assert "train.checkpoint_fallback is off" in str(err.value) and "\n" not in str(err.value)
+  with pytest.raises(DamagedCheckpointError, match="--checkpoint_fallback is off"):
+    serve.load(str(workdir / "."), None, rows=1, fallback=False)
