@@ -430,7 +430,8 @@ class Checkpointer:
     """
     first = self._step(step)
     damaged: dict[int, str] = {}
-    for s in [s for s in reversed(self.all_steps()) if s <= first]:
+    candidates = [s for s in reversed(self.all_steps()) if s <= first]
+    for s in candidates:
       try:
         value = read(s)
       except DamagedCheckpointError as e:
@@ -445,7 +446,7 @@ class Checkpointer:
             ) from e
           raise
         damaged[s] = f"{e.path}: {e.problem}"
-        logging.warning("%s; trying the step before it", e)
+        logging.warning("%s; %s", e, "trying the step before it" if s != candidates[-1] else "no older step")
         continue
       if damaged:
         logging.warning(
