@@ -24,6 +24,26 @@ On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
 Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns, so the caller may donate
 or update them right after, and holds that copy until the save is written: the trainer ``wait``s before its next
 update, `train.Trainer.finish_save`); ``restore``, ``latest_step``, ``wait`` and ``close`` wait for saves in flight.
+
+Damage. A step that does not read raises ``DamagedCheckpointError``, one line: the step, the file (relative to the
+step's folder) and what is wrong, e.g.
+
+    checkpoint step 2 in RUN/checkpoints is damaged: state/d/20fc…: truncated (OUT_OF_RANGE: reading array
+    params.embed.embedding; Requested byte range [0, 9525) is not valid for value of size 4762)
+
+Before a step is read its metadata files are checked (``state/_METADATA``, ``config/metadata``, ``meta/metadata``
+present; they, ``state/_sharding`` and ``state/array_metadatas/*`` valid JSON; ``state/manifest.ocdbt`` present);
+a data file missing, cut short or garbled is found by TensorStore as the arrays are read (NOT_FOUND, OUT_OF_RANGE,
+DATA_LOSS). ``restore(fallback=True)`` (training resume, ``--mode=eval``, ``serve --checkpoint``: config
+``train.checkpoint_fallback``, default on) then logs that line as a warning and restores the newest older step that
+reads, saying so; ``Restored.damaged`` lists the steps passed over, and a resuming run moves them to
+``workdir/damaged_checkpoints/`` (``set_aside``) so it can save those steps again. With no step that reads, one line
+lists what is wrong with each. All of it is `Checkpointer.read_newest`. An intact step whose arrays do not fit the
+run (another model, mode or dtype) is ``IncompatibleCheckpointError`` instead, said to be no damage, and is never
+passed over. Bytes changed in place are found where TensorStore checks them (OCDBT's b-tree nodes carry a CRC-32C:
+"corrupt (DATA_LOSS ...)"); orbax keeps no checksum of its own, so a change nothing checks could read as other
+values. A file orbax does without (``_CHECKPOINT_METADATA``; a missing ``state/_sharding`` or ``array_metadatas``)
+is no damage: the step reads.
 """
 
 from __future__ import annotations
@@ -78,7 +98,9 @@ class DamagedCheckpointError(CheckpointError):
   Attributes:
     step: the step (None when the error is about every step: no step of the workdir reads).
     path: the file or folder at fault, relative to the step's folder (e.g. "state/d/20fc…", "meta/metadata").
-    problem: what is wrong with it, one line ("missing", "truncated: ...", "invalid JSON: ...").
+    problem: what is wrong with it, one line: "missing", "truncated (OUT_OF_RANGE: ...)", "corrupt (DATA_LOSS:
+      ...)", "not valid JSON, cut short or overwritten (...)", "lists no arrays", "unreadable (...)"; for the error
+      that no step reads, each step's "path: problem".
   """
 
   def __init__(self, message: str, step: int | None = None, path: str = "", problem: str = ""):
