@@ -481,7 +481,7 @@ class Checkpointer:
       return s, value, damaged
     listed = "; ".join(f"step {s}: {problem}" for s, problem in damaged.items())
     raise DamagedCheckpointError(
-      f"no checkpoint in {self.directory} reads ({listed}); start afresh in another --workdir, or move the "
+      f"no checkpoint in {self.directory} reads ({listed}); start afresh in another workdir, or move the "
       "damaged steps away",
       None,
       "",

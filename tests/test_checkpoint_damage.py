@@ -132,7 +132,7 @@ def test_no_step_reads_is_one_line_listing_each(two_steps, tmp_path):
   assert message.startswith(
     f"no checkpoint in {workdir / 'checkpoints'} reads (step 2: {removed}: missing (NOT_FOUND: reading array "
   )
-  assert "; step 1: meta/metadata: missing); start afresh in another --workdir" in message
+  assert "; step 1: meta/metadata: missing); start afresh in another workdir" in message
 
 
 def test_readers_of_one_item_report_damage_in_one_line(two_steps, tmp_path):
