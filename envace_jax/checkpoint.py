@@ -24,16 +24,40 @@ On disk, ``workdir/checkpoints/<step>/`` holds three orbax items:
 Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns, so the caller may donate
 or update them right after, and holds that copy until the save is written: the trainer ``wait``s before its next
 update, `train.Trainer.finish_save`); ``restore``, ``latest_step``, ``wait`` and ``close`` wait for saves in flight.
+
+Damage. A step that does not read raises ``DamagedCheckpointError``, one line: the step, the file (relative to the
+step's folder) and what is wrong, e.g.
+
+    checkpoint step 2 in RUN/checkpoints is damaged: state/d/20fc…: truncated (OUT_OF_RANGE: reading array
+    params.embed.embedding; Requested byte range [0, 9525) is not valid for value of size 4762)
+
+Before a step is read its metadata files are checked (``state/_METADATA``, ``config/metadata``, ``meta/metadata``
+present; they, ``state/_sharding`` and ``state/array_metadatas/*`` valid JSON; ``state/manifest.ocdbt`` present);
+a data file missing, cut short or garbled is found by TensorStore as the arrays are read (NOT_FOUND, OUT_OF_RANGE,
+DATA_LOSS). ``restore(fallback=True)`` (training resume, ``--mode=eval``, ``serve --checkpoint``: config
+``train.checkpoint_fallback``, default on) then logs that line as a warning and restores the newest older step that
+reads, saying so; ``Restored.damaged`` lists the steps passed over, and a resuming run moves them to
+``workdir/damaged_checkpoints/`` (``set_aside``) so it can save those steps again. With no step that reads, one line
+lists what is wrong with each. All of it is `Checkpointer.read_newest`. An intact step whose arrays do not fit the
+run (another model, mode or dtype) is ``IncompatibleCheckpointError`` instead, said to be no damage, and is never
+passed over. Bytes changed in place are found where TensorStore checks them (OCDBT's b-tree nodes carry a CRC-32C:
+"corrupt (DATA_LOSS ...)"); orbax keeps no checksum of its own, so a change nothing checks could read as other
+values. A file orbax does without (``_CHECKPOINT_METADATA``; a missing ``state/_sharding`` or ``array_metadatas``)
+is no damage: the step reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import shutil
+import sys
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import jax
 import ml_collections
@@ -45,14 +69,47 @@ from envace_jax.metrics import from_json_safe, to_json_safe
 from envace_jax.model import transformer
 
 CHECKPOINT_SUBDIR = "checkpoints"
+# Where a resumed run moves the damaged steps a fallback passed over (`Checkpointer.set_aside`), beside checkpoints/
+DAMAGED_SUBDIR = "damaged_checkpoints"
 _STATE, _CONFIG, _META = "state", "config", "meta"
+# A step's files (relative to its folder) orbax 0.12 cannot restore without; and the JSON files among them, with
+# those it reads when present (it does without a missing _sharding or array_metadatas, and ignores
+# _CHECKPOINT_METADATA either way). Checked before a step is read: orbax's own errors for them are a FileNotFoundError,
+# a bare JSONDecodeError naming no file, or (state/_METADATA) an empty tree that looks like another config's.
+_REQUIRED_FILES = (f"{_STATE}/_METADATA", f"{_CONFIG}/metadata", f"{_META}/metadata")
+_JSON_FILES = (*_REQUIRED_FILES, f"{_STATE}/_sharding")
+# TensorStore's status codes for a data file that is gone, shorter than its index says, or garbled.
+_TENSORSTORE_PROBLEMS = {"NOT_FOUND": "missing", "OUT_OF_RANGE": "truncated", "DATA_LOSS": "corrupt"}
+# What reading a damaged step raises from orbax and TensorStore (a TensorStore error is a ValueError).
+_READ_ERRORS = (OSError, ValueError, KeyError, EOFError)
+_T = TypeVar("_T")
 # Config keys that decide the parameter tree's shapes and structure: quoted in incompatibility errors.
 _MODEL_KEYS = ("model", "model_path", "tokenizer", "param_dtype", "grpo.mode")
 _MAX_LISTED = 8  # mismatching arrays named in an error
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint is missing, or does not fit the state it is restored into (another model, mode or dtype)."""
+  """A checkpoint is missing, damaged, or does not fit the state it is restored into (another model, mode or dtype)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A saved step does not read: a file of it is missing, cut short or not what its index says.
+
+  Attributes:
+    step: the step (None when the error is about every step: no step of the workdir reads).
+    path: the file or folder at fault, relative to the step's folder (e.g. "state/d/20fc…", "meta/metadata").
+    problem: what is wrong with it, one line: "missing", "truncated (OUT_OF_RANGE: ...)", "corrupt (DATA_LOSS:
+      ...)", "not valid JSON, cut short or overwritten (...)", "lists no arrays", "unreadable (...)"; for the error
+      that no step reads, each step's "path: problem".
+  """
+
+  def __init__(self, message: str, step: int | None = None, path: str = "", problem: str = ""):
+    super().__init__(message)
+    self.step, self.path, self.problem = step, path, problem
+
+
+class IncompatibleCheckpointError(CheckpointError):
+  """A saved step reads, but its arrays do not fit this run's state: it was written by another config."""
 
 
 @dataclasses.dataclass
@@ -67,6 +124,7 @@ class Restored:
     data_state: the saved data position (``TaskStream.state()``), or None when none was saved.
     metrics: the scalars saved with the step.
     config: the config the checkpoint was saved with.
+    damaged: the newer steps a fallback passed over (``restore(fallback=True)``), step -> "path: what is wrong".
   """
 
   step: int
@@ -76,6 +134,7 @@ class Restored:
   data_state: dict[str, Any] | None
   metrics: dict[str, Any]
   config: ml_collections.ConfigDict
+  damaged: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def _config_dict(config: ml_collections.ConfigDict | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -140,6 +199,80 @@ def _stacked_abstract(tree: Any) -> Any:
 
   is_layers = lambda x: isinstance(x, dict) and "layers_0" in x  # noqa: E731
   return jax.tree.map(lambda x: stack(x) if is_layers(x) else x, tree, is_leaf=is_layers)
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_files(step_dir: str) -> tuple[str, str] | None:
+  """(path relative to ``step_dir``, what is wrong) of the first required file missing or JSON file that does not
+  parse; None when all are there."""
+  for rel in _REQUIRED_FILES:
+    if not os.path.isfile(os.path.join(step_dir, rel)):
+      return rel, "missing"
+  # An OCDBT array store (state/d/ holds its data files) reads nothing without its manifest.
+  if os.path.isdir(os.path.join(step_dir, _STATE, "d")) and not os.path.isfile(
+    os.path.join(step_dir, _STATE, "manifest.ocdbt")
+  ):
+    return f"{_STATE}/manifest.ocdbt", "missing"
+  array_metadatas = os.path.join(step_dir, _STATE, "array_metadatas")
+  extra = sorted(os.listdir(array_metadatas)) if os.path.isdir(array_metadatas) else []
+  for rel in (*_JSON_FILES, *(f"{_STATE}/array_metadatas/{name}" for name in extra)):
+    path = os.path.join(step_dir, rel)
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path, encoding="utf-8") as f:
+        json.load(f)
+    except (OSError, ValueError) as e:
+      return rel, f"not valid JSON, cut short or overwritten ({_one_line(e, 120)})"
+  return None
+
+
+def _drop_closed_loop_noise() -> None:
+  """When a read fails, TensorStore still completes the reads orbax abandoned, and each calls back into orbax's
+  closed asyncio loop: Python prints every such RuntimeError("Event loop is closed") as an ignored exception with its
+  traceback (15 for one missing data file), around the one-line report. From the first read on, the
+  ``sys.unraisablehook`` in place drops those (only those: anything else still reaches it)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_envace_drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._envace_drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
+def _diagnose(step_dir: str, error: BaseException) -> tuple[str, str]:
+  """(path relative to ``step_dir``, what is wrong) from what reading the step raised: TensorStore's errors name the
+  data file ("local file ...") and a status code; orbax's FileNotFoundError names the file."""
+  text = str(error).split("[tensorstore_spec=")[0].strip()
+  files = re.findall(r'local file "([^"]+)"', text)
+  missing = getattr(error, "filename", None) or (re.search(r"File (\S+) not found", text) or [None, None])[1]
+  path = files[-1] if files else missing or step_dir
+  rel = os.path.relpath(path, step_dir)
+  rel = path if rel.startswith("..") else rel
+  if isinstance(error, FileNotFoundError):
+    return rel, "missing"
+  code = re.match(r"([A-Z_]+): ", text)
+  if not code:
+    return rel, f"unreadable ({type(error).__name__}: {_one_line(text, 160)})"
+  details = []
+  array = re.search(r'Error reading "([^"/]+)', text)
+  if array:
+    details.append(f"reading array {array[1]}")
+  tail = text.rsplit(f'local file "{files[-1]}"', 1)[1].lstrip(": ").strip() if files else ""
+  if tail:
+    details.append(tail)
+  problem = _TENSORSTORE_PROBLEMS.get(code[1], code[1].lower())
+  return rel, _one_line(f"{problem} ({code[1]}" + (": " + "; ".join(details) if details else "") + ")")
 
 
 def _path_name(path: tuple) -> str:
@@ -265,6 +398,126 @@ class Checkpointer:
       raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; saved steps: {self.all_steps()}")
     return int(step)
 
+  # -- damage ------------------------------------------------------------------------------------------------------
+
+  def _damaged(self, step: int, path: str, problem: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
+      f"checkpoint step {step} in {self.directory} is damaged: {path}: {problem}", step, path, problem
+    )
+
+  @contextlib.contextmanager
+  def _reading(self, step: int):
+    """Checks ``step``'s files (`_check_files`), then turns what reading them raises into a one-line
+    DamagedCheckpointError naming the step, the file and what is wrong."""
+    step_dir = os.path.join(self.directory, str(step))
+    _drop_closed_loop_noise()  # some come before orbax raises
+    found = _check_files(step_dir)
+    if found:
+      raise self._damaged(step, *found)
+    try:
+      yield
+    except _READ_ERRORS as e:
+      raise self._damaged(step, *_diagnose(step_dir, e)) from e
+
+  def read_newest(
+    self,
+    read: Callable[[int], _T],
+    *,
+    step: int | None = None,
+    fallback: bool = True,
+    fallback_setting: str = "",
+  ) -> tuple[int, _T, dict[int, str]]:
+    """``read(s)`` of the newest saved step ``s`` at or before ``step`` (default: the latest) that reads: the one
+    place a damaged checkpoint is passed over (``restore(fallback=True)``, ``serve --checkpoint``).
+
+    ``read`` raises DamagedCheckpointError for a step that does not read (the Checkpointer's readers do). Each such
+    step is logged as a warning, one line (the step, the file, what is wrong), and the step before it is tried; the
+    step that reads is logged as restored instead of them. Any other error (an intact checkpoint of another config:
+    IncompatibleCheckpointError) is raised at once: an older step of the same run would not fit either.
+
+    Args:
+      read: reads one step (e.g. ``self.read_config``).
+      step: the newest step to try; None for the latest.
+      fallback: False raises the first step's DamagedCheckpointError instead of trying older steps.
+      fallback_setting: the setting that turns ``fallback`` on, named in that error (e.g.
+        "train.checkpoint_fallback").
+
+    Returns:
+      (the step read, what ``read`` returned, the newer steps passed over: step -> "path: what is wrong").
+
+    Raises:
+      CheckpointError: no checkpoint (of ``step``).
+      DamagedCheckpointError: the step does not read and ``fallback`` is False; or no step reads (one line listing
+        what is wrong with each).
+    """
+    first = self._step(step)
+    damaged: dict[int, str] = {}
+    candidates = [s for s in reversed(self.all_steps()) if s <= first]
+    for s in candidates:
+      try:
+        value = read(s)
+      except DamagedCheckpointError as e:
+        if not fallback:
+          if fallback_setting:
+            raise DamagedCheckpointError(
+              f"{e}; {fallback_setting} is off, so no older step is tried (turn it on to restore the newest step that "
+              f"reads, or move {os.path.join(self.directory, str(s))} away)",
+              e.step,
+              e.path,
+              e.problem,
+            ) from e
+          raise
+        damaged[s] = f"{e.path}: {e.problem}"
+        logging.warning("%s; %s", e, "trying the step before it" if s != candidates[-1] else "no older step")
+        continue
+      if damaged:
+        logging.warning(
+          "checkpoint step %d in %s restored instead of the damaged step%s %s: the newest step that reads",
+          s,
+          self.directory,
+          "s" if len(damaged) > 1 else "",
+          ", ".join(map(str, damaged)),
+        )
+      return s, value, damaged
+    listed = "; ".join(f"step {s}: {problem}" for s, problem in damaged.items())
+    raise DamagedCheckpointError(
+      f"no checkpoint in {self.directory} reads ({listed}); start afresh in another workdir, or move the "
+      "damaged steps away",
+      None,
+      "",
+      listed,
+    )
+
+  def set_aside(self, steps: Iterable[int]) -> str:
+    """Moves the folders of ``steps`` (the damaged steps a fallback passed over, ``Restored.damaged``) to
+    ``workdir/damaged_checkpoints/<step>``, so that a resumed run saves those steps afresh and the damaged files
+    stay for a look. Process 0 moves (the others find them gone on a shared disk); every process reloads the list of
+    steps. A step already set aside there before gets a suffix (``<step>.1``).
+
+    Returns:
+      The folder they went to.
+
+    Raises:
+      CheckpointError: this Checkpointer is ``read_only``.
+    """
+    if self.read_only:
+      raise CheckpointError(f"{self.directory} is open read-only; nothing can be set aside")
+    target = os.path.join(os.path.dirname(self.directory), DAMAGED_SUBDIR)
+    if jax.process_index() == 0:
+      for step in steps:
+        source = os.path.join(self.directory, str(step))
+        if not os.path.isdir(source):
+          continue
+        os.makedirs(target, exist_ok=True)
+        dest, n = os.path.join(target, str(step)), 0
+        while os.path.exists(dest):
+          n += 1
+          dest = os.path.join(target, f"{step}.{n}")
+        shutil.move(source, dest)
+        logging.warning("damaged checkpoint step %d moved to %s", step, dest)
+    self._manager.reload()
+    return target
+
   # -- save --------------------------------------------------------------------------------------------------------
 
   def save(
@@ -337,9 +590,11 @@ class Checkpointer:
 
     Raises:
       CheckpointError: no such checkpoint.
+      DamagedCheckpointError: the step's files are missing, cut short or unreadable.
     """
     step = self._step(step)
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+    with self._reading(step):
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
     return from_json_safe(restored[_META])
 
   def read_config(self, step: int | None = None) -> ml_collections.ConfigDict:
@@ -347,9 +602,11 @@ class Checkpointer:
 
     Raises:
       CheckpointError: no such checkpoint.
+      DamagedCheckpointError: the step's files are missing, cut short or unreadable.
     """
     step = self._step(step)
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
+    with self._reading(step):
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
     return ml_collections.ConfigDict(restored[_CONFIG] or {})
 
   def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -358,13 +615,21 @@ class Checkpointer:
 
     Raises:
       CheckpointError: no such checkpoint.
+      DamagedCheckpointError: the step's files are missing, cut short or unreadable.
     """
     step = self._step(step)
+    with self._reading(step):
+      return self._saved_arrays(step)
+
+  def _saved_arrays(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     metadata = self._manager.item_metadata(step)[_STATE]
-    return _flat_saved(getattr(metadata, "tree", metadata))
+    saved = _flat_saved(getattr(metadata, "tree", metadata))
+    if not saved:  # every save has parameters: an index that lists none is broken, not another config's
+      raise self._damaged(step, f"{_STATE}/_METADATA", "lists no arrays")
+    return saved
 
   def _check_compatible(self, step: int, target: Any) -> None:
-    saved = self.saved_arrays(step)
+    saved = self._saved_arrays(step)
     wanted = _flat_target(target)
     problems = []
     # Parameters first: they say what changed; the optimizer state's moments mirror them.
@@ -381,15 +646,16 @@ class Checkpointer:
     listed = problems[:_MAX_LISTED] + (
       [f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else []
     )
-    saved_config = _config_dict(self.read_config(step))
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()}))
+    saved_config = _config_dict(restored[_CONFIG] or {})
     settings = []
     for key in _MODEL_KEYS:
       then, now = _lookup(saved_config, key), _lookup(self._config, key)
       if then != now:
         settings.append(f"{key}: checkpoint {then!r}, this run {now!r}")
-    raise CheckpointError(
-      f"the checkpoint of step {step} in {self.directory} was made with an incompatible config: "
-      f"{len(problems)} of its arrays do not match this run's state.\n  "
+    raise IncompatibleCheckpointError(
+      f"the checkpoint of step {step} in {self.directory} reads, but was made with an incompatible config (not "
+      f"damage: another model, mode or dtype): {len(problems)} of its arrays do not match this run's state.\n  "
       + "\n  ".join(listed)
       + ("\nModel settings that differ:\n  " + "\n  ".join(settings) if settings else "")
       + "\nResume with the checkpoint's own config (`python -m envace_jax.inspect_checkpoint "
@@ -407,8 +673,21 @@ class Checkpointer:
       is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
     )
 
-  def restore(self, step: int | None = None, *, abstract_state: Mapping[str, Any] | None = None) -> Restored:
-    """Restores ``step`` (default: the latest) onto the target's shapes, dtypes and shardings.
+  def restore(
+    self,
+    step: int | None = None,
+    *,
+    abstract_state: Mapping[str, Any] | None = None,
+    fallback: bool = False,
+    fallback_setting: str = "",
+  ) -> Restored:
+    """Restores ``step`` (default: the latest) onto the target's shapes, dtypes and shardings; with ``fallback``,
+    the newest step at or before it that reads.
+
+    A step that does not read (a data file missing or cut short, a metadata file missing or garbled) raises a
+    DamagedCheckpointError of one line: the step, the file (relative to the step's folder) and what is wrong. With
+    ``fallback`` each such step is logged so as a warning and the step before it is tried (`read_newest`);
+    ``Restored.damaged`` lists the steps passed over.
 
     Args:
       step: the step to restore; None for the latest.
@@ -417,47 +696,64 @@ class Checkpointer:
         to the first local device, whatever topology wrote the checkpoint) or of concrete arrays (their shardings
         are used). The restored trees have this structure. None restores every array onto the first
         local device, the optimizer state as nested dicts and lists (for inspection, not for resuming).
+      fallback: a damaged step falls back to the newest older step that reads (training resume, ``--mode=eval``
+        and ``serve --checkpoint`` pass ``config.train.checkpoint_fallback``).
+      fallback_setting: the setting that turns ``fallback`` on, named in the error when it is off.
 
     Raises:
-      CheckpointError: no checkpoint; or the checkpoint's arrays do not match ``abstract_state`` (another model,
-        per-role vs shared parameters, another dtype), checked before any array is read; the message names the first
-        differing arrays and the two configs' model settings. A checkpoint with stacked layers restores onto a
-        target with per-layer arrays (``layers_0 ..``), as older runs saved them.
+      CheckpointError: no checkpoint.
+      IncompatibleCheckpointError (a CheckpointError): the checkpoint reads, but its arrays do not match
+        ``abstract_state`` (another model, per-role vs shared parameters, another dtype), checked before any array
+        is read; the message names the first differing arrays and the two configs' model settings. Never a reason to
+        fall back. A checkpoint with stacked layers restores onto a target with per-layer arrays (``layers_0 ..``),
+        as older runs saved them.
+      DamagedCheckpointError (a CheckpointError): the step does not read and ``fallback`` is off, or no step reads.
       ValueError: ``abstract_state`` lacks "params" or "opt_state".
     """
-    step = self._step(step)
-    stored_stacked = False
-    if abstract_state is None:
-      target = self._default_target(step)
-    else:
+    if abstract_state is not None:
       missing = {"params", "opt_state"} - set(abstract_state)
       if missing:
         raise ValueError(f"abstract_state needs the keys 'params' and 'opt_state'; missing {sorted(missing)}")
-      target = _abstract({"params": abstract_state["params"], "opt_state": abstract_state["opt_state"]})
-      saved, wanted = self.saved_arrays(step), _flat_target(target)
-      stored_stacked = any("/layers/" in n for n in saved) and not any("/layers/" in n for n in wanted)
-      if stored_stacked:  # written before the train state held its layers apart: restored stacked, then split
-        target = _stacked_abstract(target)
-      self._check_compatible(step, target)
-    args = ocp.args.Composite(
-      **{
-        _STATE: ocp.args.StandardRestore(target),
-        _CONFIG: ocp.args.JsonRestore(),
-        _META: ocp.args.JsonRestore(),
-      }
+    _, restored, damaged = self.read_newest(
+      lambda s: self._restore(s, abstract_state), step=step, fallback=fallback, fallback_setting=fallback_setting
     )
-    restored = self._manager.restore(step, args=args)
-    meta = from_json_safe(restored[_META])
-    key = meta["rng"]
-    key_data = np.asarray(key["data"], dtype=key["dtype"]).reshape(key["shape"])
+    restored.damaged = damaged
+    return restored
+
+  def _restore(self, step: int, abstract_state: Mapping[str, Any] | None) -> Restored:
+    """``restore`` of one step."""
+    stored_stacked = False
+    with self._reading(step):
+      if abstract_state is None:
+        target = self._default_target(step)
+      else:
+        target = _abstract({"params": abstract_state["params"], "opt_state": abstract_state["opt_state"]})
+        saved, wanted = self._saved_arrays(step), _flat_target(target)
+        stored_stacked = any("/layers/" in n for n in saved) and not any("/layers/" in n for n in wanted)
+        if stored_stacked:  # written before the train state held its layers apart: restored stacked, then split
+          target = _stacked_abstract(target)
+        self._check_compatible(step, target)
+      args = ocp.args.Composite(
+        **{
+          _STATE: ocp.args.StandardRestore(target),
+          _CONFIG: ocp.args.JsonRestore(),
+          _META: ocp.args.JsonRestore(),
+        }
+      )
+      restored = self._manager.restore(step, args=args)
+      meta = from_json_safe(restored[_META])
+      key = meta["rng"]
+      key_data = np.asarray(key["data"], dtype=key["dtype"]).reshape(key["shape"])
+      rng = jax.random.wrap_key_data(key_data, impl=key["impl"])
+      saved_step = int(meta["step"])
     state = restored[_STATE]
     if stored_stacked:
       state = transformer.unstack_tree(state)
     return Restored(
-      step=int(meta["step"]),
+      step=saved_step,
       params=state["params"],
       opt_state=state["opt_state"],
-      rng=jax.random.wrap_key_data(key_data, impl=key["impl"]),
+      rng=rng,
       data_state=meta.get("data_state"),
       metrics=meta.get("metrics") or {},
       config=ml_collections.ConfigDict(restored[_CONFIG] or {}),

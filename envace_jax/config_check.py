@@ -342,6 +342,7 @@ def _check_train(ck: _Checker, benchmark: str | None) -> None:
   ck.integer("train.group_size", 2, why=" (GRPO advantages compare each rollout with the other rollouts of its task)")
   ck.integer("train.checkpoint_every", 1)
   ck.integer("train.keep_checkpoints", 1)
+  ck.boolean("train.checkpoint_fallback")
   ck.integer("train.eval_every", 0)
   ck.integer("train.eval_tasks", -1, why=" (-1: every task of eval_split, 0: no evaluation)")
   ck.boolean("train.eval_at_start")

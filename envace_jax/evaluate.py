@@ -30,14 +30,20 @@ from envace_jax.model import transformer
 RESULTS_FILE = "eval_results.json"
 
 
-def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[Any, int | None]:
+def restore_policy(
+  config, model: runtime.Model, workdir: str | None, fallback_setting: str = "train.checkpoint_fallback"
+) -> tuple[Any, int | None]:
   """The parameters to evaluate: the latest checkpoint's in ``workdir`` (layers apart, as the train state holds
-  them), else the model's base weights (``model.params`` itself).
+  them), else the model's base weights (``model.params`` itself). A latest step that does not read is reported in one
+  line (a warning) and the newest older step that reads is restored instead (``train.checkpoint_fallback``;
+  ``fallback_setting`` is how the error names it when it is off: serve's ``--checkpoint_fallback`` sets it).
 
   Returns:
-    (params in `policy.Policy`'s layout: one tree, or one per role tree; the checkpoint's step or None).
+    (params in `policy.Policy`'s layout: one tree, or one per role tree; the restored checkpoint's step or None).
   Raises:
-    checkpoint.CheckpointError: the checkpoint does not match the configured model.
+    checkpoint.IncompatibleCheckpointError: the checkpoint does not match the configured model.
+    checkpoint.DamagedCheckpointError: the latest step does not read and ``train.checkpoint_fallback`` is off, or no
+      step reads.
   """
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax.rl import grpo
@@ -51,8 +57,13 @@ def restore_policy(config, model: runtime.Model, workdir: str | None) -> tuple[A
     if step is None:
       return base
     target = jax.eval_shape(functools.partial(grpo.init_train_state, cfg), model.params)  # shapes: nothing allocated
-    restored = ckpt.restore(step, abstract_state={"params": target.params, "opt_state": target.opt_state})
-  return restored.params, step
+    restored = ckpt.restore(
+      step,
+      abstract_state={"params": target.params, "opt_state": target.opt_state},
+      fallback=config.train.checkpoint_fallback,
+      fallback_setting=fallback_setting,
+    )
+  return restored.params, restored.step
 
 
 def eval_tasks(config) -> list[Task]:
@@ -70,12 +81,15 @@ def eval_key(seed: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), 0xE7A1)
 
 
-def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model, dict[str, Any], int | None]:
+def load_policy(
+  config, workdir: str | None, n_rows: int, fallback_setting: str = "train.checkpoint_fallback"
+) -> tuple[runtime.Model, dict[str, Any], int | None]:
   """(model, samplers for `heldout.evaluate_policy` sized for ``n_rows`` rows, checkpoint step or None) of the latest
-  checkpoint in ``workdir`` (else the base weights).
+  checkpoint in ``workdir`` that reads (else the base weights; `restore_policy`).
 
   Raises:
-    config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint.
+    config_check.ConfigError: a model without a tokenizer. checkpoint.CheckpointError: a mismatched checkpoint, or
+      a damaged one with nothing to fall back to (`restore_policy`).
   """
   model = runtime.load_model(config)
   if model.tokenizer is None:
@@ -83,7 +97,7 @@ def load_policy(config, workdir: str | None, n_rows: int) -> tuple[runtime.Model
   # The base weights with their layers apart (the samplers' layout), once: the reference and, without a checkpoint,
   # the policy sample the same arrays.
   model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
-  params, step = restore_policy(config, model, workdir)
+  params, step = restore_policy(config, model, workdir, fallback_setting)
   mesh = runtime.make_mesh(config)
   policy = policy_lib.Policy.from_config(config)
   samplers = policy.samplers(params, lambda p: runtime.make_sampler(config, model, p, mesh, n_rows))

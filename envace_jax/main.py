@@ -19,6 +19,8 @@ line per problem (the key, its value, the valid values) and exits with status 2,
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -94,6 +96,12 @@ def main(argv: list[str]) -> None:
       plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value, _PLAN_BACKEND.value)
   except config_check.ConfigError as e:
     console.config_error(e)
+  except Exception as e:  # noqa: BLE001 - re-raised unless it is a CheckpointError
+    checkpoint = sys.modules.get("envace_jax.checkpoint")  # imported by whatever raised one
+    if checkpoint is None or not isinstance(e, checkpoint.CheckpointError):
+      raise
+    # A checkpoint that is damaged with nothing to fall back to, or of another config: its message, no traceback.
+    raise SystemExit(f"envace_jax.main: {e}") from None
   if joined:
     import jax
 

@@ -999,15 +999,17 @@ def make_app(engine: Engine, name: str, api_key: str = "", max_body_bytes: int =
 # The command line.
 
 
-def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32):
+def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32, fallback: bool = True):
   """(config, tokenizer, samplers, served name) of ``checkpoint`` (a run's workdir: its latest step, with the config
   stored in it) or of ``model``'s base weights (a preset name or a weights path; ``config`` gives the other settings,
   default the defaults; "tiny" takes SmolLM2's tokenizer). ``rows``: the samplers' largest batch
-  (`runtime.make_sampler`).
+  (`runtime.make_sampler`). ``fallback`` (``--checkpoint_fallback``): a latest step that does not read is reported in
+  one line (a warning) and the newest older step that reads is served (`checkpoint.Checkpointer.read_newest`).
 
   Raises:
     ValueError: neither or both of ``checkpoint`` and ``model``. checkpoint.CheckpointError: ``checkpoint`` is not a
-      directory, holds no checkpoint, or one of another model.
+      directory, holds no checkpoint, or one of another model; or its latest step is damaged and ``fallback`` is
+      off, or no step reads (checkpoint.DamagedCheckpointError, one line).
   """
   from envace_jax import checkpoint as checkpoint_lib
   from envace_jax import evaluate
@@ -1022,8 +1024,9 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32)
       step = ckpt.latest_step()
       if step is None:
         raise checkpoint_lib.CheckpointError(f"{checkpoint} holds no checkpoint; train one with envace_jax.main")
-      config = defaults.completed(ckpt.read_config(step))  # settings added since: their defaults
-    name = f"{os.path.basename(os.path.normpath(checkpoint))}-step{step}"
+      _, stored, _ = ckpt.read_newest(ckpt.read_config, fallback=fallback, fallback_setting="--checkpoint_fallback")
+    config = defaults.completed(stored)  # settings added since: their defaults
+    config.train.checkpoint_fallback = fallback  # the restore below (`evaluate.restore_policy`) falls back the same
   else:
     config = defaults.or_defaults(config).copy_and_resolve_references()
     if os.path.exists(model):
@@ -1033,7 +1036,9 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32)
     if config.model == "tiny" and not config.tokenizer:
       config.tokenizer = "smollm2-135m"
     name = os.path.basename(os.path.normpath(model))
-  loaded, samplers, _ = evaluate.load_policy(config, checkpoint, rows)
+  loaded, samplers, step = evaluate.load_policy(config, checkpoint, rows, "--checkpoint_fallback")
+  if checkpoint:
+    name = f"{os.path.basename(os.path.normpath(checkpoint))}-step{step}"  # the step restored
   return config, loaded.tokenizer, samplers, name
 
 
@@ -1052,7 +1057,7 @@ def main(argv: list[str]) -> None:
   compilation_cache.enable()
 
   try:
-    config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch)
+    config, tokenizer, samplers, name = load(f.checkpoint, f.model, f.config, f.max_batch, f.checkpoint_fallback)
   except (ValueError, checkpoint_lib.CheckpointError) as e:  # what to serve is wrong: one line, no traceback
     raise SystemExit(f"envace_jax.serve: {e}") from None
   engine = Engine(
@@ -1076,6 +1081,9 @@ def define_flags() -> None:
 
   config_flags.DEFINE_config_file("config", None, "With --model: a config file for the other settings (rollout, eval).")
   flags.DEFINE_string("checkpoint", None, "A training run's workdir: serve its latest checkpoint.")
+  flags.DEFINE_boolean(
+    "checkpoint_fallback", True, "A latest checkpoint that does not read: serve the newest older one that reads."
+  )
   flags.DEFINE_string("model", None, "Serve base weights: a preset (smollm2-135m, tiny, ...) or a weights path.")
   flags.DEFINE_string("served_name", "", "The model name clients send ('': the workdir or model name).")
   flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0: every interface).")

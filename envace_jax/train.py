@@ -4,8 +4,11 @@
 
 A step: docs/method.md, "How a training step runs" (paper §3). A workdir with a checkpoint resumes from it, bit for bit:
 step s samples with ``fold_in(key(seed), s)`` and draws tasks from the restored ``TaskStream`` position, so a resumed
-run repeats exactly what the uninterrupted run would have done. Across processes (``--coordinator``, ...) each rolls
-out its share of the step's tasks and the update runs over the global mesh (``distributed.py``).
+run repeats exactly what the uninterrupted run would have done. A latest checkpoint that does not read (a file
+missing or cut short) is reported in one line and the newest older step that reads is resumed instead, the damaged
+steps moved to ``workdir/damaged_checkpoints/`` (``train.checkpoint_fallback``; `checkpoint.Checkpointer.read_newest`).
+Across processes (``--coordinator``, ...) each rolls out its share of the step's tasks and the update runs over the
+global mesh (``distributed.py``).
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ class Trainer:
     self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)
     self.ckpt = checkpoint_lib.Checkpointer.from_config(workdir, config)
     self.start_step = 0
+    self.damaged: dict[int, str] = {}  # the damaged steps a resume passed over (`Checkpointer.restore`)
     latest = self.ckpt.latest_step()
     if latest is not None:
       # Restored onto the fresh state's shapes and shardings, that state released first (no device holds two).
@@ -190,7 +194,22 @@ class Trainer:
       )
       abstract = jax.tree.map(shape_of, fresh)
       del fresh, state
-      restored = self.ckpt.restore(latest, abstract_state=abstract)
+      restored = self.ckpt.restore(
+        latest,
+        abstract_state=abstract,
+        fallback=config.train.checkpoint_fallback,
+        fallback_setting="train.checkpoint_fallback",
+      )
+      self.damaged = restored.damaged
+      if self.processes > 1:  # every process must resume from the same step (they read one shared workdir)
+        steps = distributed.allgather_objects(restored.step)
+        if len(set(steps)) > 1:
+          raise checkpoint_lib.CheckpointError(
+            f"the processes restored different steps from {self.ckpt.directory} (by process: {steps}): a damaged "
+            "step reads on some of them; move the damaged steps away and restart"
+          )
+      if restored.damaged:  # the run saves those steps afresh
+        distributed.primary_first("envace_damaged_checkpoints", lambda: self.ckpt.set_aside(restored.damaged))
       self.state = grpo.TrainState(
         step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
       )
@@ -198,7 +217,7 @@ class Trainer:
       if restored.data_state is not None:
         self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
       self.start_step = restored.step
-      logging.info("resumed from step %d in %s", latest, self.ckpt.directory)
+      logging.info("resumed from step %d in %s", restored.step, self.ckpt.directory)
     rows = config.train.tasks_per_step * config.train.group_size // self.processes  # this process's share
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
@@ -572,7 +591,11 @@ class Trainer:
     primary = jax.process_index() == 0  # writes eval.jsonl and prints; MetricsWriter and orbax decide for themselves
     say = metrics.print_line if primary else lambda text: None
     if self.start_step:
-      say(f"resumed from step {self.start_step} in {self.ckpt.directory}")
+      damaged = "".join(
+        f" (step {s} did not read: {problem}; moved to {checkpoint_lib.DAMAGED_SUBDIR}/)"
+        for s, problem in self.damaged.items()
+      )
+      say(f"resumed from step {self.start_step} in {self.ckpt.directory}{damaged}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
     clock = runtime.CompileClock()
     try:

@@ -171,6 +171,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.group_size = 2  # G, rollouts per task (>= 2: advantages are relative to the group). paper: 4
   c.train.checkpoint_every = 1  # save every this many steps; the last step is always saved
   c.train.keep_checkpoints = 2  # newest checkpoints kept (SmolLM2 + AdamW state ≈ 1.6 GB each)
+  # A checkpoint step that does not read (a file missing, cut short or garbled) is reported in one line and the newest
+  # older step that reads is restored instead: training resume (which moves the damaged steps to
+  # workdir/damaged_checkpoints/), --mode=eval, serve --checkpoint. False: that one line is an error instead.
+  c.train.checkpoint_fallback = True
   c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
   c.train.eval_tasks = 2  # tasks of eval_split each evaluation runs (-1: all, airline test has 20; 0: none)
   c.train.eval_at_start = False  # a fresh run also evaluates the initial weights first: the before/after pair
