@@ -79,7 +79,15 @@ _STATE, _CONFIG, _META = "state", "config", "meta"
 _REQUIRED_FILES = (f"{_STATE}/_METADATA", f"{_CONFIG}/metadata", f"{_META}/metadata")
 _JSON_FILES = (*_REQUIRED_FILES, f"{_STATE}/_sharding")
 # TensorStore's status codes for a data file that is gone, shorter than its index says, or garbled.
-_TENSORSTORE_PROBLEMS = {"NOT_FOUND": "missing", "OUT_OF_RANGE": "truncated", "DATA_LOSS": "corrupt"}
+_TENSORSTORE_PROBLEMS = {
+  "NOT_FOUND": "missing",
+  "OUT_OF_RANGE": "truncated",
+  "DATA_LOSS": "corrupt",
+  "FAILED_PRECONDITION": "corrupt",  # e.g. "Truncated Zstd-compressed stream" inside a data file
+}
+# orbax wraps TensorStore's error for one shard of a large array in a bare Exception with this message (its
+# serialization.py, the async shard read); the TensorStore error is its __cause__.
+_ORBAX_SHARD_READ = "Encountered error while reading array index"
 # What reading a damaged step raises from orbax and TensorStore (a TensorStore error is a ValueError).
 _READ_ERRORS = (OSError, ValueError, KeyError, EOFError)
 _T = TypeVar("_T")
@@ -418,6 +426,10 @@ class Checkpointer:
       yield
     except _READ_ERRORS as e:
       raise self._damaged(step, *_diagnose(step_dir, e)) from e
+    except Exception as e:
+      if type(e) is Exception and str(e).startswith(_ORBAX_SHARD_READ) and isinstance(e.__cause__, _READ_ERRORS):
+        raise self._damaged(step, *_diagnose(step_dir, e.__cause__)) from e
+      raise
 
   def read_newest(
     self,

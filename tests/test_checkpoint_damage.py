@@ -263,3 +263,29 @@ def test_eval_and_serve_restore_the_step_that_reads(tiny_run, tmp_path):
   assert "train.checkpoint_fallback is off" in str(err.value) and "\n" not in str(err.value)
   with pytest.raises(DamagedCheckpointError, match="--checkpoint_fallback is off"):
     serve.load(str(workdir / "."), None, rows=1, fallback=False)
+
+
+def test_a_training_runs_parameter_file_cut_in_half_falls_back(tiny_run, tmp_path):
+  """A training run keeps its large arrays in ``state/ocdbt.process_0/d/``; orbax wraps TensorStore's error for a shard
+  of those in a bare ``Exception`` (a newcomer found it escaped the fallback with a 170-line traceback): step 2's
+  largest data file cut in half is one line naming the array, and ``serve --checkpoint`` / ``--mode=eval`` restore
+  step 1."""
+  (workdir,) = _tiny_copies(tiny_run, tmp_path, "run")
+  step_dir = workdir / checkpoint_lib.CHECKPOINT_SUBDIR / "2"
+  largest = max((step_dir / "state" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+  _cut_in_half(largest)
+  want = Checkpointer(workdir, read_only=True).restore(1).params
+  config, _, samplers, name = serve.load(str(workdir), None, rows=1)
+  assert name == "run-step1"
+  _assert_bitwise_equal(samplers["policy"].params, want)
+
+  model = runtime.load_model(config)
+  model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
+  config.train.checkpoint_fallback = False
+  with pytest.raises(DamagedCheckpointError) as err:
+    evaluate.restore_policy(config, model, str(workdir))
+  message = str(err.value)
+  # TensorStore's message for such a shard names the array, not the file: the line names the step's item and the array.
+  directory = workdir / checkpoint_lib.CHECKPOINT_SUBDIR
+  assert message.startswith(f"checkpoint step 2 in {directory} is damaged: state: truncated (OUT_OF_RANGE")
+  assert "reading array params." in message and "\n" not in message and "tensorstore_spec" not in message
