@@ -38,6 +38,7 @@ starts after at most one turn of each run, and is answered long before it.
 Limits (the server cannot be stalled or taken down by one request):
   * body size: ``--max_body_bytes`` (default `MAX_BODY_BYTES`, 4 MiB): a 413 ``request_too_large`` from the
     ``Content-Length`` or, for a chunked body, as soon as the bytes read pass it; nothing is parsed (`Guard`).
+  * stop strings: at most 4, each at most `MAX_STOP_BYTES` (64) bytes: a 400 naming ``stop[i]``.
   * JSON nesting: `MAX_JSON_DEPTH` (64) levels of arrays and objects, in the body and in a tool call's
     ``arguments``: a 400 ``json_too_deep`` (``param``: the arguments' field). NaN and Infinity are refused (400).
   * parsing, validation and tokenizing run in a worker thread, off the event loop; a prompt whose text is bytes
@@ -100,6 +101,9 @@ from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MIN_CAPACITY = 512  # a batch's cache slots per row: a power of two >= its longest prompt + budget, at least this
+# The longest stop string (UTF-8 bytes): the stop matcher's program unrolls one step per byte, so a megabyte stop string
+# would compile for minutes and hold up every request (a newcomer's finding).
+MAX_STOP_BYTES = 64
 MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects a request body (or a tool call's arguments) may have
 MAX_QUEUE = 256  # --max_queue's default: requests waiting or generating; one more is a 429 with Retry-After
 RETRY_AFTER_S = 1  # the Retry-After of that 429
@@ -437,6 +441,10 @@ class Engine:
     stops = tuple(stop) if isinstance(stop, list) else () if stop is None else (stop,)  # checked as strings below
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
       raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
+    for i, s in enumerate(stops):
+      if len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+        where = f"stop[{i}]" if isinstance(stop, list) else "stop"
+        raise ApiError(400, f"{where!r} is longer than {MAX_STOP_BYTES} bytes (the server's limit)", param=where)
     rehearsal = body.get("rehearsal")
     if rehearsal is not None:
       mode = rehearsal.get("mode") if isinstance(rehearsal, Mapping) else None
@@ -451,8 +459,12 @@ class Engine:
     # A prompt far over the context is refused before the chat template renders it (its tokenizer call holds the
     # GIL: seconds for megabytes, during which the event loop stalls): first by its bytes, then by counting the
     # tokens of its texts with the backend's batch call, which releases the GIL. An assistant's text may be dropped
-    # by the template, so only the others count; each text may merge with the template's text around it (2 tokens).
+    # by the template, so only the others count (a huge one is refused only when rendered); each text may merge
+    # with the template's text around it (2 tokens).
     texts = [m.content for m in messages if m.role != "assistant" and m.content]
+    # Tool calls' arguments and the tool schemas are always rendered (a newcomer's 3.5 MB of either took 35-40 s).
+    texts += [json.dumps(dict(c.arguments), ensure_ascii=False) for m in messages for c in m.tool_calls]
+    texts += [json.dumps(tools, ensure_ascii=False)] if tools else []
     size = sum(len(t.encode("utf-8", "replace")) for t in texts)
     least = size // (2 * self.token_bytes)
     if least <= self.context and size > PRECOUNT_BYTES:

@@ -262,6 +262,15 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
     (post({"model": name, "messages": [{"role": "robot", "content": "hi"}]}), 400, None),
     (post({"model": name, "messages": user, "temperature": "hot"}), 400, None),
     (post({"model": name, "messages": user, "stop": 5}), 400, None),
+    (post({"model": name, "messages": user, "stop": ["ok", "x" * 3_000_000]}), 400, None),  # param stop[1]
+    (post({"model": name, "messages": user, "stop": "é" * 33}), 400, None),  # 66 bytes
+    # Tool schemas and tool calls' arguments count toward the context before rendering (300 kB each: refused unrendered)
+    (post({"model": name, "messages": user, "tools": [{"type": "function", "function": {
+      "name": "f", "description": "word " * 60_000, "parameters": {"type": "object", "properties": {}}}}]}), 400,
+     "context_length_exceeded"),
+    (post({"model": name, "messages": [*user, {"role": "assistant", "content": "", "tool_calls": [{
+      "id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "word " * 60_000})}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}), 400, "context_length_exceeded"),
     (post({"model": name, "messages": [*user, {"role": "assistant", "content": "", "tool_calls": 5}]}), 400, None),
     (post({"model": name, "messages": user}, key="wrong"), 401, "invalid_api_key"),
   ]  # fmt: skip
