@@ -261,12 +261,12 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
   from envace_jax import evaluate, runtime
 
   config = make_config(args.level, seed, args.model)
-  plan = []
-  for split in args.splits:
-    config.env.eval_split = split
-    n_all = len(runtime.evaluation_tasks(config, -1))
-    for phase, n in (("success", args.tasks), ("fidelity", args.fidelity_tasks)):
-      n = n_all if n < 0 else min(n, n_all)
+  plan = []  # every split's success first, then fidelity: the headline numbers finish first
+  for phase, n_phase in (("success", args.tasks), ("fidelity", args.fidelity_tasks)):
+    for split in args.splits:
+      config.env.eval_split = split
+      n_all = len(runtime.evaluation_tasks(config, -1))
+      n = n_all if n_phase < 0 else min(n_phase, n_all)
       for c, (lo, hi) in enumerate(_chunks(n, args.chunk)):
         path = eval_dir(workdir, step) / split / f"{phase}_{lo:04d}_{hi:04d}.json"
         if not path.exists():
