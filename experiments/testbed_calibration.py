@@ -387,6 +387,7 @@ def write(args) -> None:
     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs; {args.machine_note}",
     "written": _now(),
     "reward_gap": args.gap_note,
+    "notes": list(args.note),
     "cells": cells,
   }
   _dump(args.out, result)
@@ -428,6 +429,7 @@ def table(result: dict) -> str:
         + (f" ({tc['note']})" if tc.get("note") else "")
       )
   lines += ["", f"Reward gap (WM2Real): {result['reward_gap']}", "", f"Machine: {result['machine']}", ""]
+  lines += [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
   lines.append(f"Command: `{result['command']}`")
   return "\n".join(lines) + "\n"
 
@@ -455,6 +457,7 @@ def main(argv=None) -> None:
   p.add_argument("--out_md", type=pathlib.Path, default=ROOT / "experiments" / "results" / "testbed_calibration.md")
   p.add_argument("--command", default="", help="the command recorded in --out (default: this one)")
   p.add_argument("--machine_note", default="", help="load on the machine while it ran, for the record")
+  p.add_argument("--note", action="append", default=[], help="a remark recorded in --out and the table (repeatable)")
   p.add_argument("--gap_note", default="not run (eval.reward_gap): no CPU time left for it in this calibration")
   args = p.parse_args(argv)
   if args.write:
