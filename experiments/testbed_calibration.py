@@ -31,6 +31,12 @@ What is measured per (cell, split) (splits: envs/testbed.py ``HELDOUT_SPLITS``):
 means with percentile-bootstrap 95% intervals (10k resamples, fixed seed; over tasks for success, over calls for
 fidelity), counts, K, learning rate, costs, dates) and ``--out_md`` (a table). Not a timed test; one seed per cell
 unless ``--seeds`` says more.
+
+Cost (measured 2026-12-05 on 2 shared vCPUs, SmolLM2-135M float32): one warm-up step ≈ 400-600 CPU-s (the first
+adds 140-275 s of compilation), a success chunk of 32 tasks ≈ 1230 CPU-s; K=100 and all cells are CPU-hours, so
+run it on a dedicated multi-core machine or an accelerator. The warm-up saves every ``train.checkpoint_every``
+steps (10 in configs/testbed.py) and a killed run keeps only those: pass
+``--train_flag=--config.train.checkpoint_every=2`` when the run may be cut.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ def train_command(args, seed: int, workdir: pathlib.Path) -> list[str]:
   if args.model != "smollm2-135m":
     cmd += [f"--config.model={args.model}", "--config.tokenizer=smollm2-135m"]
     cmd += ["--config.rollout.act_capacity=1024", "--config.rollout.rehearse_capacity=1024"]
-  return cmd
+  return cmd + list(args.train_flag)
 
 
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
@@ -451,6 +457,7 @@ def main(argv=None) -> None:
   p.add_argument("--fidelity_tasks", type=int, default=-1, help="tasks per split for fidelity (-1: all)")
   p.add_argument("--chunk", type=int, default=32, help="tasks per evaluation chunk (one file, one batched rollout)")
   p.add_argument("--nice", type=int, default=5)
+  p.add_argument("--train_flag", action="append", default=[], help="extra flag of the warm-up's command (repeatable)")
   p.add_argument("--no_train", action="store_true", help="evaluate only cells whose checkpoint exists")
   p.add_argument("--write", action="store_true", help="gather finished cells into --out / --out_md")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "experiments" / "results" / "testbed_calibration.json")
