@@ -1,0 +1,71 @@
+"""experiments/testbed_calibration.py: the bootstrap intervals and the gathering of finished chunk files into the
+committed JSON and table (the model runs themselves are the experiment, not tested here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import testbed_calibration as cal
+
+
+def test_bootstrap_interval_of_a_half():
+  """100 values half ones: mean 0.5, a 95% interval about ±1.96·0.05 wide; None left out; empty is NaN; fixed seed."""
+  ci = cal.bootstrap([0, 1] * 50 + [None])
+  assert ci["n"] == 100 and ci["mean"] == 0.5
+  assert 0.38 < ci["lo"] < 0.42 and 0.58 < ci["hi"] < 0.62
+  assert cal.bootstrap([0, 1] * 50) == {k: ci[k] for k in ci}  # same seed, same interval
+  assert cal.bootstrap([1.0, 1.0]) == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 2}
+  empty = cal.bootstrap([None])
+  assert empty["n"] == 0 and empty["mean"] != empty["mean"]
+
+
+def _chunk(path, phase, rows, tasks, **extra):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"rows": rows, "tasks": tasks, "wall_s": 60.0, "cpu_s": 120.0, "phase": phase, **extra}))
+
+
+def test_write_gathers_chunks_into_json_and_table(tmp_path):
+  """Two success chunks (3 of 4 tasks succeed) and one fidelity chunk of a warm-up cell at K=5 become the split's
+  numbers; the base cell without files has no split; costs add up."""
+  d = tmp_path / "root" / "warmup_s0" / "cal_k5" / "iid"
+  ok = {"valid": True, "tool_calls": 1, "turns": 1}
+  _chunk(
+    d / "success_0000_0002.json",
+    "success",
+    [{"task": "a", "success": 1, **ok}, {"task": "b", "success": 1, **ok}],
+    ["a", "b"],
+  )
+  _chunk(
+    d / "success_0002_0004.json",
+    "success",
+    [{"task": "c", "success": 1, **ok}, {"task": "d", "success": 0, **ok}],
+    ["c", "d"],
+  )
+  pair = {"json_valid": True, "exact_match": True, "key_f1": 1.0, "value_accuracy": None, "error_agreement": True}
+  miss = {"json_valid": False, "exact_match": False, "key_f1": 0.0, "value_accuracy": None, "error_agreement": False}
+  _chunk(
+    d / "fidelity_0000_0004.json", "fidelity", [{"task": "a", **pair}, {"task": "b", **miss}], ["a", "b", "c", "d"],
+    gold_calls=2, stats={"generated_tokens": 10.0},
+  )  # fmt: skip
+  (tmp_path / "root" / "base_s0").mkdir()
+  (tmp_path / "root" / "warmup_s0" / "train_cost.json").write_text(
+    json.dumps({"steps": 5, "wall_s": 600.0, "cpu_s": 1200.0, "command": "x"})
+  )
+  out, md = tmp_path / "cal.json", tmp_path / "cal.md"
+  cal.main(
+    [f"--root={tmp_path / 'root'}", "--warmup_steps=5", "--splits=iid", "--write", f"--out={out}", f"--out_md={md}"]
+  )
+  result = json.loads(out.read_text())
+  assert result["warmup_steps"] == 5 and result["level"] == "cpu" and result["sft_learning_rate"] == 1e-4
+  assert result["cells"]["base_s0"]["splits"] == {}
+  s = result["cells"]["warmup_s0"]["splits"]["iid"]
+  assert s["success"]["mean"] == 0.75 and s["success"]["tasks"] == 4 and s["success"]["cpu_s"] == 240.0
+  assert s["fidelity"]["calls"] == 2 and s["fidelity"]["gold_calls"] == 2 and s["fidelity"]["tasks"] == 4
+  assert s["fidelity"]["exact_match"]["mean"] == 0.5 and s["fidelity"]["value_accuracy"]["n"] == 0
+  text = md.read_text()
+  assert "| warmup_s0 | iid | 75.0 [" in text and "| 2 | 6.0 |" in text  # (240 + 120) CPU-s = 6 min
+  assert "warm-up: 5 steps, wall 10.0 min, CPU 20.0 min" in text
+  with pytest.raises(SystemExit):
+    cal.main([f"--root={tmp_path / 'root'}", "--models=other", "--no_train"])
