@@ -244,21 +244,27 @@ def test_training_resumed_from_the_fallback_step_ends_as_an_undamaged_resume_fro
     assert ckpt.restore(2).damaged == {}  # the new step 2 reads
 
 
-def test_eval_and_serve_restore_the_step_that_reads(tiny_run, tmp_path):
-  """serve.load (``serve --checkpoint``) reads the config and restores the policy through `evaluate.restore_policy`
-  (``--mode=eval``'s): both pass over the damaged step 2 and serve step 1's parameters; asked not to, one line."""
-  (workdir,) = _tiny_copies(tiny_run, tmp_path, "run")
-  path = damage(workdir, 2, "data file removed")
+def _serve_falls_back_and_eval_stops(workdir: pathlib.Path):
+  """serve.load on ``workdir`` (step 2 damaged) serves step 1's parameters; `evaluate.restore_policy` with
+  ``train.checkpoint_fallback`` off raises: its ``pytest.raises`` info."""
   want = Checkpointer(workdir, read_only=True).restore(1).params
   config, _, samplers, name = serve.load(str(workdir), None, rows=1)
   assert name == "run-step1" and config.train.checkpoint_fallback is True
   _assert_bitwise_equal(samplers["policy"].params, want)
-
   model = runtime.load_model(config)
   model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
   config.train.checkpoint_fallback = False
   with pytest.raises(DamagedCheckpointError) as err:
     evaluate.restore_policy(config, model, str(workdir))
+  return err
+
+
+def test_eval_and_serve_restore_the_step_that_reads(tiny_run, tmp_path):
+  """serve.load (``serve --checkpoint``) reads the config and restores the policy through `evaluate.restore_policy`
+  (``--mode=eval``'s): both pass over the damaged step 2 and serve step 1's parameters; asked not to, one line."""
+  (workdir,) = _tiny_copies(tiny_run, tmp_path, "run")
+  path = damage(workdir, 2, "data file removed")
+  err = _serve_falls_back_and_eval_stops(workdir)
   assert str(err.value).startswith(f"checkpoint step 2 in {workdir / 'checkpoints'} is damaged: {path}: missing (")
   assert "train.checkpoint_fallback is off" in str(err.value) and "\n" not in str(err.value)
   with pytest.raises(DamagedCheckpointError, match="--checkpoint_fallback is off"):
@@ -274,17 +280,7 @@ def test_a_training_runs_parameter_file_cut_in_half_falls_back(tiny_run, tmp_pat
   step_dir = workdir / checkpoint_lib.CHECKPOINT_SUBDIR / "2"
   largest = max((step_dir / "state" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
   _cut_in_half(largest)
-  want = Checkpointer(workdir, read_only=True).restore(1).params
-  config, _, samplers, name = serve.load(str(workdir), None, rows=1)
-  assert name == "run-step1"
-  _assert_bitwise_equal(samplers["policy"].params, want)
-
-  model = runtime.load_model(config)
-  model = dataclasses.replace(model, params=transformer.unstack_tree(model.params))
-  config.train.checkpoint_fallback = False
-  with pytest.raises(DamagedCheckpointError) as err:
-    evaluate.restore_policy(config, model, str(workdir))
-  message = str(err.value)
+  message = str(_serve_falls_back_and_eval_stops(workdir).value)
   # TensorStore's message for such a shard names the array, not the file: the line names the step's item and the array.
   directory = workdir / checkpoint_lib.CHECKPOINT_SUBDIR
   assert message.startswith(f"checkpoint step 2 in {directory} is damaged: state: truncated (OUT_OF_RANGE")
