@@ -198,7 +198,7 @@ def _sampler_programs(sampler: Sampler, params, cache, num_new: int, sampling, s
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
   state = jax.eval_shape(lambda c: sampler._initial_state(c, num_new, stops), cache).replace(cache=cache)
   until = jax.ShapeDtypeStruct((), jnp.int32)
-  decode = (params, state, rows(), keys, rows(), until, sampling, stops, capacity)
+  decode = (params, state, rows(), keys, rows(), until, sampling, stops, capacity, until)  # the last: limit, int32[]
   return {"prefill": (sampler._jit("prefill", cache), prefill), "decode": (sampler._jit("decode", cache), decode)}
 
 

@@ -51,7 +51,7 @@ def _params(workdir, step):
     ({"model": "qwen3-8b", "model_path": "/nonexistent/qwen3"}, "model_path"),
     (
       {"train.sft_warmup_steps": 1, "env.benchmark": "checklist"},
-      r"train.sft_warmup_steps=1 with env.benchmark='checklist': .* only 'tau2', 'bfcl' have; set it to 0",
+      r"train.sft_warmup_steps=1 with env.benchmark='checklist': .* only 'tau2', 'bfcl', 'testbed' have; set it to 0",
     ),
     ({"train.sft_warmup_steps": 3}, "train.sft_warmup_steps=3 must be <= train.steps=2"),
     ({"chat_template": "qwen3"}, r"chat_template='qwen3' is not valid .*; choose one of '', 'chatml'"),

@@ -121,5 +121,5 @@ def test_bfcl_parallel_calls_become_one_call_per_generation_each_with_its_result
 
 def test_benchmarks_without_gold_calls_are_refused_with_the_fix():
   task = Task(id="t", benchmark="checklist", domain="d", split="train", system_prompt="s", tools=(), user_turns=("hi",))
-  with pytest.raises(EnvError, match=r"supports tau2, bfcl \(set train.sft_warmup_steps=0\)"):
+  with pytest.raises(EnvError, match=r"supports tau2, bfcl, testbed \(set train.sft_warmup_steps=0\)"):
     registry.get(task.benchmark).reference_conversation(task, env=None)
