@@ -8,10 +8,11 @@ backend and the jax/jaxlib versions, so a stale entry is never loaded.
 
 Where: ``$ENVACE_JAX_COMPILATION_CACHE`` when set ("off" turns the cache off), else
 ``$XDG_CACHE_HOME/envace_jax/jax`` (``~/.cache/envace_jax/jax``). A ``JAX_COMPILATION_CACHE_DIR`` the user set for JAX
-itself is kept. One folder is shared by every process of the user (the file lock of a bounded cache keeps concurrent
-writers apart: test workers, multi-process runs). CI starts from a cold cache (``.ci/run`` sets ``XDG_CACHE_HOME``
-to an empty folder). Used by ``python -m envace_jax.main``, ``python -m envace_jax.serve``, the experiment scripts
-(``experiments/common.py``) and the test suite (``tests/conftest.py``).
+itself is kept. One folder is shared by every process of the user (test workers, multi-process runs, a notebook's
+kernel): each program is its own file, named by its key; `enable` bounds the folder at `MAX_SIZE_BYTES`. CI starts
+from a cold cache (``.ci/run`` sets ``XDG_CACHE_HOME`` to an empty folder). Used by ``python -m envace_jax.main``,
+``python -m envace_jax.serve``, the experiment scripts (``experiments/common.py``) and the test suite
+(``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ ENV_VAR = "ENVACE_JAX_COMPILATION_CACHE"
 _OFF = ("off", "none", "0", "false")
 # Programs that compile faster than this are not written (their file costs more than compiling them again).
 MIN_COMPILE_SECONDS = 0.2
-MAX_SIZE_BYTES = 8 << 30  # least recently used entries go beyond this; any limit also turns on the cache's file lock
+# `enable` deletes the least recently used files beyond this. JAX's own bound (jax_compilation_cache_max_size) is not
+# used: it keeps an "-atime" file per entry and, once one entry lacks it (written by a process with no bound: a
+# subprocess that only has JAX_COMPILATION_CACHE_DIR), every later write of a bounded process fails with a warning.
+MAX_SIZE_BYTES = 8 << 30
 
 
 def default_directory() -> str:
@@ -60,8 +64,38 @@ def enable(min_compile_seconds: float = MIN_COMPILE_SECONDS) -> str | None:
     "jax_compilation_cache_dir": folder,
     "jax_persistent_cache_min_compile_time_secs": min_compile_seconds,
     "jax_persistent_cache_min_entry_size_bytes": 0,
-    "jax_compilation_cache_max_size": MAX_SIZE_BYTES,
+    "jax_compilation_cache_max_size": -1,  # unbounded for JAX; `prune` bounds it
   }
   for name, value in settings.items():
     jax.config.update(name, value)
+  prune(folder)
   return folder
+
+
+def prune(folder: str, max_bytes: int = MAX_SIZE_BYTES) -> int:
+  """Deletes ``folder``'s least recently used files (by the later of access and modification time) until the rest
+  take at most ``max_bytes``. A file another process deletes or is reading meanwhile is skipped (a reader that loses
+  its file compiles the program again).
+
+  Returns:
+    The bytes deleted.
+  """
+  entries = []
+  with os.scandir(folder) as it:
+    for entry in it:
+      try:
+        st = entry.stat(follow_symlinks=False)
+      except OSError:
+        continue
+      if entry.is_file(follow_symlinks=False):
+        entries.append((max(st.st_atime, st.st_mtime), st.st_size, entry.path))
+  total, freed = sum(size for _, size, _ in entries), 0
+  for _, size, path in sorted(entries):
+    if total - freed <= max_bytes:
+      break
+    try:
+      os.remove(path)
+    except OSError:
+      continue
+    freed += size
+  return freed

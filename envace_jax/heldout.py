@@ -60,7 +60,7 @@ def evaluate_policy(
     fidelity, gap, gold: override ``config.eval.fidelity`` / ``config.eval.reward_gap`` / ``config.eval.fidelity_gold``.
   Returns:
     (summary: `scoring.score_committed`'s keys, ``fidelity/*`` (the committed runs' real
-    calls), ``fidelity_gold/*`` (the benchmark's gold calls after each task's opening: `fidelity.gold_trajectories`),
+    calls), ``fidelity_gold/*`` (the benchmark's gold calls in context: `fidelity.gold_trajectories`),
     ``gap/*``, ``cost/*``, ``memory_tokens``; the `private.PrivateRun` with every rehearsal, memory and committed
     trajectory).
   """

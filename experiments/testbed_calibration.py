@@ -18,11 +18,10 @@ What is measured per (cell, split) (splits: envs/testbed.py ``HELDOUT_SPLITS``):
   real tools (`heldout.evaluate_policy` with mode "off", ``config.eval.sampling``), reward = `TestbedEnv.evaluate`
   (BFCL's checker and communicate_info); per task 0/1 (`scoring.is_success`).
 - fidelity: REHEARSE's greedy prediction of the real response of every gold call of the first ``--fidelity_tasks``
-  tasks (all by default), `fidelity.measure` / `fidelity.compare` per call. The probed trajectories are the tasks'
-  reference conversations (`registry.Benchmark.reference_conversation`: the logged user turns, each gold call executed
-  on the real classes, the reference replies), so REHEARSE's view holds the user's requests as in a rollout.
-  `fidelity.gold_trajectories` (``eval.fidelity_gold``) would put every gold call right after the opening, which for
-  the testbed (logged user turns, empty opening) is a view without any user message.
+  tasks (all by default), `fidelity.measure` / `fidelity.compare` per call. The probed trajectories are
+  `fidelity.gold_trajectories` (as ``eval.fidelity_gold``): for the testbed, the tasks' reference conversations (the
+  logged user turns, each gold call executed on the real classes), so REHEARSE's view holds the user's requests as
+  in a rollout.
 - costs: wall and process CPU seconds per phase (``time.process_time``: every thread of the process); the warm-up's
   from ``{cell}/train_cost.json``, written by this script when it trains (children's rusage), or by hand for a run
   started outside it.
@@ -202,23 +201,9 @@ def success_chunk(config, tasks, samplers, tokenizer, key) -> dict:
   }
 
 
-def reference_trajectories(config, tasks):
-  """The tasks' reference conversations (gold calls executed on fresh real environments) as trajectories."""
-  from envace_jax import scoring
-  from envace_jax.envs import registry
-  from envace_jax.rehearsal.trajectory import Trajectory
-
-  out = []
-  for g, task in enumerate(tasks):
-    env = scoring.make_env(config, task)
-    messages = registry.get(task.benchmark).reference_conversation(task, env)
-    out.append(Trajectory(task=task, group=g, sample=0, messages=list(messages)))
-  return out
-
-
 def fidelity_chunk(config, tasks, samplers, tokenizer, key) -> dict:
   """REHEARSE (greedy) on every gold call of ``tasks``' reference conversations: one row per call."""
-  from envace_jax import heldout
+  from envace_jax import heldout, scoring
   from envace_jax import policy as policy_lib
   from envace_jax.model.roles import Role
   from envace_jax.rehearsal import fidelity as fidelity_lib
@@ -227,7 +212,8 @@ def fidelity_chunk(config, tasks, samplers, tokenizer, key) -> dict:
   wall, cpu = time.perf_counter(), time.process_time()
   ucfg = heldout.evaluation_unfold_config(config, samplers)
   policy = policy_lib.Policy.from_config(config).by_role(samplers)
-  trajectories = reference_trajectories(config, tasks)
+  make_env = functools.partial(scoring.make_env, config)
+  trajectories = fidelity_lib.gold_trajectories([(task, ()) for task in tasks], make_env)
   found = fidelity_lib.probes(trajectories, ucfg.rehearse_prompt, ucfg.rehearse_sees_dialogue)
   pairs, texts, stats = fidelity_lib.measure(
     sampler_for(policy, Role.REHEARSE),

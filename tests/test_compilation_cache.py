@@ -76,3 +76,31 @@ def test_second_process_loads_the_first_ones_program(tmp_path):
   ]
   assert [r.strip().splitlines()[-1] for r in runs] == ["MISS", "HIT"]
   assert any(p.name.startswith("jit_") for p in (tmp_path / "cache").iterdir())
+
+
+def test_a_foreign_entry_does_not_stop_new_ones_being_written(tmp_path):
+  """An entry written by a process that only had JAX_COMPILATION_CACHE_DIR (a test's subprocess, a notebook kernel)
+  has no LRU bookkeeping; with JAX's own bound on, every later write failed ("Error writing persistent compilation
+  cache entry ... -atime") and nothing new was cached."""
+  folder = tmp_path / "cache"
+  folder.mkdir()
+  (folder / "jit_foreign-0123-cache").write_bytes(b"x" * 10)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update({compilation_cache.ENV_VAR: str(folder), "JAX_PLATFORMS": "cpu"})
+  runs = [
+    subprocess.run([sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, check=True)
+    for _ in range(2)
+  ]
+  assert not [r.stderr for r in runs if "Error writing persistent compilation cache" in r.stderr]
+  assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["MISS", "HIT"]
+
+
+def test_prune_deletes_the_least_recently_used_files_beyond_the_bound(tmp_path):
+  for i, name in enumerate(["old", "mid", "new"]):
+    path = tmp_path / f"jit_{name}-cache"
+    path.write_bytes(b"x" * 100)
+    os.utime(path, (1_000_000 + i, 1_000_000 + i))
+  assert compilation_cache.prune(str(tmp_path), max_bytes=250) == 100
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_mid-cache", "jit_new-cache"]
+  assert compilation_cache.prune(str(tmp_path), max_bytes=250) == 0
+  assert compilation_cache.prune(str(tmp_path), max_bytes=0) == 200 and not list(tmp_path.iterdir())

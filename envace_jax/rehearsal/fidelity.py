@@ -173,10 +173,16 @@ def probes(trajectories: Sequence[Trajectory], rehearse_prompt: str = views.REHE
 def gold_trajectories(
   openings: Sequence[tuple[Task, Sequence[ChatMessage]]], make_env: Callable[[Task], ToolEnv]
 ) -> list[Trajectory]:
-  """The benchmark's gold calls as conversations to probe: per (task, opening), the task's logged initial
-  conversation, the opening, then each assistant-side gold action as one assistant tool call answered by a fresh real
-  environment (``make_env(task)``, reset with the task), in the benchmark's order. A gold action the real tools refuse
-  keeps its error response (``is_error``). Tasks without assistant-side gold actions are skipped.
+  """The benchmark's gold calls as conversations to probe, each executed on a fresh real environment
+  (``make_env(task)``, reset with the task) in the benchmark's order; a gold action the real tools refuse keeps its
+  error response (``is_error``). Tasks without assistant-side gold actions are skipped.
+
+  Per (task, opening):
+  * a benchmark whose user turns are logged (``registry.Benchmark.logged_user_turns``: BFCL, the testbed) and that
+    has reference conversations: that conversation (`registry.Benchmark.reference_conversation`), so each turn's gold
+    calls come after that turn's user message, as in a rollout (the opening, the first user turn, is part of it);
+  * otherwise (τ²: a simulated user): the task's logged initial conversation, the opening, then each gold action as
+    one assistant tool call.
 
   Args:
     openings: (task, the messages after its initial conversation and before the agent's first decision), e.g. an
@@ -184,6 +190,8 @@ def gold_trajectories(
     make_env: a fresh environment for a task.
   Returns:
     one `Trajectory` per task with gold actions (group = its index in ``openings``); `measure` probes every gold call.
+  Raises:
+    EnvError: a logged-user task's reference conversation cannot be played (``reference_conversation``).
   """
   out = []
   for group, (task, opening) in enumerate(openings):
@@ -191,11 +199,15 @@ def gold_trajectories(
     if not gold:
       continue
     env = make_env(task)
-    env.reset(task)
-    messages = [*registry.initial_conversation(task), *opening]
-    for i, action in enumerate(gold):
-      call = ToolCall(action.name, dict(action.arguments), id=f"gold_{i}")
-      messages += [ChatMessage("assistant", tool_calls=(call,)), env.answer(call)]
+    benchmark = registry.get(task.benchmark)
+    if benchmark.logged_user_turns and benchmark.demonstrations:
+      messages = list(benchmark.reference_conversation(task, env))
+    else:
+      env.reset(task)
+      messages = [*registry.initial_conversation(task), *opening]
+      for i, action in enumerate(gold):
+        call = ToolCall(action.name, dict(action.arguments), id=f"gold_{i}")
+        messages += [ChatMessage("assistant", tool_calls=(call,)), env.answer(call)]
     out.append(Trajectory(task=task, group=group, sample=0, messages=messages))
   return out
 

@@ -462,6 +462,27 @@ def test_reference_conversations_and_warm_up_demonstrations(smollm2_tokenizer, r
       assert env.evaluate(traj.messages).reward == 1.0
 
 
+def test_gold_fidelity_probes_each_gold_call_after_its_own_user_turn(cpu):
+  """``eval.fidelity_gold`` (`fidelity.gold_trajectories`) on logged-user tasks: the reference conversation, so each
+  turn's gold calls are probed with that turn's user message in REHEARSE's view, not all after the opening."""
+  from envace_jax.rehearsal import fidelity
+
+  tasks = [t for t in cpu["iid"] if len(t.user_turns) == 2][:4]
+  assert tasks, "no two-turn iid task at level cpu"
+  runs = fidelity.gold_trajectories([(t, ()) for t in tasks], lambda task: testbed.TestbedEnv())
+  assert [r.group for r in runs] == list(range(len(tasks)))
+  for task, run in zip(tasks, runs, strict=True):
+    assert run.messages == testbed.oracle_conversation(task, testbed.TestbedEnv())
+    found = fidelity.probes([run])
+    assert len(found) == len(task.gold_actions)
+    for probe in found:
+      users = [m.content for m in run.messages[: probe.message] if m.role == "user"]
+      dialogue = [m.content for m in probe.view if m.role == "user" and m.content.startswith("User: ")]
+      assert dialogue == ["User: " + u for u in users]  # every user turn so far, and only those
+    last_turn = max(p.message for p in found)
+    assert sum(m.role == "user" for m in run.messages[:last_turn]) == 2  # the last call answers the second turn
+
+
 def test_the_testbed_configs_validate_and_name_bad_values():
   for spec, level, act_capacity in (("testbed.py", "cpu", 2048), ("testbed.py:cpu", "cpu", 2048),
                                     ("testbed.py:full", "full", 6144)):  # fmt: skip
