@@ -81,8 +81,8 @@ def test_the_recipes_take_the_papers_values_from_the_preset(name):
 
 
 def test_every_paper_size_command_shown_names_the_preset_or_a_recipe():
-  """A command of README.md or docs/*.md that runs Qwen3-8B names ``+paper`` or a configs/tau2.py recipe; the
-  ``--mode=plan`` example of docs/hardware.md names ``+paper``."""
+  """A command of README.md or docs/*.md that runs Qwen3-8B names ``+paper`` or a configs/tau2.py recipe (a line of
+  the notebooks' text that sets one, too); the ``--mode=plan`` example of docs/hardware.md names ``+paper``."""
   recipes = set(_tau2().RECIPES)
   found, plans = [], []
   for where, _, args in commands():
@@ -95,3 +95,8 @@ def test_every_paper_size_command_shown_names_the_preset_or_a_recipe():
     if where.startswith("docs/hardware.md") and "--mode=plan" in args and "paper" in names:
       plans.append(where)
   assert len(found) >= 6 and plans, (found, plans)
+  # The notebooks' text too: a line that sets a Qwen3-8B config names the preset or a recipe.
+  for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    for line in path.read_text(encoding="utf-8").splitlines():
+      if "--config" in line and "qwen3-8b" in line.lower():
+        assert "+paper" in line or any(f":{r}" in line for r in recipes), f"{path.name}: {line.strip()}"
