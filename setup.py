@@ -10,6 +10,7 @@ setup(
   description="EnvACE (World Rehearsal): LLM tool-use agents that rehearse the world in their own weights, in JAX.",
   long_description=open("README.md", encoding="utf-8").read(),
   long_description_content_type="text/markdown",
+  license="Apache-2.0",
   python_requires=">=3.10",
   packages=find_packages(include=["envace_jax", "envace_jax.*"]),
   install_requires=[

@@ -9,12 +9,11 @@ trains on), with what SmolLM2-135M needs to learn within 30 minutes on 2 CPU cor
 scenario as the user's first message, REHEARSE without grounding, dynamic sampling, and the initial weights evaluated
 first, so the log ends with the held-out numbers before and after training.
 
-The defaults (base.py) train SmolLM2-135M on 2 CPU cores in well under 30 minutes: 3 steps of 1 task × 2 rollouts,
+The defaults (base.py) train SmolLM2-135M on 2 CPU cores in well under 30 minutes: 2 steps of 1 task × 2 rollouts,
 at most 4 agent turns of ≤ 96 tokens. Airline and retail system prompts are ≈ 5k SmolLM2 tokens, so the ACT view
-takes the whole 8192-token context. Paper-size run (Qwen3-8B on accelerators):
-  --config.model=qwen3-8b --config.model_path=/path/to/Qwen3-8B --config.dtype=bfloat16
-  --config.train.tasks_per_step=16 --config.train.group_size=4 --config.grpo.learning_rate=1e-6
-  --config.rollout.act_capacity=32768 --config.rollout.act_max_new_tokens=8192 (likewise rehearse_ / user_)
+takes the whole 8192-token context. The paper-size run (Qwen3-8B on accelerators) is the ``paper`` preset,
+``--config=configs/tau2.py:airline+paper --config.model_path=/path/to/Qwen3-8B`` (envace_jax/config/presets.py:PAPER);
+`RECIPES` below are plans sized for H200s (docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -46,17 +45,21 @@ MOCK_HELDOUT_IDS = (
 
 
 # Recipes sized by the memory plan (experiments/recipes.py writes their tables to experiments/results/plan_*.md):
-# τ² airline with bf16 compute over fp32 master weights, the paper's lr, the default view capacities (ACT 8192,
-# REHEARSE 6144) and a reference user of 6144 slots (its view holds the whole conversation; the plan assumes a
-# 5000-token opening shared by a task's rollouts in every view). Pass the weights with
-# --config.model_path=/path/to/Qwen3-... (the tokenizer is the model's own).
+# τ² airline with the paper's values of `PAPER_KEYS`, read from the +paper preset (envace_jax/config/presets.py:PAPER,
+# the one paper-size config: bf16 compute over fp32 master weights, lr 1e-6, ChatML, the model's own tokenizer), our
+# semantics, the default view capacities (ACT 8192, REHEARSE 6144) and a reference user of 6144 slots (its view holds
+# the whole conversation; the plan assumes a 5000-token opening shared by a task's rollouts in every view). Pass the
+# weights with --config.model_path=/path/to/Qwen3-... . tests/test_paper_config.py lists every key where a recipe
+# differs from configs/tau2.py:airline+paper.
+PAPER_KEYS = ("tokenizer", "chat_template", "dtype", "param_dtype", "grpo.learning_rate")
+_PAPER = base.presets.PAPER
 RECIPES = {
   # One H200: Qwen3-1.7B EnvACE, the largest B×G the plan fits (experiments/results/plan_h200_qwen3_1p7b.md).
   "h200_qwen3_1p7b": {"model": "qwen3-1.7b", "mesh.data": 1, "mesh.fsdp": 1, "train.tasks_per_step": 4,
-                      "train.group_size": 4, "grpo.micro_batch_size": 1},
-  # 8 H200s: Qwen3-8B at the paper's B=16 × G=4, fully sharded (experiments/results/plan_h200x8_qwen3_8b.md).
-  "h200x8_qwen3_8b": {"model": "qwen3-8b", "mesh.data": 1, "mesh.fsdp": 8, "train.tasks_per_step": 16,
-                      "train.group_size": 4, "grpo.micro_batch_size": 8},
+                      "train.group_size": _PAPER["train.group_size"], "grpo.micro_batch_size": 1},
+  # 8 H200s: the paper's Qwen3-8B at B=16 × G=4, fully sharded (experiments/results/plan_h200x8_qwen3_8b.md).
+  "h200x8_qwen3_8b": {**{k: _PAPER[k] for k in ("model", "train.tasks_per_step", "train.group_size")},
+                      "mesh.data": 1, "mesh.fsdp": 8, "grpo.micro_batch_size": 8},
 }  # fmt: skip
 
 
@@ -70,8 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.benchmark = "tau2"
   c.env.domain = {"mock_heldout": "mock"}.get(arg, arg or "airline")
   if recipe is not None:
-    c.tokenizer = ""  # the model directory's own
-    c.dtype, c.param_dtype, c.grpo.learning_rate = "bfloat16", "float32", 1e-6
+    c.update_from_flattened_dict({k: _PAPER[k] for k in PAPER_KEYS})
     c.rollout.user_capacity = 6144
     c.update_from_flattened_dict(recipe)
   if c.env.domain == "mock":

@@ -66,6 +66,71 @@ def restore_policy(
   return restored.params, restored.step
 
 
+def stored_config(
+  workdir: str | None, fallback: bool = True, fallback_setting: str = "train.checkpoint_fallback"
+) -> tuple[Any, int] | None:
+  """(config, step) of the newest checkpoint in ``workdir`` whose config reads: the config the run saved with it,
+  completed with today's defaults (`defaults.completed`); None when ``workdir`` holds no checkpoint. A damaged newer
+  step is passed over with a warning line (``fallback``; `checkpoint.Checkpointer.read_newest`).
+
+  Raises:
+    checkpoint.DamagedCheckpointError: the latest step does not read and ``fallback`` is off (the error names
+      ``fallback_setting``), or no step reads.
+  """
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax.config import defaults
+
+  if not workdir or not os.path.isdir(os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)):
+    return None
+  with checkpoint_lib.Checkpointer(workdir, read_only=True) as ckpt:
+    if ckpt.latest_step() is None:
+      return None
+    step, stored, _ = ckpt.read_newest(ckpt.read_config, fallback=fallback, fallback_setting=fallback_setting)
+  return defaults.completed(stored), step
+
+
+def command_config(config, workdir: str | None, overrides: Mapping[str, Any], config_given: bool = True):
+  """``--mode=eval``'s config, announced in one printed line: the run's own, saved with the latest checkpoint in
+  ``workdir`` that reads (a per-role or Qwen3 run restores without its training flags repeated), with the
+  ``--config.KEY=VALUE`` flags given (``overrides``, flat keys) set on it; or, when ``workdir`` holds no checkpoint,
+  ``config`` (``--config=FILE``, those flags already in it), whose model's base weights `run` then evaluates (and
+  says so in one line).
+
+  Raises:
+    ValueError: ``workdir`` holds no checkpoint and no ``--config`` was given (``config_given``).
+    checkpoint.DamagedCheckpointError: as `stored_config`.
+  """
+  found = stored_config(workdir)
+  if found is None:
+    if not config_given:
+      raise ValueError(
+        f"--mode=eval: {workdir or 'no --workdir'} holds no checkpoint to read the run's config from; give "
+        "--config=FILE to evaluate a model's base weights"
+      )
+    return config
+  stored, step = found
+  stored.update_from_flattened_dict({k: _like(stored, k, v) for k, v in overrides.items()})
+  given = ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
+  print(
+    f"config: the run's own, saved with step {step} in {workdir}"
+    + (f", with {given}" if given else "")
+    + (" (--config=FILE's own values unused)" if config_given else ""),
+    flush=True,
+  )
+  return stored
+
+
+def _like(config, dotted: str, value: Any) -> Any:
+  """``value`` as the type ``config`` holds at ``dotted`` where only list and tuple differ (a stored config holds
+  JSON lists where the config files hold tuples)."""
+  node = config
+  for part in dotted.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      return value
+    node = node[part]
+  return list(value) if isinstance(node, list) and isinstance(value, tuple) else value
+
+
 def eval_tasks(config) -> list[Task]:
   """``--mode=eval``'s tasks: `runtime.evaluation_tasks` with ``eval.tasks``."""
   return runtime.evaluation_tasks(config, config.eval.tasks)
@@ -121,6 +186,9 @@ def run(config, workdir: str | None) -> dict[str, Any]:
   scoring.check_scorers(config, tasks)  # before the model loads: a misconfigured scorer costs no compute
   n = len(tasks)
   model, samplers, step = load_policy(config, workdir, n * config.eval.num_trials)
+  if step is None:
+    where = f"no checkpoint in {workdir}" if workdir else "no --workdir"
+    print(f"{where}: evaluating the base weights of {config.model_path or config.model}", flush=True)
   key = eval_key(config.seed)
   rows, gap, gold = [], None, None
   for i, mode in enumerate(eval_modes(config)):

@@ -1,11 +1,12 @@
 """Entry point: python -m envace_jax.main --config=configs/tau2.py --workdir=DIR [--mode=train|eval|demo|plan]
 
 Parses flags and hands over; nothing else lives here. ``train`` (the default) runs world-rehearsal training and a
-held-out evaluation (``train.train_and_evaluate``); ``eval`` evaluates the latest checkpoint in DIR (or the base
-weights) with test-time private rehearsal off / parallel / sequential (``evaluate.run``); ``demo`` samples one ACT
-turn on real weights; ``plan`` prints each device's memory for the run from its compiled programs, with no weights
-loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX reports no limit for, ``--opening_tokens``
-for the openings a task's rollouts share).
+held-out evaluation (``train.train_and_evaluate``); ``eval`` evaluates the latest checkpoint in DIR with the config
+saved with it (``--config`` is then optional; ``--config.KEY=VALUE`` flags override it), or, when DIR holds none, the
+base weights of ``--config``'s model (said in one line), with test-time private rehearsal off / parallel / sequential
+(``evaluate.run``); ``demo`` samples one ACT turn on real weights; ``plan`` prints each device's memory for the run
+from its compiled programs, with no weights loaded (``plan.run``; ``--device_memory_gb`` to compare with a device JAX
+reports no limit for, ``--opening_tokens`` for the openings a task's rollouts share).
 
 Across processes (JAX's multi-controller runtime, ``distributed.py``): start the same command on every host with
 ``--coordinator=HOST:PORT --num_processes=N --process_id=I`` (or ``--distributed`` to take them from the cluster:
@@ -19,13 +20,20 @@ line per problem (the key, its value, the valid values) and exits with status 2,
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
+# --config's value when none is given: the defaults, so that --mode=eval's --config.KEY=VALUE flags parse against
+# them; every other mode asks for --config.
+_DEFAULTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "defaults.py")
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail)."
+  "config",
+  _DEFAULTS_FILE,
+  "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail). Required, but for --mode=eval on a workdir with a "
+  "checkpoint: the run's own config, stored with it, is used (--config.KEY=VALUE flags override it).",
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs (a checkpoint resumes).")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo", "plan"], "What to run.")
@@ -47,7 +55,6 @@ _DISTRIBUTED = flags.DEFINE_bool(
 _HEARTBEAT = flags.DEFINE_integer(
   "heartbeat_timeout_s", 100, "Multi-process: seconds without a peer's heartbeat before every process ends."
 )
-flags.mark_flags_as_required(["config"])
 
 
 def main(argv: list[str]) -> None:
@@ -55,6 +62,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   from envace_jax import config_check, console, distributed
 
+  config_given = flags.FLAGS["config"].present > 0
+  if not config_given and _MODE.value != "eval":
+    raise app.UsageError(f"--mode={_MODE.value} needs --config=FILE (e.g. configs/tau2.py)")
   multi = _DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value >= 0
   if multi and _MODE.value != "train":
     raise app.UsageError(f"--mode={_MODE.value} runs in one process; only --mode=train runs across processes")
@@ -86,10 +96,16 @@ def main(argv: list[str]) -> None:
 
       train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     elif _MODE.value == "eval":
-      config_check.validate(_CONFIG.value)
       from envace_jax import evaluate
 
-      evaluate.run(_CONFIG.value, _WORKDIR.value)
+      try:  # the run's own config where the workdir holds a checkpoint, with the --config.KEY flags given
+        config = evaluate.command_config(
+          _CONFIG.value, _WORKDIR.value, flags.FLAGS["config"].override_values, config_given
+        )
+      except ValueError as e:
+        raise app.UsageError(str(e)) from e
+      config_check.validate(config)
+      evaluate.run(config, _WORKDIR.value)
     elif _MODE.value == "plan":
       from envace_jax import plan
 

@@ -1032,12 +1032,10 @@ def load(checkpoint: str | None, model: str | None, config=None, rows: int = 32,
   if checkpoint:
     if not os.path.isdir(checkpoint):
       raise checkpoint_lib.CheckpointError(f"--checkpoint={checkpoint} is not a directory: give a run's workdir")
-    with checkpoint_lib.Checkpointer(checkpoint, read_only=True) as ckpt:
-      step = ckpt.latest_step()
-      if step is None:
-        raise checkpoint_lib.CheckpointError(f"{checkpoint} holds no checkpoint; train one with envace_jax.main")
-      _, stored, _ = ckpt.read_newest(ckpt.read_config, fallback=fallback, fallback_setting="--checkpoint_fallback")
-    config = defaults.completed(stored)  # settings added since: their defaults
+    found = evaluate.stored_config(checkpoint, fallback, "--checkpoint_fallback")  # new settings: their defaults
+    if found is None:
+      raise checkpoint_lib.CheckpointError(f"{checkpoint} holds no checkpoint; train one with envace_jax.main")
+    config, _ = found
     config.train.checkpoint_fallback = fallback  # the restore below (`evaluate.restore_policy`) falls back the same
   else:
     config = defaults.or_defaults(config).copy_and_resolve_references()

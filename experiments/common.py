@@ -1,5 +1,5 @@
-"""What the experiment scripts share: a config per (model, domain, seed), ``--config.KEY=VALUE`` overrides, the
-paper-size preset, per-cell JSON results, mean ± std.
+"""What the experiment scripts share: a config per (model, domain, seed), ``--config.KEY=VALUE`` overrides, per-cell
+JSON results, mean ± std.
 
 Imported by ``experiments/evidence.py`` and ``experiments/learning_check.py``, which put the repository root on
 ``sys.path`` first, so both ``python experiments/X.py`` and ``python -m experiments.X`` work.
@@ -8,7 +8,8 @@ Models:
   ``tiny``     the random tiny preset (configs/tiny.py): 1024-token context, so only τ² mock fits (airline's and
                retail's system prompts are ≈5k tokens). Its numbers check the plumbing, not the method.
   ``smollm2``  SmolLM2-135M-Instruct (configs/tau2.py:DOMAIN), the CPU model with real weights.
-  ``--full``   the paper's sizes (Qwen3-8B from a local Hugging Face directory, ``FULL``), for accelerators.
+  ``--full``   the paper's sizes: configs/tau2.py:DOMAIN+paper (the ``paper`` preset, envace_jax/config/presets.py;
+               Qwen3-8B from a local Hugging Face directory), for accelerators.
 """
 
 from __future__ import annotations
@@ -36,25 +37,6 @@ TINY_CAVEAT = (
   "and say nothing about the method; use --model=smollm2 (CPU, slow) or --full (Qwen3-8B, accelerators)."
 )
 
-# The paper's sizes (envace_jax/config/defaults.py: "paper:" / "full size:" next to each field; configs/tau2.py's
-# paper-size run).
-# --full applies these; anything else goes through --config.KEY=VALUE.
-FULL = {
-  "model": "qwen3-8b",
-  "dtype": "bfloat16",  # compute; the master weights stay float32 (param_dtype: bfloat16 cannot hold a 1e-6 step)
-  "train.tasks_per_step": 16,
-  "train.group_size": 4,
-  "grpo.learning_rate": 1e-6,
-  "grpo.micro_batch_size": 4,
-  "rollout.act_capacity": 32768,
-  "rollout.rehearse_capacity": 32768,
-  "rollout.user_capacity": 32768,
-  "rollout.act_max_new_tokens": 8192,
-  "rollout.rehearse_max_new_tokens": 8192,
-  "rollout.user_max_new_tokens": 8192,
-  "eval.rehearsal_n": 4,
-}
-
 
 def config_file(name: str, arg: str | None = None):
   """``configs/<name>.py``'s ``get_config(arg)`` (loaded by path: ``configs`` is not a package)."""
@@ -74,10 +56,10 @@ def check_domains(model: str, domains: Sequence[str]) -> None:
 
 
 def make_config(model: str, domain: str, seed: int, data_dir: str, *, full: bool = False, model_path: str = ""):
-  """The run config of ``model`` on τ² ``domain`` with ``seed``; ``full`` applies ``FULL`` and ``model_path``."""
+  """The run config of ``model`` on τ² ``domain`` with ``seed``; ``full``: the paper's sizes, the ``paper`` preset
+  (``configs/tau2.py:<domain>+paper``), with the weights at ``model_path``."""
   if full:
-    c = config_file("tau2", domain)
-    apply_overrides(c, FULL)
+    c = config_file("tau2", f"{domain}+paper")
     c.model_path = model_path
   elif model == "tiny":
     check_domains(model, [domain])

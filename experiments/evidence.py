@@ -70,10 +70,12 @@ bars; learning curves: training reward per role per step, held-out gold-call fid
 warm-up / after GRPO; test-time pass^1 and cost vs N). ``--results-page`` prints docs/results.md's results section
 from that JSON (a test checks that the page holds exactly it). ``--smoke`` is the pipeline check the tests run (the
 tiny random model on τ² mock, whose one split is cut into train and held-out ids here; the base and EnvACE cells: its
-numbers say nothing about the method). ``--full`` takes the paper's sizes (``experiments/common.py``'s ``FULL``:
-Qwen3-8B computing in bfloat16, B=16 × G=4, lr 1e-6, 8k-token responses) for an accelerator; ``--steps``,
-``--heldout`` and the rest still apply, and any config value can be set as for ``python -m envace_jax.main``
-(``--config.KEY=VALUE``).
+numbers say nothing about the method). ``--full`` takes the paper's sizes (the ``paper`` preset,
+``configs/tau2.py:<domain>+paper``: Qwen3-8B computing in bfloat16, B=16 × G=4, lr 1e-6, 30 turns, 8000-token
+generations, the official semantics) for an accelerator, in place of ``--tasks``, ``--group``, ``--lr``,
+``--max-turns`` and ``--max-new-tokens``; ``--steps``, ``--heldout`` and the rest still apply, and any config value
+can be set as for ``python -m envace_jax.main`` (``--config.KEY=VALUE``, e.g. ``grpo.micro_batch_size`` for the
+accelerator's memory).
 
 Budget: the default grid is sized for about 8 CPU-hours on 2 cores, run in parts (``--methods``, ``--seeds``) across
 sessions.
@@ -188,7 +190,7 @@ def cell_config(args, method: str, seed: int):
   trained = method not in ("base", *WARMUP_ONLY)
   c.train.sft_warmup_steps = 0 if method == "base" else args.sft_steps
   c.train.steps = c.train.sft_warmup_steps + (args.steps if trained else 0)
-  if not args.full:  # --full keeps FULL's B, G and learning rate
+  if not args.full:  # --full keeps the paper preset's B, G and learning rate
     c.train.tasks_per_step, c.train.group_size, c.grpo.learning_rate = args.tasks, args.group, args.lr
   c.train.checkpoint_every = 1
   c.train.keep_checkpoints = 1
@@ -198,10 +200,10 @@ def cell_config(args, method: str, seed: int):
   c.grpo.dynamic_sampling = True
   c.grpo.dynamic_sampling_max_draws = args.max_draws
   c.rollout.scenario_opening = True
-  c.rollout.max_turns = args.max_turns
   if method != "warmup_grounded":  # it keeps the defaults' grounding, as the paper trains REHEARSE
     c.rollout.grounding_max_tokens = args.grounding
-  if not args.full:  # --full keeps FULL's 8k-token responses
+  if not args.full:  # --full keeps the paper preset's turns and 8000-token generations
+    c.rollout.max_turns = args.max_turns
     for role in ("act", "rehearse", "user"):
       c.rollout[f"{role}_max_new_tokens"] = args.max_new_tokens
   c.eval.tasks = -1 if isinstance(args.heldout, str) else args.heldout

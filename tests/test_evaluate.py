@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import jax
 import pytest
 
-from envace_jax import evaluate, scoring
+from envace_jax import evaluate, heldout, scoring
 from envace_jax.envs.base import RewardInfo
 
 
@@ -216,3 +221,78 @@ def test_act_turns_in_rehearse_format_hand_counted(create_task):
   assert math.isnan(scoring.act_in_rehearse_format([Trajectory(create_task, 0, 0, [], counts={})]))
   summary = scoring.score_committed(_tiny_config("/unused"), trajectories, [_KnownEnv(0.0)] * 2, 1, 2)
   assert summary["act_rehearse_format"] == 0.25
+
+
+def _per_role_run(workdir, data_dir):
+  """(config, params) of a per-role tiny run's checkpoint at step 1 in ``workdir``, saved as the Trainer saves it
+  (its config with it) without training: the initial state, ACT's tree doubled so that it is not the base weights."""
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import runtime
+  from envace_jax.rl import grpo
+
+  config = _tiny_config(data_dir, **{"grpo.mode": "per_role"})
+  state = grpo.init_train_state(grpo.GrpoConfig.from_config(config), runtime.load_model(config).params)
+  params = {**state.params, "act": jax.tree.map(lambda x: x * 2, state.params["act"])}
+  with checkpoint_lib.Checkpointer.from_config(workdir, config) as ckpt:
+    ckpt.save(1, params=params, opt_state=state.opt_state, rng=jax.random.key(0), force=True)
+  return config, params
+
+
+def test_eval_reads_a_per_role_runs_config_from_its_checkpoint(tmp_path, data_dir, capsys):
+  """``--mode=eval --workdir=DIR`` on a per-role run: the config saved with the checkpoint (per_role) is used, the
+  --config.KEY flags given are set on it, and the ACT and REHEARSE trees restore; the tiny config as given (EnvACE,
+  one tree) does not fit that checkpoint."""
+  from envace_jax import checkpoint as checkpoint_lib
+  from envace_jax import runtime
+
+  workdir = str(tmp_path / "run")
+  trained, saved = _per_role_run(workdir, data_dir)
+  given = _tiny_config(data_dir)
+  config = evaluate.command_config(given, workdir, {"eval.tasks": 3, "eval.rehearsal": "off"}, config_given=False)
+  assert capsys.readouterr().out == (
+    f"config: the run's own, saved with step 1 in {workdir}, with eval.rehearsal='off', eval.tasks=3\n"
+  )
+  assert (config.grpo.mode, config.eval.tasks, config.eval.rehearsal) == ("per_role", 3, "off")
+  trained.eval.tasks, trained.eval.rehearsal = 3, "off"
+  as_json = lambda c: json.loads(c.to_json_best_effort())  # noqa: E731  (the stored config holds lists for tuples)
+  assert as_json(config) == as_json(trained)
+  model = runtime.load_model(config)
+  params, step = evaluate.restore_policy(config, model, workdir)
+  assert step == 1 and set(params) == {"act", "rehearse"}
+  leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+  assert all(bool((a == b).all()) for a, b in zip(leaves(params), leaves(saved), strict=True))
+  with pytest.raises(checkpoint_lib.IncompatibleCheckpointError, match="grpo.mode: checkpoint 'per_role'"):
+    evaluate.restore_policy(given, model, workdir)  # what --config=configs/tiny.py alone did before
+
+
+def test_eval_command_needs_no_flags_on_a_run_and_says_when_it_evaluates_base_weights(
+  tmp_path, data_dir, capsys, monkeypatch
+):
+  """The command line on a run's workdir needs no --config (the run's own is read; a flag given still applies: here
+  eval.tasks=0, which the config check refuses after the announcement, so nothing is evaluated). On an empty workdir
+  one line says the base weights of --config's model are evaluated; without --config either, one line says why."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  run, empty = tmp_path / "run", str(tmp_path / "empty")
+  _per_role_run(str(run), data_dir)
+  cmd = [sys.executable, "-m", "envace_jax.main", "--mode=eval", f"--workdir={run}", "--config.eval.tasks=0"]
+  proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, text=True)
+  assert proc.returncode == 2 and proc.stdout.startswith(
+    f"config: the run's own, saved with step 1 in {run}, with eval.tasks=0\n"
+    "invalid config: eval.tasks=0: --mode=eval needs at least one task"
+  ), proc.stdout
+  given = _tiny_config(data_dir)
+  with pytest.raises(ValueError, match=f"--mode=eval: {empty} holds no checkpoint to read the run's config from"):
+    evaluate.command_config(given, empty, {}, config_given=False)
+  assert evaluate.command_config(given, empty, {}) is given and capsys.readouterr().out == ""
+
+  class Stop(Exception):
+    pass
+
+  def stop(*args, **kwargs):
+    raise Stop
+
+  monkeypatch.setattr(heldout, "evaluate_policy", stop)  # the line comes before any task runs
+  with pytest.raises(Stop):
+    evaluate.run(given, empty)
+  out = capsys.readouterr().out  # after TFDS's lines where this process prepares the data
+  assert out.splitlines()[-1] == f"no checkpoint in {empty}: evaluating the base weights of tiny", out

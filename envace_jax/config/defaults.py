@@ -185,14 +185,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---
   c.rollout = ml_collections.ConfigDict()
   c.rollout.max_turns = 4  # ACT generations per trajectory (tool calls and replies); one more ends it (max_turns)
-  # Tokens one generation of each role may produce. paper: responses up to 8192 tokens.
+  # Tokens one generation of each role may produce. paper: 8000 (official max_response_length, as +paper).
   c.rollout.act_max_new_tokens = 96
   c.rollout.rehearse_max_new_tokens = 96
   c.rollout.user_max_new_tokens = 64
   # KV-cache slots of each role's view per trajectory: its whole token sequence (prompt + every turn) must fit, or
   # the trajectory ends with `context_exhausted`. At most the model's context (SmolLM2: 8192). Airline's agent
-  # system prompt is ≈5k SmolLM2 tokens, so the ACT view takes the whole context. full size (Qwen3-8B, 40k
-  # context): ≈32768 per view.
+  # system prompt is ≈5k SmolLM2 tokens, so the ACT view takes the whole context. paper: 20000 per view (official
+  # max_model_len, as +paper).
   c.rollout.act_capacity = 8192
   c.rollout.rehearse_capacity = 6144
   c.rollout.user_capacity = 2048

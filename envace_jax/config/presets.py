@@ -9,7 +9,9 @@ The preset changes semantics only: sizes (model, batch, view capacities, token b
 
 ``paper``: ``official`` and the paper's sizes (Qwen3-8B in bfloat16 over float32 master weights, B=16 tasks × G=4
 rollouts, lr 1e-6, the official turn and token budgets); it needs ``--config.model_path=/path/to/Qwen3-8B`` and
-accelerators (the memory plan: configs/tau2.py's recipes, experiments/results/plan_*.md).
+accelerators. It is the one paper-size config: ``experiments/evidence.py --full`` is ``configs/tau2.py:<domain>+paper``,
+docs/hardware.md's paper-size commands name ``+paper``, and configs/tau2.py's hardware recipes take the paper's values
+from `PAPER` (tests/test_paper_config.py checks all three).
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ PAPER: dict[str, Any] = {
   "grpo.use_kl": False,
   # env.checklist.max_assistant_turns; env.max_steps=200 micro-steps bounds ACT + REHEARSE generations together
   "rollout.max_turns": 30,
-  # data.max_response_length: tokens of one generation
+  # data.max_response_length: tokens of one generation, whichever role writes it (the user simulator's too)
   "rollout.act_max_new_tokens": 8000,
   "rollout.rehearse_max_new_tokens": 8000,
+  "rollout.user_max_new_tokens": 8000,
   # env.checklist.max_model_len: a view's whole sequence
   "rollout.act_capacity": 20000,
   "rollout.rehearse_capacity": 20000,
