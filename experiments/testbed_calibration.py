@@ -311,6 +311,16 @@ def gather_cell(args, name: str, workdir: pathlib.Path, step: int | None) -> dic
   for cost_file in ("train_cost.json", "load_cost.json"):
     if (workdir / cost_file).exists():
       out[cost_file.removesuffix(".json")] = json.loads((workdir / cost_file).read_text())
+  if step is not None and (workdir / "metrics.jsonl").exists():  # the warm-up's own record of its first K steps
+    logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in logged if "sft/nll" in m and m["step"] <= step]
+    out["warmup_log"] = {
+      "steps": [m["step"] for m in steps],
+      "nll_before": [m["sft/nll"] for m in steps],
+      "step_s": [m["time/step_s"] for m in steps],
+      "compile_s": sum(m.get("time/compile_s", 0.0) for m in steps),
+      "host_peak_gib": max((m.get("memory/host_peak_gib", 0.0) for m in steps), default=0.0),
+    }
   for split in args.splits:
     d = eval_dir(workdir, step)
     succ, fid = _read(d, split, "success"), _read(d, split, "fidelity")
@@ -356,10 +366,11 @@ def write(args) -> None:
   cells = {}
   for seed in args.seeds:
     for model in args.models:
-      name = f"{model}_s{seed}"
-      workdir = args.root / name
-      if workdir.is_dir():
-        step = None if model == "base" else args.warmup_steps
+      workdir = args.root / f"{model}_s{seed}"
+      if not workdir.is_dir():
+        continue
+      for step in [None] if model == "base" else args.report_steps or [args.warmup_steps]:
+        name = workdir.name if step is None else f"{workdir.name}_k{step}"
         cells[name] = {"model": model, "seed": seed, **gather_cell(args, name, workdir, step)}
   config = make_config(args.level, args.seeds[0], args.model)
   result = {
@@ -367,7 +378,7 @@ def write(args) -> None:
     "what": "testbed calibration: base weights vs supervised warm-up on the held-out splits",
     "level": args.level,
     "model": args.model,
-    "warmup_steps": args.warmup_steps,
+    "warmup_steps": args.report_steps or [args.warmup_steps],
     "warmup_batch": int(config.train.tasks_per_step),
     "sft_learning_rate": float(config.grpo.sft_learning_rate),
     "eval_sampling": config.eval.sampling.to_dict(),
@@ -392,7 +403,8 @@ def table(result: dict) -> str:
   lines = [
     f"# Testbed calibration (level {result['level']}, {result['model']})",
     "",
-    f"warm-up: K={result['warmup_steps']} supervised steps of B={result['warmup_batch']} reference conversations "
+    f"warm-up: K={', '.join(map(str, result['warmup_steps']))} supervised steps of B={result['warmup_batch']} "
+    "reference conversations "
     f"(both roles, `train` split), AdamW lr {result['sft_learning_rate']:g}. Success: committed execution, rehearsal "
     f"off, 1 trial, sampling {result['eval_sampling']}, reward = TestbedEnv.evaluate (BFCL checker + communicate). "
     f"Fidelity: {result['fidelity_probe']}. Percent, percentile-bootstrap 95% intervals "
@@ -414,11 +426,17 @@ def table(result: dict) -> str:
       )
   lines.append("")
   for name, cell in result["cells"].items():
-    tc = cell.get("train_cost")
+    tc, log = cell.get("train_cost"), cell.get("warmup_log")
     if tc:
       lines.append(
         f"- {name} warm-up: {tc['steps']} steps, wall {tc['wall_s'] / 60:.1f} min, CPU {tc['cpu_s'] / 60:.1f} min"
         + (f" ({tc['note']})" if tc.get("note") else "")
+      )
+    if log and log["steps"]:
+      nll = ", ".join(f"{v:.3f}" for v in log["nll_before"])
+      lines.append(
+        f"- {name}: steps 1-{log['steps'][-1]} took {sum(log['step_s']) / 60:.1f} min wall (compiling "
+        f"{log['compile_s']:.0f} s, host peak {log['host_peak_gib']:.1f} GiB); SFT NLL before each step: {nll}"
       )
   lines += ["", f"Reward gap (WM2Real): {result['reward_gap']}", "", f"Machine: {result['machine']}", ""]
   lines += [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
@@ -444,6 +462,9 @@ def main(argv=None) -> None:
   p.add_argument("--chunk", type=int, default=32, help="tasks per evaluation chunk (one file, one batched rollout)")
   p.add_argument("--nice", type=int, default=5)
   p.add_argument("--train_flag", action="append", default=[], help="extra flag of the warm-up's command (repeatable)")
+  p.add_argument(
+    "--report_steps", default=[], type=lambda s: [int(x) for x in s.split(",")], help="--write: the Ks to report"
+  )
   p.add_argument("--no_train", action="store_true", help="evaluate only cells whose checkpoint exists")
   p.add_argument("--write", action="store_true", help="gather finished cells into --out / --out_md")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "experiments" / "results" / "testbed_calibration.json")

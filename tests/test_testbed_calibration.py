@@ -53,19 +53,24 @@ def test_write_gathers_chunks_into_json_and_table(tmp_path):
   (tmp_path / "root" / "warmup_s0" / "train_cost.json").write_text(
     json.dumps({"steps": 5, "wall_s": 600.0, "cpu_s": 1200.0, "command": "x"})
   )
+  logged = [{"step": k, "sft/nll": 1.0 / k, "time/step_s": 30.0 * k, "time/compile_s": 5.0} for k in (1, 2, 3, 4, 5, 6)]
+  (tmp_path / "root" / "warmup_s0" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
   out, md = tmp_path / "cal.json", tmp_path / "cal.md"
   cal.main(
-    [f"--root={tmp_path / 'root'}", "--warmup_steps=5", "--splits=iid", "--write", f"--out={out}", f"--out_md={md}"]
+    [f"--root={tmp_path / 'root'}", "--report_steps=5", "--splits=iid", "--write", f"--out={out}", f"--out_md={md}"]
   )
   result = json.loads(out.read_text())
-  assert result["warmup_steps"] == 5 and result["level"] == "cpu" and result["sft_learning_rate"] == 1e-4
+  assert result["warmup_steps"] == [5] and result["level"] == "cpu" and result["sft_learning_rate"] == 1e-4
   assert result["cells"]["base_s0"]["splits"] == {}
-  s = result["cells"]["warmup_s0"]["splits"]["iid"]
+  log = result["cells"]["warmup_s0_k5"]["warmup_log"]
+  assert log["steps"] == [1, 2, 3, 4, 5] and log["nll_before"][1] == 0.5 and log["compile_s"] == 25.0
+  s = result["cells"]["warmup_s0_k5"]["splits"]["iid"]
   assert s["success"]["mean"] == 0.75 and s["success"]["tasks"] == 4 and s["success"]["cpu_s"] == 240.0
   assert s["fidelity"]["calls"] == 2 and s["fidelity"]["gold_calls"] == 2 and s["fidelity"]["tasks"] == 4
   assert s["fidelity"]["exact_match"]["mean"] == 0.5 and s["fidelity"]["value_accuracy"]["n"] == 0
   text = md.read_text()
-  assert "| warmup_s0 | iid | 75.0 [" in text and "| 2 | 6.0 |" in text  # (240 + 120) CPU-s = 6 min
+  assert "| warmup_s0_k5 | iid | 75.0 [" in text and "| 2 | 6.0 |" in text  # (240 + 120) CPU-s = 6 min
   assert "warm-up: 5 steps, wall 10.0 min, CPU 20.0 min" in text
+  assert "steps 1-5 took 7.5 min wall (compiling 25 s" in text and "1.000, 0.500, 0.333, 0.250, 0.200" in text
   with pytest.raises(SystemExit):
     cal.main([f"--root={tmp_path / 'root'}", "--models=other", "--no_train"])
