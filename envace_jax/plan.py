@@ -58,7 +58,7 @@ from envace_jax.rehearsal.episode import UnfoldConfig
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
 from envace_jax.sampling import sharding
-from envace_jax.sampling.sampler import Sampler, next_pow2
+from envace_jax.sampling.sampler import RowSampling, Sampler, next_pow2
 
 GIB = 1024**3
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -198,7 +198,8 @@ def _sampler_programs(sampler: Sampler, params, cache, num_new: int, sampling, s
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
   state = jax.eval_shape(lambda c: sampler._initial_state(c, num_new, stops), cache).replace(cache=cache)
   until = jax.ShapeDtypeStruct((), jnp.int32)
-  decode = (params, state, rows(), keys, rows(), until, sampling, stops, capacity, until)  # the last: limit, int32[]
+  values = RowSampling(rows(dtype=bool), rows(dtype=jnp.float32), rows(dtype=jnp.float32))  # greedy, 1/T, top_p
+  decode = (params, state, rows(), keys, rows(), until, values, sampling.top_k, stops, capacity, until)  # last: limit
   return {"prefill": (sampler._jit("prefill", cache), prefill), "decode": (sampler._jit("decode", cache), decode)}
 
 

@@ -24,23 +24,28 @@ whose tools are its tools; N imagined continuations of its conversation (imagine
 tree, an imagined user told the first user message), a self-assessment of each and the rehearsal memory are
 generated, and the answer is generated with the memory appended to the system message (``private.MEMORY_HEADER``).
 The response's ``rehearsal`` field holds the memory and the tokens the rehearsal generated (requests rehearsed in one
-batch share its cost equally). Budgets are ``config.eval``'s; while a rehearsal runs, other requests wait.
+batch share its cost equally). Budgets are ``config.eval``'s; while a rehearsal runs, other requests are served
+between its decode chunks (Batching).
 
 Batching (`Engine`): one worker thread does every piece of JAX work, in turns. Requests wait in a queue; the worker
 takes all that arrived, rehearses those that ask for it (one `private.rehearse` per rehearsal setting), and starts
-them as runs: one ``Sampler.stream`` per distinct (temperature, top_p, stop strings), at most ``max_batch`` rows each
-(a request with ``n`` choices is n rows), its rows prefilled at once. Rows and cache slots are padded to powers of
-two, so few programs compile. The runs then decode in turns of ``--decode_chunk`` steps (default `DECODE_CHUNK`);
-between turns the worker takes new requests (a new run, at most `MAX_RUNS` at once; the others wait for one to end)
-and answers every request whose rows have finished. So a short request that arrives while a long one generates
-starts after at most one turn of each run, and is answered long before it.
+them as runs: one ``Sampler.stream`` per distinct stop strings, at most ``max_batch`` rows each (a request with ``n``
+choices is n rows), its rows prefilled at once, each with its request's temperature and top_p (data of the decode
+program, `sampler.RowSampling`: a value the server has not seen compiles nothing). Rows and cache slots are padded to
+powers of two, so few programs compile. The runs then decode in turns of ``--decode_chunk`` steps (default
+`DECODE_CHUNK`); between turns the worker takes new requests (a new run, at most `MAX_RUNS` at once; the others wait
+for one to end) and answers every request whose rows have finished. So a short request that arrives while a long one
+generates starts after at most one turn of each run, and is answered long before it. A rehearsal decodes in chunks
+of ``--decode_chunk`` steps too, and after each the runs take a turn (new requests start; another rehearsal waits
+for this one to end).
 
 Limits (the server cannot be stalled or taken down by one request):
   * body size: ``--max_body_bytes`` (default `MAX_BODY_BYTES`, 4 MiB): a 413 ``request_too_large`` from the
     ``Content-Length`` or, for a chunked body, as soon as the bytes read pass it; nothing is parsed (`Guard`).
   * stop strings: at most 4, each at most `MAX_STOP_BYTES` (64) bytes: a 400 naming ``stop[i]``.
   * JSON nesting: `MAX_JSON_DEPTH` (64) levels of arrays and objects, in the body and in a tool call's
-    ``arguments``: a 400 ``json_too_deep`` (``param``: the arguments' field). NaN and Infinity are refused (400).
+    ``arguments``: a 400 ``json_too_deep`` (``param``: the arguments' field). NaN and Infinity are refused (400), and
+    so is a number that overflows to it (``1e999``).
   * parsing, validation and tokenizing run in a worker thread, off the event loop; a prompt whose text is bytes
     enough to be over the context for any tokenization (over ``2 x`` the longest token's bytes per context token)
     is refused (400 ``context_length_exceeded``) without tokenizing it, and one over `PRECOUNT_BYTES` of text is
@@ -52,15 +57,22 @@ Limits (the server cannot be stalled or taken down by one request):
     answer counts, since it is sent when finished) is dropped before it starts, or its rows stop decoding at the end
     of the current turn (at most ``--decode_chunk`` steps).
   * any exception that escapes a route is a JSON 500 (``server_error``) and is logged; the connection stays usable.
-  Not bounded: a rehearsal runs to its end before the next turn of the runs (other requests wait meanwhile), and a
-  run's rows are not refilled while it decodes (a new request starts a new run instead).
+  * sampling values: temperature and top_p are data of the compiled programs: a value the server has not seen
+    compiles nothing (before, each new pair compiled the decode loop, 10-16 s on CPU, stalling every request).
+  * rehearsals: a rehearsing request gives the runs a turn after each ``--decode_chunk`` steps of its own decoding,
+    and stops at the next one once its client is gone.
+  Not bounded: a rehearsal's prefills, the host work between its generations and the programs it compiles the first
+  time are not divided into turns; one rehearsal at a time (another waits for it to end, while plain requests are
+  served); a run's rows are not refilled while it decodes (a new request starts a new run instead); a new set of stop
+  strings compiles (they are static in the stop matcher's program) while every request waits.
 
-Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, a bad field
-or tool schema (JSON Schema, ``jsonschema``), text the tokenizer cannot take (a lone surrogate such as the JSON escape
+Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, a bad field or
+tool schema (JSON Schema, ``jsonschema``), text the tokenizer cannot take (a lone surrogate such as the JSON escape
 ``"\\ud800"``, NUL or a Unicode noncharacter: ``model/sanitize.py``) in a message, a tool call's arguments, a tool
-schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a ``tool`` message that
-answers no call of the assistant message before it, a conversation the chat template cannot render, or a context
-that does not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key`` (compared in constant
+schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a content part that is not
+text, a ``stream`` that is not a boolean, a ``tool`` message that answers no call of the assistant message before it or
+one answered already, two calls of one message with the same id, a conversation the chat template cannot render, or a
+context that does not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key`` (compared in constant
 time; with ``WWW-Authenticate: Bearer``); 404 for another model name; 413 for a body over the limit; 429 for a full
 queue; 500 for a failure inside the engine or the server. The server keeps serving after each.
 """
@@ -96,7 +108,7 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import ChatTemplateError, Tokenizer
 from envace_jax.rehearsal import private, views
 from envace_jax.rehearsal.episode import UnfoldConfig
-from envace_jax.sampling.sampler import SamplingParams, next_pow2
+from envace_jax.sampling.sampler import Sampler, SamplingParams, next_pow2
 from envace_jax.sampling.stopping import FinishReason
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -194,13 +206,21 @@ def _no_constant(name: str):
   raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
 
 
+def _finite(text: str) -> float:
+  value = float(text)
+  if not np.isfinite(value):
+    raise ValueError(f"the number {text[:32]} overflows to infinity (JSON numbers must be finite)")
+  return value
+
+
 def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
-  """``text`` parsed as strict JSON: no NaN or Infinity, at most `MAX_JSON_DEPTH` levels of nesting.
+  """``text`` parsed as strict JSON: no NaN or Infinity (nor a number that overflows to it, such as ``1e999``), at
+  most `MAX_JSON_DEPTH` levels of nesting.
 
   Raises:
-    ApiError: 400 naming ``what`` (e.g. "the request body") and ``param``: ``text`` is not JSON, holds NaN or
-      Infinity, or nests deeper than the limit (code ``json_too_deep``; before parsing ran out of stack, a
-      RecursionError, it was a 500).
+    ApiError: 400 naming ``what`` (e.g. "the request body") and ``param``: ``text`` is not JSON, holds NaN,
+      Infinity or a number beyond float64's range, or nests deeper than the limit (code ``json_too_deep``; before,
+      parsing ran out of stack, a RecursionError, and it was a 500).
   """
   deep = ApiError(
     400,
@@ -209,7 +229,7 @@ def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
     code="json_too_deep",
   )
   try:
-    value = json.loads(text, parse_constant=_no_constant)
+    value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
   except RecursionError:
     raise deep from None
   except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, NaN/Infinity
@@ -239,30 +259,34 @@ def check_text(value: Any, where: str) -> None:
 
 
 def _text_content(content: Any, where: str) -> str:
-  """A message's content: a string, None, or a list of text parts. Raises ApiError otherwise."""
+  """A message's content: a string, None, or a list of text parts. Raises ApiError (400, ``param`` ``where``,
+  e.g. ``messages[1].content``) otherwise."""
   if content is None:
     return ""
   if isinstance(content, str):
     return content
   if isinstance(content, list):
     parts = []
-    for part in content:
+    for k, part in enumerate(content):
       if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-        raise ApiError(400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported")
+        message = f"{where}[{k}]: only text content parts ({{'type': 'text', 'text': ...}}) are supported"
+        raise ApiError(400, message, param=where)
       parts.append(part["text"])
     return "".join(parts)
-  raise ApiError(400, f"{where}: content must be a string, null or a list of text parts")
+  raise ApiError(400, f"{where}: content must be a string, null or a list of text parts", param=where)
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
   """OpenAI chat messages as `ChatMessage`s ("developer" is a system message; an assistant's ``tool_calls``, whose
   ``function.arguments`` is a JSON object string, strict JSON as `parse_json` reads it, become calls); a ``tool``
   message must answer one of the calls of the assistant message before it (after other tool messages), by its
-  ``tool_call_id``, as OpenAI requires. Raises ApiError (400) naming the bad message or field."""
+  ``tool_call_id``, as OpenAI requires, and answer each call once; an assistant message's calls have distinct ids.
+  Raises ApiError (400) naming the bad message or field."""
   if not isinstance(raw, list) or not raw:
     raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
   out = []
-  answerable: set[str] | None = None  # the ids of the tool calls the messages since the last assistant's answer
+  answerable: set[str] | None = None  # the ids of the last assistant message's tool calls not answered yet
+  answered: dict[str, int] = {}  # id -> the tool message that answered it, since that assistant message
   for i, m in enumerate(raw):
     where = f"messages[{i}]"
     if not isinstance(m, Mapping):
@@ -271,7 +295,7 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
     role = "system" if role == "developer" else role
     if role not in ("system", "user", "assistant", "tool"):
       raise ApiError(400, f"{where}.role={role!r}; valid: system, developer, user, assistant, tool", param=where)
-    content = _text_content(m.get("content"), where)
+    content = _text_content(m.get("content"), f"{where}.content")
     calls = []
     if role == "assistant" and not isinstance(m.get("tool_calls") or [], list):
       raise ApiError(400, f"{where}.tool_calls must be a list of tool calls", param=where)
@@ -287,18 +311,30 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
       if not isinstance(arguments, Mapping):
         raise ApiError(400, f"{field} must be a JSON object", param=field)
       check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
-      calls.append(EnvToolCall(name, dict(arguments), str(call.get("id") or "")))
+      call_id = str(call.get("id") or "")
+      twice = next((k for k, c in enumerate(calls) if call_id and c.id == call_id), None)
+      if twice is not None:
+        message = (
+          f"{where}.tool_calls[{j}].id={call_id!r} is the id of {where}.tool_calls[{twice}] too; ids must differ"
+        )
+        raise ApiError(400, message, param=f"{where}.tool_calls[{j}].id")
+      calls.append(EnvToolCall(name, dict(arguments), call_id))
     if role == "tool":
       if answerable is None:
         message = f"{where}: a 'tool' message must follow an assistant message with 'tool_calls' (it answers one)"
         raise ApiError(400, message, param=where)
       call_id = m.get("tool_call_id")
+      if isinstance(call_id, str) and call_id in answered:
+        message = f"{where}.tool_call_id={call_id!r} answers a call that messages[{answered[call_id]}] answered already"
+        raise ApiError(400, message, param=f"{where}.tool_call_id")
       if not isinstance(call_id, str) or call_id not in answerable:
         known = ", ".join(sorted(repr(c) for c in answerable))
         message = f"{where}.tool_call_id={call_id!r} names none of the preceding assistant message's calls ({known})"
         raise ApiError(400, message, param=f"{where}.tool_call_id")
+      answerable.discard(call_id)
+      answered[call_id] = i
     else:
-      answerable = {c.id for c in calls} if calls else None
+      answerable, answered = ({c.id for c in calls} if calls else None), {}
     out.append(ChatMessage(role, content, tool_calls=tuple(calls), tool_call_id=str(m.get("tool_call_id") or "")))
   return out
 
@@ -370,7 +406,7 @@ class Engine:
     stats: counters since start: "sampler_calls" (runs started: ``Sampler.stream`` batches answering requests),
       "rows" (their rows, padding excluded), "requests", "rehearsals" (`private.rehearse` calls), "cancelled"
       (requests abandoned by their client before their answer), "dropped_rows" (rows of those stopped while
-      decoding), "decode_chunks" (turns).
+      decoding), "decode_chunks" (turns), "rehearsal_turns" (turns the runs took between a rehearsal's chunks).
   """
 
   def __init__(
@@ -413,8 +449,12 @@ class Engine:
       "cancelled": 0,
       "dropped_rows": 0,
       "decode_chunks": 0,
+      "rehearsal_turns": 0,
     }
     self._queue: queue.Queue[Job | None] = queue.Queue()
+    self._runs: list[_Run] = []  # generating (the worker thread's)
+    self._waiting: list[Job] = []  # taken from the queue, not started yet
+    self._closing = False
     self._thread = threading.Thread(target=self._loop, name="envace-serve-engine", daemon=True)
     self._thread.start()
 
@@ -429,6 +469,8 @@ class Engine:
     if tool_choice not in ("auto", "none"):
       raise ApiError(400, f"tool_choice={tool_choice!r} is not supported; valid: 'auto', 'none'", param="tool_choice")
     tools = check_tools(body.get("tools"))
+    if not isinstance(body.get("stream", False), bool | None):
+      raise ApiError(400, f"'stream' must be a boolean, got {body['stream']!r}", param="stream")
     if tool_choice == "none":
       tools = []
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -560,34 +602,38 @@ class Engine:
   # -- the worker thread
 
   def _loop(self) -> None:
-    """Takes new jobs whenever it can, starts them as new runs (at most ``max_runs`` at once), and decodes the
-    runs in turns of ``decode_chunk`` steps, dropping abandoned rows between turns: a request that arrives while
-    others generate starts after at most one chunk of each (a rehearsal, though, runs to its end first)."""
-    runs: list[_Run] = []
-    waiting: list[Job] = []
-    closing = False
+    """Turns (`_turn`) until `close`: a request that arrives while others generate starts after at most one turn of
+    each run, and a rehearsal gives the runs their turns between its own decode chunks."""
     while True:
-      items = []
-      try:
-        items.append(self._queue.get() if not (runs or waiting or closing) else self._queue.get_nowait())
-        while True:
-          items.append(self._queue.get_nowait())
-      except queue.Empty:
-        pass
-      for item in items:
-        if item is None:
-          closing = True
-        else:
-          waiting.append(item)
-      waiting = [j for j in waiting if not self._abandoned(j)]
-      if waiting and len(runs) < self.max_runs:
-        runs += self._serve(waiting)
-        waiting = []
-      for run in runs:
-        self._step(run)
-      runs = [run for run in runs if not run.over]
-      if closing and not runs and not waiting:
+      self._turn()
+      if self._closing and not self._runs and not self._waiting:
         return
+
+  def _turn(self, rehearsing: bool = False) -> None:
+    """One turn: takes the new jobs (waits for one when there is nothing else to do, unless ``rehearsing``), starts
+    the waiting ones as new runs (at most ``max_runs`` at once; while ``rehearsing``, those that ask for a rehearsal
+    wait for the current one to end), and decodes each run for ``decode_chunk`` steps, dropping abandoned rows."""
+    items = []
+    try:
+      idle = not (self._runs or self._waiting or self._closing or rehearsing)
+      items.append(self._queue.get() if idle else self._queue.get_nowait())
+      while True:
+        items.append(self._queue.get_nowait())
+    except queue.Empty:
+      pass
+    for item in items:
+      if item is None:
+        self._closing = True
+      else:
+        self._waiting.append(item)
+    self._waiting = [j for j in self._waiting if not self._abandoned(j)]
+    if self._waiting and len(self._runs) < self.max_runs:
+      ready = [j for j in self._waiting if not (rehearsing and j.rehearsal is not None)]
+      self._waiting = [j for j in self._waiting if rehearsing and j.rehearsal is not None]
+      self._serve(ready)
+    for run in self._runs:
+      self._step(run)
+    self._runs = [run for run in self._runs if not run.over]
 
   def _abandoned(self, job: Job) -> bool:
     """Whether ``job`` was cancelled (its future then is)."""
@@ -596,37 +642,60 @@ class Engine:
       self.stats["cancelled"] += 1
     return job.cancelled
 
-  def _serve(self, jobs: list[Job]) -> list[_Run]:
-    """Rehearses the ``jobs`` that ask for it, then starts the runs that answer them."""
+  def _serve(self, jobs: list[Job]) -> None:
+    """Starts the runs of the ``jobs`` that need no rehearsal, then rehearses the others (the runs take their turns
+    meanwhile: `_rehearse`) and starts theirs."""
     self.stats["requests"] += len(jobs)
+    self._runs.extend(self._runs_of([j for j in jobs if j.rehearsal is None]))
+    rehearsed = [j for j in jobs if j.rehearsal is not None]
+    if not rehearsed:
+      return
     try:
-      self._rehearse([j for j in jobs if j.rehearsal is not None])
+      self._rehearse(rehearsed)
     except Exception as e:  # noqa: BLE001 -- reported to each request, the engine keeps serving
-      for j in jobs:
-        if j.rehearsal is not None and not j.future.done():
+      for j in rehearsed:
+        if not j.future.done():
           j.future.set_exception(e)
-    live = [j for j in jobs if not j.future.done() and not self._abandoned(j)]
-    groups: dict[tuple, list[Job]] = {}
-    for j in live:
-      groups.setdefault((j.sampling, j.act_stops + j.stops), []).append(j)
+    self._runs.extend(self._runs_of([j for j in rehearsed if not j.future.done() and not self._abandoned(j)]))
+
+  def _runs_of(self, jobs: list[Job]) -> list[_Run]:
+    """The runs answering ``jobs``: one per distinct stop strings (each row has its own temperature and top_p), at
+    most ``max_batch`` rows each, started now."""
+    groups: dict[tuple[str, ...], list[Job]] = {}
+    for j in jobs:
+      groups.setdefault(j.act_stops + j.stops, []).append(j)
     runs = []
-    for (sampling, stops), members in groups.items():
+    for stops, members in groups.items():
       batch: list[Job] = []
       for j in members:
         if sum(x.n for x in batch) + j.n > self.max_batch:
-          runs.append(self._start(batch, sampling, stops))
+          runs.append(self._start(batch, stops))
           batch = []
         batch.append(j)
       if batch:
-        runs.append(self._start(batch, sampling, stops))
+        runs.append(self._start(batch, stops))
     return runs
 
   def _rehearse(self, jobs: list[Job]) -> None:
-    """Private rehearsal for ``jobs`` (one `private.rehearse` per setting); re-renders each with its memory."""
+    """Private rehearsal for ``jobs`` (one `private.rehearse` per setting); re-renders each with its memory. Its
+    samplers (`_Interleaved`) decode ``decode_chunk`` steps at a time and give the other runs a turn after each
+    (`_turn`, ``rehearsing``); a setting whose every request was abandoned stops at its next chunk."""
     by_setting: dict[RehearsalRequest, list[Job]] = {}
     for j in jobs:
       by_setting.setdefault(j.rehearsal, []).append(j)
     for setting, members in by_setting.items():
+
+      def between(members=members):
+        if all(j.cancelled for j in members):
+          raise _Abandoned
+        self.stats["rehearsal_turns"] += 1
+        self._turn(rehearsing=True)
+
+      wrapped = {}  # one wrapper per sampler: the rollout groups its roles by sampler identity
+      samplers = {
+        name: wrapped.setdefault(id(s), _Interleaved(s, between, self.decode_chunk))
+        for name, s in self.samplers.items()
+      }
       prepared = []
       for j in members:
         system = "\n\n".join(m.content for m in j.messages if m.role == "system")
@@ -635,16 +704,19 @@ class Engine:
         prepared.append(private.Prepared(task, 0, opening))
       cfg = private.PrivateRehearsalConfig.from_config(self.config, mode=setting.mode, num_rehearsals=setting.n)
       costs = {k: private.PhaseCost() for k in ("rehearsal", "assessment", "memory")}
-      private.rehearse(
-        prepared,
-        self.policy.by_role(self.samplers),
-        self.tokenizer,
-        self.unfold_config,
-        cfg,
-        self._next_key(),
-        reference_sampler=self.samplers.get("reference"),
-        costs=costs,
-      )
+      try:
+        private.rehearse(
+          prepared,
+          self.policy.by_role(samplers),
+          self.tokenizer,
+          self.unfold_config,
+          cfg,
+          self._next_key(),
+          reference_sampler=samplers.get("reference"),
+          costs=costs,
+        )
+      except _Abandoned:
+        continue  # its requests are cancelled (`_abandoned`)
       self.stats["rehearsals"] += 1
       generated = sum(c.generated_tokens for c in costs.values()) / len(members)
       for j, item in zip(members, prepared, strict=True):
@@ -677,9 +749,10 @@ class Engine:
     self._counter += 1
     return jax.random.fold_in(self._key, self._counter)
 
-  def _start(self, jobs: list[Job], sampling: SamplingParams, stops: tuple[str, ...]) -> _Run:
+  def _start(self, jobs: list[Job], stops: tuple[str, ...]) -> _Run:
     """A run over every choice of ``jobs``: a `Sampler.stream` on a cache of its own, every row admitted (prefilled)
-    now. On failure the jobs get the exception and the run is over."""
+    now with its job's temperature and top_p (the decode program's data: a new value compiles nothing). On failure
+    the jobs get the exception and the run is over."""
     rows = [(j, c) for j in jobs for c in range(j.n)]
     run = _Run(jobs, rows)
     try:
@@ -696,7 +769,7 @@ class Engine:
         keys.append(jax.random.fold_in(base, c))
       keys += [jax.random.key(0)] * (b - len(rows))
       cache = self.sampler.init_cache(batch=b, capacity=capacity)
-      run.stream = self.sampler.stream(cache, num_new=max(budgets), sampling=sampling, stop_strings=stops)
+      run.stream = self.sampler.stream(cache, num_new=max(budgets), stop_strings=stops)
       run.stream.admit(
         prompts,
         roles,
@@ -704,6 +777,7 @@ class Engine:
         keys=jax.numpy.stack(keys),
         max_new_tokens=budgets,
         active=[r < len(rows) for r in range(b)],
+        sampling=[j.sampling for j, _ in rows] + [None] * (b - len(rows)),
       )
       self.stats["sampler_calls"] += 1
       self.stats["rows"] += len(rows)
@@ -762,6 +836,51 @@ class Engine:
         ]
         text, reason = act.reply, "tool_calls"
     return Choice(index, text, calls, reason, len(ids), job.rehearsal_info)
+
+
+class _Abandoned(Exception):
+  """Raised between a rehearsal's decode chunks when every request it rehearses for was abandoned: it stops."""
+
+
+class _Interleaved:
+  """``inner`` (a `Sampler`, or a stand-in with ``stream``) whose generations decode ``chunk`` steps at a time and
+  call ``between()`` after each chunk that leaves them unfinished: a rehearsal's sampler, so that the engine's
+  runs take their turns while it generates. Everything else is ``inner``'s; tokens are those ``inner`` samples."""
+
+  generate = Sampler.generate  # a `Stream` run to its end: this object's stream, so chunked too
+
+  def __init__(self, inner, between, chunk: int):
+    self.inner, self.between, self.chunk = inner, between, chunk
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def stream(self, cache, **kwargs) -> _InterleavedStream:
+    return _InterleavedStream(self.inner.stream(cache, **kwargs), self.between, self.chunk)
+
+
+class _InterleavedStream:
+  """A `Stream` whose `advance` decodes ``chunk`` steps at a time, calling ``between()`` after each chunk that did
+  not end the call."""
+
+  def __init__(self, inner, between, chunk: int):
+    self.inner, self.between, self.chunk = inner, between, chunk
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def advance(self, until: int | None = None, max_steps: int | None = None) -> list:
+    """As `Stream.advance`: the rows that finished once ``until`` of them (default: all) have, or after
+    ``max_steps`` steps."""
+    out, left = [], max_steps
+    while True:
+      steps = self.chunk if left is None else min(self.chunk, left)
+      before = self.inner.decode_steps
+      out += self.inner.advance(until=None if until is None else until - len(out), max_steps=steps)
+      left = None if left is None else left - (self.inner.decode_steps - before)
+      if not self.inner.live.any() or (until is not None and len(out) >= until) or (left is not None and left < 1):
+        return out
+      self.between()
 
 
 class _Run:

@@ -547,9 +547,11 @@ def test_body_limit_and_a_huge_prompt(server):
 
 
 def test_tool_messages_nan_arguments_and_the_key(server):
-  """Issue 46, 5: a ``tool`` message answering no preceding assistant tool call (none at all, or another id) is a
-  400 naming it, as OpenAI answers; NaN or Infinity in a tool call's arguments is a 400 naming them; a 401 carries
-  ``WWW-Authenticate: Bearer`` (the key is compared in constant time: `Guard`)."""
+  """Issue 46, 5: a ``tool`` message answering no preceding assistant tool call (none at all, or another id) or one
+  answered already is a 400 naming it, as OpenAI answers, and so are two calls of one message with the same id; NaN,
+  Infinity or a number overflowing to it (``1e999``) in a tool call's arguments is a 400 naming them; so is a
+  content part that is not text (naming the message's content) and a ``stream`` that is not a boolean; a 401
+  carries ``WWW-Authenticate: Bearer`` (the key is compared in constant time: `Guard`)."""
   url, _, _, name = server
   user = {"role": "user", "content": "hi"}
 
@@ -565,6 +567,8 @@ def test_tool_messages_nan_arguments_and_the_key(server):
     return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
 
   arguments = "messages[1].tool_calls[0].function.arguments"
+  twice = call()
+  twice["tool_calls"] = twice["tool_calls"] * 2  # two calls, one id
   cases = [
     ([user, tool()], "messages[1]", "must follow an assistant message with 'tool_calls'"),
     ([user, {"role": "assistant", "content": "ok"}, tool()], "messages[2]", "must follow an assistant message"),
@@ -573,6 +577,17 @@ def test_tool_messages_nan_arguments_and_the_key(server):
     ([user, call(), {"role": "tool", "content": "sunny"}], "messages[2].tool_call_id", "tool_call_id=None names"),
     ([user, call('{"city": NaN}')], arguments, "NaN is not a JSON number"),
     ([user, call('{"t": -Infinity}')], arguments, "-Infinity is not a JSON number"),
+    ([user, call('{"t": [1, 1e999]}')], arguments, "the number 1e999 overflows to infinity"),
+    ([user, call('{"t": -2.5e400}')], arguments, "the number -2.5e400 overflows to infinity"),
+    ([user, call(), tool(), tool()], "messages[3].tool_call_id", "answers a call that messages[2] answered already"),
+    ([user, twice], "messages[1].tool_calls[1].id", "'c1' is the id of messages[1].tool_calls[0] too"),
+    (
+      [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+      "messages[0].content",
+      "messages[0].content[0]: only text content parts",
+    ),
+    ([user, {"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[1].content", "content[0]: only"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "content must be a string, null or a list"),
   ]
   with _raw_client(url) as http:
     for messages, param, text in cases:
@@ -583,6 +598,14 @@ def test_tool_messages_nan_arguments_and_the_key(server):
     answered = [user, call(), tool(), {"role": "user", "content": "thanks"}]
     ok = http.post("/chat/completions", json={"model": name, "messages": answered, "tools": [WEATHER], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+    two = call()
+    two["tool_calls"] = [two["tool_calls"][0], {**two["tool_calls"][0], "id": "c2"}]
+    body = {"model": name, "messages": [user, two, tool("c2"), tool("c1")], "tools": [WEATHER], "max_tokens": 2}
+    assert http.post("/chat/completions", json=body).status_code == 200  # each call answered once, in any order
+    for stream in ("yes", 1, "true"):
+      response = http.post("/chat/completions", json={"model": name, "messages": [user], "stream": stream})
+      assert response.status_code == 400 and response.json()["error"]["param"] == "stream", response.text
+      assert response.json()["error"]["message"] == f"'stream' must be a boolean, got {stream!r}"
     nan_body = json.dumps({"model": name, "messages": [user], "temperature": 0.5}).replace("0.5", "NaN")
     assert (
       http.post("/chat/completions", content=nan_body)
@@ -595,8 +618,9 @@ def test_tool_messages_nan_arguments_and_the_key(server):
       assert response.json()["error"]["code"] == "invalid_api_key"
 
 
-def _abandon(url: str, body: dict, after: float) -> None:
-  """Sends ``body`` to the chat route on a socket of its own and closes it ``after`` seconds later, unread."""
+def _abandon(url: str, body: dict, after) -> None:
+  """Sends ``body`` to the chat route on a socket of its own and closes it ``after`` seconds later (or once
+  ``after()`` holds), unread."""
   host, port = url.split("//")[1].split("/")[0].split(":")
   payload = json.dumps(body).encode()
   head = (
@@ -605,7 +629,7 @@ def _abandon(url: str, body: dict, after: float) -> None:
   )
   with socket.create_connection((host, int(port))) as sock:
     sock.sendall(head.encode() + payload)
-    time.sleep(after)
+    _wait_for(after, 120) if callable(after) else time.sleep(after)
 
 
 def _wait_for(condition, seconds: float) -> float:
@@ -746,3 +770,82 @@ def test_load_small_requests_beside_hostile_ones(server):
     f"p50 {p50:.2f} s, p95 {p95:.2f} s, max {max(latencies):.2f} s; "
     f"{engine.stats['sampler_calls'] - before['sampler_calls']} runs"
   )
+
+
+NEW_SAMPLING = [(0.3, 0.8), (1.7, 0.55), (0.0, 0.37), (0.9, 1.0), (1.25, 0.9)]  # (temperature, top_p) not seen before
+SMALL_BESIDE_NEW_SAMPLING_S = 5.0  # the bound (before: each new pair compiled the decode loop, 10-16 s on CPU)
+
+
+def test_new_sampling_values_compile_nothing(server):
+  """Issue 46: after a warm-up, requests with temperatures and top_p the server has not seen compile no program
+  (`runtime.CompileClock`: every XLA compile, the sampler's included) and share runs with other values; a small
+  request sent while they run is answered within SMALL_BESIDE_NEW_SAMPLING_S."""
+  from envace_jax import runtime
+
+  url, engine, _, name = server
+  body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 1}
+  result = {}
+
+  def send_new():
+    with _raw_client(url) as other:
+      result["new"] = [
+        other.post("/chat/completions", json=body | {"temperature": t, "top_p": p, "seed": i})
+        for i, (t, p) in enumerate(NEW_SAMPLING)
+      ]
+
+  with _raw_client(url) as http:
+    for extra in ({}, {"n": 2}):  # warm-up: the shapes of a run of one row and of two (the small request beside one)
+      assert http.post("/chat/completions", json=body | extra).status_code == 200
+    _wait_for(lambda: engine.pending == 0, 30)
+    with runtime.CompileClock() as clock:
+      sender = threading.Thread(target=send_new)
+      sender.start()
+      _wait_for(lambda: engine.pending >= 1, 30)
+      start = time.monotonic()
+      small = http.post("/chat/completions", json=body | {"temperature": 0.0})
+      small_s = time.monotonic() - start
+      sender.join()
+    programs, seconds = clock.programs_since(0), clock.since(0)
+  print(f"{len(NEW_SAMPLING)} requests with new sampling values: {programs} programs compiled ({seconds:.1f} s); "
+        f"a small request beside them answered in {small_s:.2f} s")  # fmt: skip
+  assert small.status_code == 200 and all(r.status_code == 200 for r in result["new"]), small.text
+  assert [r.json()["usage"]["completion_tokens"] for r in result["new"]] == [2] * len(NEW_SAMPLING)
+  assert programs == 0, seconds
+  assert small_s < SMALL_BESIDE_NEW_SAMPLING_S
+
+
+def test_a_small_request_is_answered_while_a_rehearsal_runs(server):
+  """Issue 46: a rehearsing request (parallel, n=2) does not hold up the others: a small request sent while it
+  rehearses is answered before the rehearsal ends (the runs take turns between its decode chunks); a rehearsing
+  request whose client leaves stops rehearsing at its next chunk."""
+  url, engine, _, name = server
+  messages = [{"role": "system", "content": "You are a weather agent."}, {"role": "user", "content": "Paris?"}]
+  rehearsing = {"model": name, "messages": messages, "tools": [WEATHER], "max_tokens": 4}
+  rehearsing["rehearsal"] = {"mode": "parallel", "n": 2}
+  small = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+  result = {}
+
+  def send():
+    with _raw_client(url) as other:
+      result["rehearsed"] = other.post("/chat/completions", json=rehearsing)
+      result["rehearsals"] = engine.stats["rehearsals"]
+
+  with _raw_client(url) as http:
+    assert http.post("/chat/completions", json=small).status_code == 200  # its programs compiled
+    before = dict(engine.stats)
+    sender = threading.Thread(target=send)
+    sender.start()
+    _wait_for(lambda: engine.stats["rehearsal_turns"] > before["rehearsal_turns"], 120)  # rehearsing
+    start = time.monotonic()
+    response = http.post("/chat/completions", json=small)
+    small_s, rehearsals = time.monotonic() - start, engine.stats["rehearsals"]
+    sender.join()
+  assert response.status_code == 200 and result["rehearsed"].status_code == 200, result["rehearsed"].text
+  assert rehearsals == before["rehearsals"] < result["rehearsals"]  # answered while the rehearsal ran
+  turns = engine.stats["rehearsal_turns"] - before["rehearsal_turns"]
+  print(f"a small request beside a rehearsal: answered in {small_s:.2f} s; the runs took {turns} turns meanwhile")
+  # Abandoned while rehearsing (its first chunk decoded): cancelled, and its rehearsal stops without ending.
+  before = dict(engine.stats)
+  _abandon(url, rehearsing, lambda: engine.stats["rehearsal_turns"] > before["rehearsal_turns"])
+  _wait_for(lambda: engine.pending == 0, 60)
+  assert engine.stats["cancelled"] == before["cancelled"] + 1 and engine.stats["rehearsals"] == before["rehearsals"]

@@ -28,6 +28,9 @@ Invariants:
   * Work follows the live rows: unless the batch is split over devices, a prefill chunk or a decode loop that
     touches few rows of a large cache runs on a power-of-two bucket of them, gathered and put back, when the prefix
     copies that takes are no longer than the rows' own attended slots (a long shared opening stays shared).
+  * Sampling values are data: temperature and top_p are each row's inputs of the decode program (`RowSampling`), so
+    a new value compiles nothing and rows of one stream may differ; a row samples the tokens a program compiled
+    for its own values would (greedy rows the argmax, sampled rows bit for bit).
   * Compilations are bounded: prompt chunks are bucketed to powers of two up to ``prefill_chunk``, new-token counts
     and gathered rows to powers of two, the slots a dense cache attends over too (a paged cache needs no such
     bucket: one program serves every history length); ``compile_counts`` reports how many traces each jitted
@@ -54,7 +57,9 @@ KVCache = transformer.KVCache
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """How the next token is drawn. Static: each distinct value compiles the decode loop once.
+  """How the next token is drawn. temperature and top_p are values the decode program reads (`RowSampling`): one
+  compiled program serves all of them, and the rows of one stream may each have their own (`Stream.admit`); top_k is
+  static: each distinct value compiles the decode loop once.
 
   Attributes:
     temperature: 0 for greedy (argmax); otherwise logits are divided by it.
@@ -74,30 +79,76 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def sample_tokens(logits_bv: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Array:
+@struct.dataclass
+class RowSampling:
+  """Each row's temperature and top_p as the decode program reads them: traced, so a new value compiles nothing.
+
+  Attributes:
+    greedy: bool[B], temperature 0 (argmax).
+    inv_temperature: float32[B], 1 / temperature rounded to float32 on the host (1 for greedy rows): the number XLA
+      multiplies by where the temperature is a constant of the program (its simplifier turns ``x / c`` into
+      ``x * (1 / c)``), so a row samples the tokens a program compiled for its temperature would.
+    top_p: float32[B] (1: off).
+  """
+
+  greedy: jax.Array
+  inv_temperature: jax.Array
+  top_p: jax.Array
+
+  @classmethod
+  def of(cls, params: Sequence[SamplingParams]) -> RowSampling:
+    """One row per `SamplingParams`, as host (numpy) arrays."""
+    temperature = np.asarray([p.temperature for p in params], np.float32).reshape(-1)
+    greedy = temperature == 0
+    inv = np.float32(1) / np.where(greedy, np.float32(1), temperature)
+    return cls(greedy, inv.astype(np.float32), np.asarray([p.top_p for p in params], np.float32).reshape(-1))
+
+
+def sample_tokens(
+  logits_bv: jax.Array, keys: jax.Array, sampling: RowSampling | SamplingParams, top_k: int = 0
+) -> jax.Array:
   """Draws one token per row.
 
   Args:
     logits_bv: float32[B, V].
     keys: per-row ``jax.random.key``s, key[B].
-    params: see SamplingParams.
+    sampling: each row's temperature and top_p (`RowSampling`, B rows), or one `SamplingParams` for every row (its
+      top_k then replaces ``top_k``).
+    top_k: keep the k most likely tokens of every row (0: off); static.
   Returns:
-    int32[B] token ids.
+    int32[B] token ids. A row draws exactly what a program compiled for its own values would: greedy rows take the
+    argmax, the others divide by their temperature, keep their top_k then their top_p mass and draw with their key.
+    Work a batch does not need is skipped (``lax.cond``): the draw when every row is greedy, the nucleus' sort when
+    no row has top_p < 1.
   """
-  if params.temperature == 0:
-    return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-  x_bv = logits_bv / params.temperature
-  if params.top_k:
-    kth = jax.lax.top_k(x_bv, params.top_k)[0][:, -1:]
-    x_bv = jnp.where(x_bv < kth, -jnp.inf, x_bv)
-  if params.top_p < 1.0:
-    sorted_bv = jnp.sort(x_bv, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_bv, axis=-1)
-    # Keep a token if the mass strictly before it is below top_p (so the most likely token is always kept).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < params.top_p
-    threshold = jnp.min(jnp.where(keep, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-    x_bv = jnp.where(x_bv < threshold, -jnp.inf, x_bv)
-  return jax.vmap(jax.random.categorical)(keys, x_bv).astype(jnp.int32)
+  if isinstance(sampling, SamplingParams):
+    sampling, top_k = RowSampling.of([sampling] * logits_bv.shape[0]), sampling.top_k
+  greedy = jnp.asarray(sampling.greedy)
+  top_p = jnp.asarray(sampling.top_p)[:, None]
+  greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+
+  def draw(nucleus: bool):
+    # Each branch holds the operations of the former program compiled for its case, in its order.
+    def sample(x_bv):
+      x_bv = x_bv * jnp.asarray(sampling.inv_temperature)[:, None]
+      if top_k:
+        kth = jax.lax.top_k(x_bv, top_k)[0][:, -1:]
+        x_bv = jnp.where(x_bv < kth, -jnp.inf, x_bv)
+      if nucleus:
+        sorted_bv = jnp.sort(x_bv, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_bv, axis=-1)
+        # Keep a token if the mass strictly before it is below top_p (so the most likely token is always kept).
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        threshold = jnp.min(jnp.where(keep, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        x_bv = jnp.where((top_p < 1.0) & (x_bv < threshold), -jnp.inf, x_bv)
+      return jax.vmap(jax.random.categorical)(keys, x_bv).astype(jnp.int32)
+
+    return sample
+
+  def drawn(x_bv):
+    return jax.lax.cond(jnp.any(top_p < 1.0), draw(True), draw(False), x_bv)
+
+  return jnp.where(greedy, greedy_b, jax.lax.cond(jnp.all(greedy), lambda x: greedy_b, drawn, logits_bv))
 
 
 @struct.dataclass
@@ -256,8 +307,8 @@ class Sampler:
     fn, static, donate = {
       "prefill": (self._prefill_chunk, ("attend",), ("cache",)),
       "prefill_rows": (self._prefill_rows, ("attend",), ("cache",)),  # when the batch is not split (batch_multiple 1)
-      "decode": (self._decode_loop, ("sampling", "stop_strings", "attend"), ("state",)),
-      "decode_rows": (self._decode_rows, ("sampling", "stop_strings", "attend"), ("state",)),  # likewise
+      "decode": (self._decode_loop, ("top_k", "stop_strings", "attend"), ("state",)),
+      "decode_rows": (self._decode_rows, ("top_k", "stop_strings", "attend"), ("state",)),  # likewise
       "admit": (self._admit_rows, (), ("state",)),
     }[kind]
     kwargs = {}
@@ -268,17 +319,20 @@ class Sampler:
         logits=rows2, cache=c, tokens=rows2, logprobs=rows2, lengths=rows1, done=rows1, finish=rows1, stop_buffer=rows2
       )
       scalar = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      rows_sampling = RowSampling(rows1, rows1, rows1)
       if kind == "prefill":  # params, cache, last_logits, tokens, roles, valid, last_index, is_last
         kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows2, rows2, rows2, rows1, rows1))
         kwargs["out_shardings"] = (c, rows2)
-      elif kind == "decode":  # params, state, max_new, row_keys, gen_roles, until, limit
-        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, scalar, scalar))
+      elif kind == "decode":  # params, state, max_new, row_keys, gen_roles, until, sampling, limit
+        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, scalar, rows_sampling, scalar))
         kwargs["out_shardings"] = (state, scalar)
       elif kind == "prefill_rows":  # as prefill, with the rows (int32[B']) after last_logits; B' rows unsplit
         kwargs = dict(in_shardings=(self._param_shardings, c, rows2, rows1, rows2, rows2, rows2, rows1, rows1))
         kwargs["out_shardings"] = (c, rows2)
       elif kind == "decode_rows":  # as decode, with the rows after the state
-        kwargs = dict(in_shardings=(self._param_shardings, state, rows1, rows1, rows1, rows1, scalar, scalar))
+        kwargs = dict(
+          in_shardings=(self._param_shardings, state, rows1, rows1, rows1, rows1, scalar, rows_sampling, scalar)
+        )
         kwargs["out_shardings"] = (state, scalar)
       else:  # state without its cache, last_logits, admitted, fitted
         state = state.replace(cache=None)
@@ -394,15 +448,15 @@ class Sampler:
     return cache.put(rows, part), last_logits.at[rows].set(new, mode="drop")
 
   def _decode_loop(
-    self, params, state, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit=None
+    self, params, state, max_new, row_keys, gen_roles, until, sampling, top_k, stop_strings, attend, limit=None
   ):
     """The decode ``while_loop``: every live row samples a token per iteration until ``until`` of them have finished
     in this call, or all have, or ``limit`` iterations ran (at most N iterations: a row's budget is at most N).
 
     state: `_DecodeState` (B rows, N = its tokens' width); max_new: int32[B]; row_keys: key[B]; gen_roles: int32[B]
-    role id given to each row's generated tokens; until: int32[]; limit: int32[] or None (no limit). Static:
-    sampling, stop_strings, attend (cache slots attended over: covers every live row's history plus what it may
-    still generate).
+    role id given to each row's generated tokens; until: int32[]; sampling: `RowSampling` (B rows); limit: int32[] or
+    None (no limit). Static: top_k, stop_strings, attend (cache slots attended over: covers every live row's history
+    plus what it may still generate).
     Returns (state, iterations int32[]).
     """
     self.compile_counts["decode"] += 1  # runs once per trace
@@ -422,7 +476,7 @@ class Sampler:
       live = ~s.done
       can = live & (s.cache.lengths < capacity)  # a slot is left for the token about to be sampled
       keys = jax.vmap(jax.random.fold_in)(row_keys, s.lengths)
-      token = sample_tokens(s.logits, keys, sampling)
+      token = sample_tokens(s.logits, keys, sampling, top_k)
       logprob = jnp.take_along_axis(jax.nn.log_softmax(s.logits, axis=-1), token[:, None], axis=-1)[:, 0]
       slot = jnp.where(can, s.lengths, num_new)  # out of range: dropped
       tokens = s.tokens.at[rows, slot].set(token, mode="drop")
@@ -465,18 +519,18 @@ class Sampler:
     return state.replace(cache=state.cache.replace(prefix=prefix)), steps
 
   def _decode_rows(
-    self, params, state, rows, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit=None
+    self, params, state, rows, max_new, row_keys, gen_roles, until, sampling, top_k, stop_strings, attend, limit=None
   ):
-    """`_decode_loop` on B' rows of ``state`` (rows: int32[B'], B or more for padding; max_new, row_keys, gen_roles
-    given for those rows): their states and histories (the first ``attend`` own slots) are gathered, decoded, and put
-    back, so the loop reads and computes the live rows only."""
+    """`_decode_loop` on B' rows of ``state`` (rows: int32[B'], B or more for padding; max_new, row_keys, gen_roles,
+    sampling given for those rows): their states and histories (the first ``attend`` own slots) are gathered,
+    decoded, and put back, so the loop reads and computes the live rows only."""
     pick = lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # noqa: E731
     bare = state.replace(cache=None)
     part = jax.tree.map(pick, bare).replace(  # padding rows: done, so the loop leaves them alone
       cache=state.cache.gather(rows, attend), done=jnp.take(state.done, rows, mode="fill", fill_value=True)
     )
     part, steps = self._decode_loop(
-      params, part, max_new, row_keys, gen_roles, until, sampling, stop_strings, attend, limit
+      params, part, max_new, row_keys, gen_roles, until, sampling, top_k, stop_strings, attend, limit
     )
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
     merged = jax.tree.map(put, bare, part.replace(cache=None))
@@ -618,7 +672,8 @@ class Sampler:
     row starts its next generation as soon as it is free instead of when every row of a call has finished.
 
     num_new: the most tokens any generation of the stream may ask for (rounded up to a power of two: the width of
-    the decode state, one compiled shape). Raises ValueError: stop strings without ``token_bytes``.
+    the decode state, one compiled shape). sampling: the rows' default (`Stream.admit` may give each row its own
+    temperature and top_p); its top_k is every row's. Raises ValueError: stop strings without ``token_bytes``.
     """
     if stop_strings and self._byte_table is None:
       raise ValueError("stop_strings need token_bytes: build the Sampler with token_bytes=tokenizer.token_bytes().")
@@ -695,12 +750,14 @@ class Stream:
 
   Built by `Sampler.stream`. Attributes: ``num_new`` (N, the decode state's width); counters since creation:
   ``prefill_tokens``, ``decode_steps`` (loop iterations), ``row_steps`` (as `SampleOutput.decode_row_steps`) and
-  ``generated_tokens``; ``live``: bool[B], rows admitted and not yet handed back.
+  ``generated_tokens``; ``live``: bool[B], rows admitted and not yet handed back; ``sampling``: the rows' default
+  `SamplingParams` (its top_k is every row's).
   """
 
   def __init__(self, sampler: Sampler, cache: KVCache, num_new: int, sampling: SamplingParams, stops):
     self.sampler, self.num_new, self.sampling, self.stops = sampler, num_new, sampling, stops
     b = int(cache.lengths.shape[0])
+    self._sampling = RowSampling.of([sampling] * b)  # each row's, host arrays; set on admission
     place = jnp.asarray
     if sampler.mesh is not None:  # every field split over the rows like the cache's, from the host
       place = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
@@ -722,7 +779,7 @@ class Stream:
     (`paged.PagedKVCache.extended`) changed. A live row must keep the pages it writes."""
     self._state = self._state.replace(cache=cache)
 
-  def admit(self, prompts, prompt_roles, *, role, keys, max_new_tokens, active=None) -> np.ndarray:
+  def admit(self, prompts, prompt_roles, *, role, keys, max_new_tokens, active=None, sampling=None) -> np.ndarray:
     """Prefills the new prompt of each ``active`` row (default: rows with a non-empty prompt) and makes it live.
 
     Args:
@@ -730,12 +787,14 @@ class Stream:
       role: role id of each admitted row's generated tokens, one for all rows or int[B].
       keys: key[B]: row b's t-th generated token uses fold_in(keys[b], t).
       max_new_tokens: per row or one for all; at most ``num_new``.
+      sampling: the admitted rows' `SamplingParams`, one for all or one per row (B, None for rows not admitted);
+        default: the stream's. Their temperature and top_p are the program's data: nothing compiles for new values.
     Returns:
       fitted: bool[B], the admitted rows whose prompt fitted (one that did not is handed back by the next
       `advance` with ``CONTEXT_EXHAUSTED`` and no tokens).
     Raises:
       ValueError: an admitted row is live already; a budget below 1 or over ``num_new``; a role id out of range;
-        see `Sampler.prefill`.
+        a sampling whose top_k is not the stream's; see `Sampler.prefill`.
     """
     sampler = self.sampler
     b = _check_rows(prompts, self._state.cache)
@@ -750,16 +809,31 @@ class Stream:
     roles = np.broadcast_to(np.asarray(role, np.int32), (b,))
     if np.any((roles < 0) | (roles >= sampler.config.num_roles)):
       raise ValueError(f"role must be a role id in [0, {sampler.config.num_roles}) (roles.Role), got {role}.")
+    per_row = [sampling] * b if sampling is None or isinstance(sampling, SamplingParams) else list(sampling)
+    if len(per_row) != b:
+      raise ValueError(f"sampling: got {len(per_row)} settings for {b} rows; give one, or one per row.")
+    per_row = [self.sampling if p is None or not a else p for p, a in zip(per_row, active, strict=True)]
+    if any(p.top_k != self.sampling.top_k for p in per_row):
+      raise ValueError(f"sampling: top_k is the stream's ({self.sampling.top_k}) for every row (static).")
     cache, logits, fitted, count = sampler.prefill(self._state.cache, prompts, prompt_roles, active)
     bare = self._state.replace(cache=None)
     state = sampler._jit("admit", cache)(bare, logits, active, fitted)
     self._state = state.replace(cache=cache)
     self._max_new = np.where(active, max_new, self._max_new)
     self._roles = np.where(active, roles, self._roles)
+    self._sampling = jax.tree.map(lambda new, old: np.where(active, new, old), RowSampling.of(per_row), self._sampling)
     self._keys = np.where(active.reshape(-1, *[1] * (self._keys.ndim - 1)), jax.random.key_data(keys), self._keys)
     self.live |= active
     self.prefill_tokens += count
     return active & fitted
+
+  def _placed(self, values):
+    """``values`` (host arrays of one entry per row, or a tree of them) on the decode program's row sharding where
+    the sampler has a mesh (a multi-process run's jit takes no host array for a sharded input); as they are
+    otherwise."""
+    if self.sampler.mesh is None:
+      return values
+    return jax.device_put(values, sharding.batch_sharding(self.sampler.mesh, 1, self.sampler.rules))
 
   def drop(self, rows) -> None:
     """Ends the generations of ``rows`` (int[k]; those not live are ignored) without handing them back: they stop
@@ -768,10 +842,7 @@ class Stream:
     if len(rows):
       done = np.asarray(jax.device_get(self._state.done)).copy()
       done[rows] = True
-      place = jnp.asarray
-      if self.sampler.mesh is not None:
-        place = lambda x: jax.device_put(x, sharding.batch_sharding(self.sampler.mesh, 1, self.sampler.rules))  # noqa: E731
-      self._state = self._state.replace(done=place(done))
+      self._state = self._state.replace(done=jnp.asarray(self._placed(done)))
       self.live[rows] = False
 
   def advance(self, until: int | None = None, max_steps: int | None = None) -> list[Finished]:
@@ -799,19 +870,21 @@ class Stream:
       m = next_pow2(len(some), 1)
       compact = sampler._gathers(state.cache, len(some), attend)
       attend = sampler._attended(state.cache, attend)
+      top_k = self.sampling.top_k
       if compact:
         rows = np.concatenate([some, np.full(m - len(some), b)]).astype(np.int32)
         at = np.minimum(rows, b - 1)  # padding rows take row b-1's inputs and stay done
         keys = jax.random.wrap_key_data(jnp.asarray(self._keys[at]))
+        values = self._placed(jax.tree.map(lambda x: x[at], self._sampling))
         state, steps = sampler._jit("decode_rows", state.cache)(
-          sampler.params, state, rows, self._max_new[at], keys, self._roles[at], np.int32(waiting), self.sampling,
+          sampler.params, state, rows, self._max_new[at], keys, self._roles[at], np.int32(waiting), values, top_k,
           self.stops, attend, limit,
         )  # fmt: skip
       else:
         keys = jax.random.wrap_key_data(jnp.asarray(self._keys))
         state, steps = sampler._jit("decode", state.cache)(
-          sampler.params, state, self._max_new, keys, self._roles, np.int32(waiting), self.sampling, self.stops,
-          attend, limit,
+          sampler.params, state, self._max_new, keys, self._roles, np.int32(waiting), self._placed(self._sampling),
+          top_k, self.stops, attend, limit,
         )  # fmt: skip
         m = b
       self._state = state

@@ -350,7 +350,7 @@ def test_rollout_programs_on_kernels_without_data_loops(backend, dtype, want):
 
   from envace_jax.model import paged
   from envace_jax.rl import logprobs as logprobs_lib
-  from envace_jax.sampling.sampler import Sampler, SamplingParams
+  from envace_jax.sampling.sampler import RowSampling, Sampler, SamplingParams
 
   config = config_lib.PRESETS["tiny"].replace(dtype=dtype)
   params = jax.eval_shape(lambda: transformer.unstack_layers(transformer.init_params(config, jax.random.key(0))))
@@ -362,7 +362,7 @@ def test_rollout_programs_on_kernels_without_data_loops(backend, dtype, want):
   pages = jax.eval_shape(lambda: paged.init_cache(c, pool, range(4), width=8)).replace(prefix=root)
   rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((4, *shape), dtype)  # noqa: E731
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 4))
-  sampling = SamplingParams()
+  sampling = RowSampling.of([SamplingParams()] * 4)
   with attention.backend(backend), attention.recording() as calls:
     for cache in (dense, pages):
       prefill = functools.partial(sampler._prefill_chunk, attend=128)
@@ -371,7 +371,7 @@ def test_rollout_programs_on_kernels_without_data_loops(backend, dtype, want):
         rows(dtype=bool),
       )  # fmt: skip
       state = jax.eval_shape(lambda x: sampler._initial_state(x, 8, ()), cache).replace(cache=cache)
-      decode = functools.partial(sampler._decode_loop, sampling=sampling, stop_strings=(), attend=128)
+      decode = functools.partial(sampler._decode_loop, sampling=sampling, top_k=0, stop_strings=(), attend=128)
       jaxpr = jax.make_jaxpr(decode)(params, state, rows(), keys, rows(), jax.ShapeDtypeStruct((), jnp.int32))
       loops = _whiles(jaxpr.jaxpr, [])
       assert len(loops) == 1  # the generation loop

@@ -706,3 +706,68 @@ def test_advance_in_chunks_of_steps_and_dropped_rows(tiny_with_roles):
     assert got[row].tokens == want.row(row)
   with pytest.raises(ValueError, match="max_steps must be >= 1"):
     sampler.stream(sampler.init_cache(1, 96), num_new=4).advance(max_steps=0)
+
+
+def _constant_sample(logits_bv, keys, params: SamplingParams):
+  """The draw of the decode program before temperature and top_p were its data: both constants of the program (one
+  compiled per value). The oracle of `sample_tokens`' parity."""
+  if params.temperature == 0:
+    return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  x_bv = logits_bv / params.temperature
+  if params.top_k:
+    kth = jax.lax.top_k(x_bv, params.top_k)[0][:, -1:]
+    x_bv = jnp.where(x_bv < kth, -jnp.inf, x_bv)
+  if params.top_p < 1.0:
+    sorted_bv = jnp.sort(x_bv, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_bv, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < params.top_p
+    threshold = jnp.min(jnp.where(keep, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+    x_bv = jnp.where(x_bv < threshold, -jnp.inf, x_bv)
+  return jax.vmap(jax.random.categorical)(keys, x_bv).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_traced_sampling_values_draw_what_constant_ones_drew(top_k):
+  """Rows of mixed temperatures and top_p in one `sample_tokens` call (the values data, one program) draw exactly the
+  tokens of the former program compiled for each row's values as constants (XLA turns ``x / c`` into
+  ``x * (1 / c)``: `RowSampling` passes that reciprocal), over 64 draws of 8 rows; the all-greedy batch too."""
+  from envace_jax.sampling.sampler import RowSampling, sample_tokens
+
+  settings = [SamplingParams(t, p, top_k) for t, p in [(0.0, 1.0), (1.0, 1.0), (0.7, 0.9), (0.6, 0.95), (1.3, 1.0),
+                                                       (0.3, 0.5), (2.0, 0.99), (0.45, 1.0)]]  # fmt: skip
+  logits = jax.random.normal(jax.random.key(0), (8, 300)) * 3
+  traced = jax.jit(sample_tokens, static_argnames="top_k")
+  constant = jax.jit(_constant_sample, static_argnums=2)
+  draws = 0
+  for seed in range(64):
+    keys = jax.random.split(jax.random.key(seed + 1), 8)
+    got = np.asarray(traced(logits, keys, RowSampling.of(settings), top_k=top_k))
+    want = [int(constant(logits, keys, s)[b]) for b, s in enumerate(settings)]
+    assert got.tolist() == want, seed
+    draws += len(set(got.tolist()))
+  assert draws > 64 * 4  # the rows draw different tokens: the parity is not that of one argmax
+  greedy = RowSampling.of([GREEDY] * 8)
+  np.testing.assert_array_equal(traced(logits, keys, greedy, top_k=top_k), jnp.argmax(logits, axis=-1))
+
+
+def test_rows_of_one_stream_sample_with_their_own_values_and_compile_once(tiny_with_roles):
+  """A stream whose rows each have their own temperature and top_p (`Stream.admit`'s ``sampling``) gives each row
+  the tokens of a run of its setting alone, and no setting compiles the decode loop again."""
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params)
+  prompts = PROMPTS + [PROMPTS[0]]
+  settings = [GREEDY, SamplingParams(1.0), SamplingParams(0.7, 0.9), SamplingParams(1.4, 0.6)]
+  keys = jax.random.split(jax.random.key(3), len(prompts))
+  kw = dict(role=Role.ACT, key=keys, max_new_tokens=12)
+  alone = [sampler.generate(sampler.init_cache(4, 96), prompts, Role.USER, sampling=s, **kw)[0] for s in settings]
+  assert sampler.compile_counts["decode"] == 1
+  stream = sampler.stream(sampler.init_cache(4, 96), num_new=12)
+  stream.admit(prompts, Role.USER, role=Role.ACT, keys=keys, max_new_tokens=12, sampling=settings)
+  got = {f.row: f.tokens for f in stream.advance()}
+  assert got == {b: alone[b].row(b) for b in range(4)}
+  assert len({tuple(alone[b].row(0)) for b in range(4)}) == 4  # the settings sample differently
+  assert sampler.compile_counts["decode"] == 1
+  with pytest.raises(ValueError, match="top_k is the stream's"):
+    sampler.stream(sampler.init_cache(4, 96), num_new=4).admit(
+      prompts, Role.USER, role=Role.ACT, keys=keys, max_new_tokens=4, sampling=SamplingParams(top_k=5)
+    )
