@@ -105,6 +105,9 @@ class _ScriptedStream:
     self.forced.update(self.scripted.forced(prompts))
     return self.inner.admit(prompts, prompt_roles, **kwargs)
 
+  def peek(self, rows):  # a scripted row's ids are known once it finishes: none before
+    return [[] if r in self.forced else ids for r, ids in zip(rows, self.inner.peek(rows), strict=True)]
+
   def advance(self, *args, **kwargs):
     out = self.inner.advance(*args, **kwargs)
     for f in out:
@@ -773,13 +776,22 @@ def test_load_small_requests_beside_hostile_ones(server):
 
 
 NEW_SAMPLING = [(0.3, 0.8), (1.7, 0.55), (0.0, 0.37), (0.9, 1.0), (1.25, 0.9)]  # (temperature, top_p) not seen before
-SMALL_BESIDE_NEW_SAMPLING_S = 5.0  # the bound (before: each new pair compiled the decode loop, 10-16 s on CPU)
+SMALL_BESIDE_NEW_VALUES_S = 5.0  # the bound (before: each new sampling pair or stop set compiled, 10-16 s on CPU)
+NEW_STOPS = [["zq1"], ["zq2", "zq3"], ["\u00e9zq"], ["zq4", "zq5", "zq6", "zq7"], ["x" * 64]]  # never generated
 
 
-def test_new_sampling_values_compile_nothing(server):
-  """Issue 46: after a warm-up, requests with temperatures and top_p the server has not seen compile no program
-  (`runtime.CompileClock`: every XLA compile, the sampler's included) and share runs with other values; a small
-  request sent while they run is answered within SMALL_BESIDE_NEW_SAMPLING_S."""
+@pytest.mark.parametrize(
+  "what, extras",
+  [
+    ("sampling values", [{"temperature": t, "top_p": p} for t, p in NEW_SAMPLING]),
+    ("stop strings", [{"stop": stop} for stop in NEW_STOPS]),
+  ],
+)
+def test_new_per_request_values_compile_nothing(server, what, extras):
+  """Issue 46: after a warm-up, requests with temperatures and top_p (data of the decode program) or `stop` sets
+  (NEW_STOPS, up to 4 strings of up to 64 bytes: matched on the host between decode turns) the server has not seen
+  compile no program (`runtime.CompileClock`: every XLA compile, the sampler's included) and share runs with other
+  values; a small request sent from another client while they run is answered within SMALL_BESIDE_NEW_VALUES_S."""
   from envace_jax import runtime
 
   url, engine, _, name = server
@@ -789,8 +801,7 @@ def test_new_sampling_values_compile_nothing(server):
   def send_new():
     with _raw_client(url) as other:
       result["new"] = [
-        other.post("/chat/completions", json=body | {"temperature": t, "top_p": p, "seed": i})
-        for i, (t, p) in enumerate(NEW_SAMPLING)
+        other.post("/chat/completions", json=body | extra | {"seed": i}) for i, extra in enumerate(extras)
       ]
 
   with _raw_client(url) as http:
@@ -806,12 +817,12 @@ def test_new_sampling_values_compile_nothing(server):
       small_s = time.monotonic() - start
       sender.join()
     programs, seconds = clock.programs_since(0), clock.since(0)
-  print(f"{len(NEW_SAMPLING)} requests with new sampling values: {programs} programs compiled ({seconds:.1f} s); "
+  print(f"{len(extras)} requests with new {what}: {programs} programs compiled ({seconds:.1f} s); "
         f"a small request beside them answered in {small_s:.2f} s")  # fmt: skip
   assert small.status_code == 200 and all(r.status_code == 200 for r in result["new"]), small.text
-  assert [r.json()["usage"]["completion_tokens"] for r in result["new"]] == [2] * len(NEW_SAMPLING)
+  assert [r.json()["usage"]["completion_tokens"] for r in result["new"]] == [2] * len(extras)
   assert programs == 0, seconds
-  assert small_s < SMALL_BESIDE_NEW_SAMPLING_S
+  assert small_s < SMALL_BESIDE_NEW_VALUES_S
 
 
 def test_a_small_request_is_answered_while_a_rehearsal_runs(server):
@@ -849,3 +860,29 @@ def test_a_small_request_is_answered_while_a_rehearsal_runs(server):
   _abandon(url, rehearsing, lambda: engine.stats["rehearsal_turns"] > before["rehearsal_turns"])
   _wait_for(lambda: engine.pending == 0, 60)
   assert engine.stats["cancelled"] == before["cancelled"] + 1 and engine.stats["rehearsals"] == before["rehearsals"]
+
+
+def test_a_stop_string_spanning_tokens_cuts_the_answer(server):
+  """Issue 46: a client's stop string is matched on the host after each decode turn, across token boundaries: a stop
+  string the greedy answer holds (the last character of its 5th token and the first of its 6th) ends the answer
+  before it, as OpenAI does (finish_reason "stop", the stop string not returned), streamed alike; ``usage`` counts
+  the tokens up to and including the one that completes the stop string (6 here), not the 2 decoded past it in the
+  same turn of 8 steps."""
+  url, engine, _, name = server
+  body = {"model": name, "messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0.0}
+  with _raw_client(url) as http:
+    full, head = (http.post("/chat/completions", json=body | {"max_tokens": k}).json() for k in (8, 5))
+    text, prefix = full["choices"][0]["message"]["content"], head["choices"][0]["message"]["content"]
+    assert full["usage"]["completion_tokens"] == 8 and text.startswith(prefix) and len(text) > len(prefix) > 0
+    stop = text[len(prefix) - 1 : len(prefix) + 1]
+    assert text.find(stop) == len(prefix) - 1  # its first occurrence spans the 5th and 6th tokens
+    before = engine.stats["stop_rows"]
+    cut = http.post("/chat/completions", json=body | {"max_tokens": 8, "stop": ["never", stop]}).json()
+    streamed = http.post("/chat/completions", json=body | {"max_tokens": 8, "stop": stop, "stream": True})
+  assert cut["choices"][0]["message"]["content"] == prefix[:-1] and cut["choices"][0]["finish_reason"] == "stop"
+  assert cut["usage"]["completion_tokens"] == 6
+  assert cut["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + 6
+  assert engine.stats["stop_rows"] == before + 2
+  events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+  assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == prefix[:-1]
+  assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"

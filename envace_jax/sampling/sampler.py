@@ -845,6 +845,12 @@ class Stream:
       self._state = self._state.replace(done=jnp.asarray(self._placed(done)))
       self.live[rows] = False
 
+  def peek(self, rows) -> list[list[int]]:
+    """The ids each of ``rows`` (int[k], live) generated so far in its current generation, without handing it back:
+    what a caller matches on the host between `advance` calls (the server's per-request stop strings)."""
+    tokens, lengths = jax.device_get((self._state.tokens, self._state.lengths))
+    return [tokens[r, : int(lengths[r])].tolist() for r in np.asarray(rows, np.int64).reshape(-1)]
+
   def advance(self, until: int | None = None, max_steps: int | None = None) -> list[Finished]:
     """Decodes the live rows until at least ``until`` of them (default: all) have finished, or for ``max_steps``
     tokens (default: no bound; then the list may be empty), and hands back every finished one (its row is free

@@ -9,6 +9,9 @@ needs no host round trip.
 Worked example, W = 8, stop string ``</a>`` (m = 4), ``.`` an empty slot (-1). Buffer ``...xy</a``, new token
 ``>\n`` (n = 2): the buffer becomes ``.xy</a>\n``; ``</a>`` starts at byte 3 and ends at byte 6 >= W - n = 6, so it
 overlaps the new bytes and the sequence stops (finish reason STOP), keeping ``>\n`` as its last token.
+
+`stop_end` is the same match on the host, for stop strings that vary per request (the server's ``stop``): no program
+compiles for them.
 """
 
 from __future__ import annotations
@@ -95,3 +98,26 @@ def push_and_match(
     is_new = jnp.arange(starts)[None, :] + m - 1 >= width - n[:, None]
     hit |= jnp.any(match & is_new, axis=1)
   return buffer, hit
+
+
+def stop_end(ids: Sequence[int], token_bytes: Sequence[bytes], stop_strings: Sequence[bytes]) -> int | None:
+  """The host's matcher, for stop strings that vary per request (no program to compile): where ``ids`` first
+  complete one of ``stop_strings``, matched on bytes as `push_and_match` does (a stop string may span tokens).
+
+  Args:
+    ids: generated ids; token_bytes: the bytes of each id (``Tokenizer.token_bytes()``); stop_strings: non-empty
+      byte strings.
+  Returns:
+    k, the ids up to and including the one whose bytes complete the earliest-ending occurrence (``ids[:k]``, what
+    the device matcher would have kept), or None if none occurs.
+  """
+  data = b"".join(token_bytes[i] for i in ids)
+  ends = [p + len(s) for s in stop_strings if (p := data.find(s)) >= 0]
+  if not ends:
+    return None
+  end, total = min(ends), 0
+  for k, i in enumerate(ids, 1):
+    total += len(token_bytes[i])
+    if total >= end:
+      return k
+  raise AssertionError("unreachable: the occurrence ends within the ids' bytes")

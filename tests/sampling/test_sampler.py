@@ -330,9 +330,13 @@ def test_stop_string_ends_on_the_token_that_completes_it(tiny_with_roles):
   first_end = text.find(stop.encode()) + len(stop)  # the first occurrence may come earlier if tokens repeat
   assert out.finish_reasons == [FinishReason.STOP]
   assert out.row(0) == free.row(0)[: -(-first_end // 4)]
+  # The host's matcher (the server's, for per-request stop strings) ends at the same token.
+  assert stopping.stop_end(free.row(0), token_bytes, (b"never-generated", stop.encode())) == len(out.row(0))
 
 
 def test_push_and_match_windows():
+  """The device's matcher reports a stop string on the token that completes it, whatever the tokens it spans; the
+  host's (`stopping.stop_end`) ends the ids at the same token."""
   token_bytes = [b"</tool", b"_call>", b"x", b">\n", b"</tool_call>", b"l>", b"_cal"]
   table, lengths = (jnp.asarray(a) for a in stopping.token_byte_table(token_bytes))
   stops = (b"</tool_call>",)
@@ -344,6 +348,8 @@ def test_push_and_match_windows():
       buffer, hit = stopping.push_and_match(buffer, jnp.asarray([token]), table, lengths, stops)
       hits.append(int(hit[0]))
     assert hits == expect, (sequence, hits)
+    assert stopping.stop_end(sequence, token_bytes, stops) == (hits.index(1) + 1 if 1 in hits else None)
+  assert stopping.stop_end([2, 0, 1, 4], token_bytes, (b"l>", b"x</")) == 2  # the earliest-ending of two
 
 
 def test_bad_input_names_the_fix(tiny_with_roles):
