@@ -62,7 +62,9 @@ Limits (the server cannot be stalled or taken down by one request):
     of the current turn (at most ``--decode_chunk`` steps).
   * any exception that escapes a route is a JSON 500 (``server_error``) and is logged; the connection stays usable.
   * sampling values: temperature and top_p are data of the compiled programs: a value the server has not seen
-    compiles nothing (before, each new pair compiled the decode loop, 10-16 s on CPU, stalling every request).
+    compiles nothing (before, each new pair compiled the decode loop, 10-16 s on CPU, stalling every request). A
+    temperature below `sampler.MIN_TEMPERATURE` samples greedily, and a top_p below float32's resolution keeps the
+    most likely token: both are their limits, the argmax.
   * rehearsals: a rehearsing request gives the runs a turn after each ``--decode_chunk`` steps of its own decoding,
     and stops at the next one once its client is gone.
   Not bounded: a rehearsal's prefills, the host work between its generations and the programs it compiles the first
@@ -76,10 +78,11 @@ tool schema (JSON Schema, ``jsonschema``), text the tokenizer cannot take (a lon
 ``"\\ud800"``, NUL or a Unicode noncharacter: ``model/sanitize.py``) in a message, a tool call's arguments, a tool
 schema or ``stop`` (``param`` names the field, e.g. ``messages[1].content``, ``stop[0]``), a content part that is not
 text, a ``stream`` that is not a boolean, a ``tool`` message that answers no call of the assistant message before it or
-one answered already, two calls of one message with the same id, a conversation the chat template cannot render, or a
-context that does not fit (``context_length_exceeded``); 401 for a missing or wrong ``--api_key`` (compared in constant
-time; with ``WWW-Authenticate: Bearer``); 404 for another model name; 413 for a body over the limit; 429 for a full
-queue; 500 for a failure inside the engine or the server. The server keeps serving after each.
+one answered already, two calls of one message with the same id (or both without one), a conversation the chat
+template cannot render, or a context that does not fit (``context_length_exceeded``); 401 for a missing or wrong
+``--api_key`` (compared in constant time; with ``WWW-Authenticate: Bearer``); 404 for another model name; 413 for a
+body over the limit; 429 for a full queue; 500 for a failure inside the engine or the server. The server keeps
+serving after each.
 """
 
 from __future__ import annotations
@@ -318,10 +321,11 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
         raise ApiError(400, f"{field} must be a JSON object", param=field)
       check_text(arguments, f"{where}.tool_calls[{j}].function.arguments")  # escapes inside the JSON string
       call_id = str(call.get("id") or "")
-      twice = next((k for k, c in enumerate(calls) if call_id and c.id == call_id), None)
+      twice = next((k for k, c in enumerate(calls) if c.id == call_id), None)  # two missing ids are the same too
       if twice is not None:
         message = (
-          f"{where}.tool_calls[{j}].id={call_id!r} is the id of {where}.tool_calls[{twice}] too; ids must differ"
+          f"{where}.tool_calls[{j}].id={call_id!r} is the id of {where}.tool_calls[{twice}] too; ids must differ "
+          "(and be given when a message has several calls)"
         )
         raise ApiError(400, message, param=f"{where}.tool_calls[{j}].id")
       calls.append(EnvToolCall(name, dict(arguments), call_id))

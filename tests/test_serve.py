@@ -572,6 +572,8 @@ def test_tool_messages_nan_arguments_and_the_key(server):
   arguments = "messages[1].tool_calls[0].function.arguments"
   twice = call()
   twice["tool_calls"] = twice["tool_calls"] * 2  # two calls, one id
+  no_ids = call(call_id="")
+  no_ids["tool_calls"] = no_ids["tool_calls"] * 2  # two calls without ids: which one does a tool message answer?
   cases = [
     ([user, tool()], "messages[1]", "must follow an assistant message with 'tool_calls'"),
     ([user, {"role": "assistant", "content": "ok"}, tool()], "messages[2]", "must follow an assistant message"),
@@ -584,6 +586,7 @@ def test_tool_messages_nan_arguments_and_the_key(server):
     ([user, call('{"t": -2.5e400}')], arguments, "the number -2.5e400 overflows to infinity"),
     ([user, call(), tool(), tool()], "messages[3].tool_call_id", "answers a call that messages[2] answered already"),
     ([user, twice], "messages[1].tool_calls[1].id", "'c1' is the id of messages[1].tool_calls[0] too"),
+    ([user, no_ids, tool("")], "messages[1].tool_calls[1].id", "'' is the id of messages[1].tool_calls[0] too"),
     (
       [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
       "messages[0].content",

@@ -62,7 +62,8 @@ class SamplingParams:
   static: each distinct value compiles the decode loop once.
 
   Attributes:
-    temperature: 0 for greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 for greedy (argmax); otherwise logits are divided by it. Below `MIN_TEMPERATURE` it samples
+      greedily too (the limit: logits divided by it would overflow float32).
     top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0: off).
     top_k: keep the k most likely tokens (0: off).
   """
@@ -77,6 +78,7 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+MIN_TEMPERATURE = 1e-4  # below it a row is greedy: logits of ~1e2 / 1e-4 stay far inside float32's range
 
 
 @struct.dataclass
@@ -84,7 +86,7 @@ class RowSampling:
   """Each row's temperature and top_p as the decode program reads them: traced, so a new value compiles nothing.
 
   Attributes:
-    greedy: bool[B], temperature 0 (argmax).
+    greedy: bool[B], temperature below `MIN_TEMPERATURE` (argmax).
     inv_temperature: float32[B], 1 / temperature rounded to float32 on the host (1 for greedy rows): the number XLA
       multiplies by where the temperature is a constant of the program (its simplifier turns ``x / c`` into
       ``x * (1 / c)``), so a row samples the tokens a program compiled for its temperature would.
@@ -99,7 +101,7 @@ class RowSampling:
   def of(cls, params: Sequence[SamplingParams]) -> RowSampling:
     """One row per `SamplingParams`, as host (numpy) arrays."""
     temperature = np.asarray([p.temperature for p in params], np.float32).reshape(-1)
-    greedy = temperature == 0
+    greedy = temperature < MIN_TEMPERATURE  # logits / such a temperature overflow float32: its limit, the argmax
     inv = np.float32(1) / np.where(greedy, np.float32(1), temperature)
     return cls(greedy, inv.astype(np.float32), np.asarray([p.top_p for p in params], np.float32).reshape(-1))
 
@@ -138,7 +140,8 @@ def sample_tokens(
         sorted_bv = jnp.sort(x_bv, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_bv, axis=-1)
         # Keep a token if the mass strictly before it is below top_p (so the most likely token is always kept).
-        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        # A top_p below float32's resolution keeps nothing by that test: the first token is kept explicitly.
+        keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p).at[:, 0].set(True)
         threshold = jnp.min(jnp.where(keep, sorted_bv, jnp.inf), axis=-1, keepdims=True)
         x_bv = jnp.where((top_p < 1.0) & (x_bv < threshold), -jnp.inf, x_bv)
       return jax.vmap(jax.random.categorical)(keys, x_bv).astype(jnp.int32)

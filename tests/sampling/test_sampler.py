@@ -756,6 +756,21 @@ def test_traced_sampling_values_draw_what_constant_ones_drew(top_k):
   np.testing.assert_array_equal(traced(logits, keys, greedy, top_k=top_k), jnp.argmax(logits, axis=-1))
 
 
+def test_extreme_temperature_and_top_p_sample_their_limit_the_argmax():
+  """A top_p below float32's resolution (1e-38, 1e-300) keeps the most likely token, and a temperature whose
+  reciprocal overflows float32 (1e-39, 1e-45) or is below `MIN_TEMPERATURE` samples greedily: both limits are the
+  argmax (they drew token 0 / a special token before: nothing kept, logits overflowed)."""
+  from envace_jax.sampling.sampler import MIN_TEMPERATURE, RowSampling, sample_tokens
+
+  settings = [SamplingParams(1.0, 1e-38), SamplingParams(0.7, 1e-300), SamplingParams(1e-39), SamplingParams(1e-45),
+              SamplingParams(MIN_TEMPERATURE / 2, 0.5), SamplingParams(1e-37)]  # fmt: skip
+  logits = jax.random.normal(jax.random.key(1), (len(settings), 300)) * 3 + 5
+  for seed in range(4):
+    keys = jax.random.split(jax.random.key(seed), len(settings))
+    got = sample_tokens(logits, keys, RowSampling.of(settings))
+    np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))
+
+
 def test_rows_of_one_stream_sample_with_their_own_values_and_compile_once(tiny_with_roles):
   """A stream whose rows each have their own temperature and top_p (`Stream.admit`'s ``sampling``) gives each row
   the tokens of a run of its setting alone, and no setting compiles the decode loop again."""
