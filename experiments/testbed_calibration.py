@@ -32,7 +32,7 @@ fidelity), counts, K, learning rate, costs, dates) and ``--out_md`` (a table). N
 unless ``--seeds`` says more.
 
 Cost (measured 2026-12-05 on 2 shared vCPUs, SmolLM2-135M float32): one warm-up step ≈ 400-600 CPU-s (the first
-adds 140-275 s of compilation), a success chunk of 32 tasks ≈ 1230 CPU-s; K=100 and all cells are CPU-hours, so
+adds 140-275 s of compilation), a success chunk of 32 tasks ≈ 1230 CPU-s; K=10 and all cells are CPU-hours, so
 run it on a dedicated multi-core machine or an accelerator. The warm-up saves every ``train.checkpoint_every``
 steps (10 in configs/testbed.py) and a killed run keeps only those: pass
 ``--train_flag=--config.train.checkpoint_every=2`` when the run may be cut.
@@ -456,7 +456,7 @@ def main(argv=None) -> None:
   p.add_argument("--models", default="base,warmup", type=lambda s: s.split(","))
   p.add_argument("--seeds", default="0", type=lambda s: [int(x) for x in s.split(",")])
   p.add_argument("--splits", default="iid,compositional,rules", type=lambda s: s.split(","))
-  p.add_argument("--warmup_steps", type=int, default=100, help="K: supervised steps, and the checkpoint evaluated")
+  p.add_argument("--warmup_steps", type=int, default=10, help="K: supervised steps, and the checkpoint evaluated")
   p.add_argument("--tasks", type=int, default=128, help="tasks per split for success")
   p.add_argument("--fidelity_tasks", type=int, default=-1, help="tasks per split for fidelity (-1: all)")
   p.add_argument("--chunk", type=int, default=32, help="tasks per evaluation chunk (one file, one batched rollout)")
