@@ -10,8 +10,11 @@ Cells. One workdir per (model, seed) cell under ``--root``: ``base_s{seed}`` (th
 ``warmup_s{seed}`` (``python -m envace_jax.main --config=configs/testbed.py:{level}`` with ``train.steps =
 train.sft_warmup_steps = K``: K supervised steps of B=4 reference conversations, both roles, on the ``train`` split,
 AdamW at ``grpo.sft_learning_rate``; evaluated at checkpoint step K). Each (cell, split, phase, chunk) result is one
-JSON file under ``{cell}/cal/{split}/`` (``cal_k{K}/`` for the warm-up) written when it finishes; a rerun skips
-finished files, so the run resumes.
+JSON file under ``--chunks``/``{cell}/cal/{split}/`` (``cal_k{K}/`` for the warm-up), written when it finishes, with
+the SHA-256 of the parameters it evaluated; a rerun skips finished files, so the run resumes. The chunks directory
+is in the repository (experiments/results/testbed_calibration_chunks/) so that a calibration spread over several
+machines or sessions adds up: a warm-up retrained elsewhere must reproduce the parameters of the chunks already
+there (same digest), or the run stops before evaluating. The checkpoints stay under ``--root``.
 
 What is measured per (cell, split) (splits: envs/testbed.py ``HELDOUT_SPLITS``):
 - success: committed execution without rehearsal, 1 trial, on the first ``--tasks`` tasks of the split against the
@@ -126,9 +129,30 @@ def train(args, seed: int, workdir: pathlib.Path) -> None:
 # -- evaluation -----------------------------------------------------------------------------------------------------
 
 
+NORMS_RTOL = 1e-3  # two warm-ups of one recipe: the same parameters up to XLA:CPU's float rounding
+
+
+def params_digest(params) -> dict:
+  """Which weights a chunk evaluated: ``sha256`` (hex) of the leaves' bytes in tree order, and ``norms`` (each
+  leaf's L2 norm, float64). A warm-up retrained on CPU reproduces its parameters up to float rounding, not bit for
+  bit (2026-12-05: the same per-step NLL to 6 digits, another SHA-256), so chunks are matched by their norms
+  (`check_digest`)."""
+  import hashlib
+
+  import jax
+
+  h, norms = hashlib.sha256(), []
+  for leaf in jax.tree.leaves(params):
+    a = np.ascontiguousarray(np.asarray(leaf))
+    h.update(a.tobytes())
+    norms.append(float(np.sqrt(np.sum(np.square(a, dtype=np.float64)))))
+  return {"sha256": h.hexdigest(), "norms": norms}
+
+
 def load(config, workdir: pathlib.Path | None, step: int | None):
-  """(model, samplers for `heldout.evaluate_policy`) with the policy at checkpoint ``step`` of ``workdir`` (None: the
-  base weights), as `evaluate.load_policy` builds them but at a given step rather than the latest.
+  """(model, samplers for `heldout.evaluate_policy`, `params_digest` of the policy) with the policy at checkpoint
+  ``step`` of ``workdir`` (None: the base weights), as `evaluate.load_policy` builds them but at a given step rather
+  than the latest.
 
   Raises:
     FileNotFoundError: ``step`` is not saved in ``workdir``.
@@ -156,7 +180,7 @@ def load(config, workdir: pathlib.Path | None, step: int | None):
   mesh = runtime.make_mesh(config)
   samplers = policy.samplers(params, lambda p: runtime.make_sampler(config, model, p, mesh, 1))
   samplers["reference"] = runtime.make_sampler(config, model, model.params, mesh, 1)
-  return model, samplers
+  return model, samplers, params_digest(params)
 
 
 def _dump(path: pathlib.Path, obj) -> None:
@@ -246,12 +270,42 @@ def fidelity_chunk(config, tasks, samplers, tokenizer, key) -> dict:
   }
 
 
+def check_digest(cal_dir: pathlib.Path, digest: dict, what: str) -> None:
+  """Stops when a finished chunk under ``cal_dir`` evaluated parameters other than ``digest`` (`params_digest` of
+  what ``what`` holds): the same SHA-256, or every leaf's norm within `NORMS_RTOL` (a retrained warm-up).
+
+  Raises:
+    SystemExit: naming the chunk, the largest relative difference of the norms and the way out.
+  """
+  for done in sorted(cal_dir.glob("*/*.json")):
+    chunk = json.loads(done.read_text())
+    if chunk.get("params_sha256", digest["sha256"]) == digest["sha256"]:
+      continue
+    theirs = np.asarray(chunk.get("params_norms", []), np.float64)
+    ours = np.asarray(digest["norms"], np.float64)
+    diff = float(np.max(np.abs(theirs - ours) / np.maximum(ours, 1e-12))) if theirs.shape == ours.shape else math.inf
+    if not diff <= NORMS_RTOL:
+      raise SystemExit(
+        f"{done} evaluated other parameters than {what} holds (leaf norms differ by {diff:.2g} relative, more than "
+        f"{NORMS_RTOL:g}): the warm-up did not reproduce them; evaluate into another --chunks directory"
+      )
+
+
 def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int | None) -> None:
-  """Every unfinished (split, phase, chunk) file of one cell; the model is loaded once, if anything is left."""
+  """Every unfinished (split, phase, chunk) file of one cell; the model is loaded once, if anything is left.
+
+  Raises:
+    SystemExit: a finished chunk of this cell evaluated other parameters (its ``params_sha256``).
+  """
   import jax
 
   from envace_jax import evaluate, runtime
 
+  record = args.chunks / workdir.name
+  for name_ in ("train_cost.json", "metrics.jsonl"):  # the warm-up's record, kept beside its chunks
+    if (workdir / name_).exists():
+      record.mkdir(parents=True, exist_ok=True)
+      (record / name_).write_bytes((workdir / name_).read_bytes())
   config = make_config(args.level, seed, args.model)
   plan = []  # every split's success first, then fidelity: the headline numbers finish first
   for phase, n_phase in (("success", args.tasks), ("fidelity", args.fidelity_tasks)):
@@ -260,15 +314,16 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
       n_all = len(runtime.evaluation_tasks(config, -1))
       n = n_all if n_phase < 0 else min(n_phase, n_all)
       for c, (lo, hi) in enumerate(_chunks(n, args.chunk)):
-        path = eval_dir(workdir, step) / split / f"{phase}_{lo:04d}_{hi:04d}.json"
+        path = eval_dir(record, step) / split / f"{phase}_{lo:04d}_{hi:04d}.json"
         if not path.exists():
           plan.append((split, phase, c, lo, hi, path))
   if not plan:
     return
   print(f"{name}: {len(plan)} chunks to evaluate", flush=True)
   wall, cpu = time.perf_counter(), time.process_time()
-  model, samplers = load(config, workdir if step is not None else None, step)
-  _dump(workdir / "load_cost.json", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
+  model, samplers, digest = load(config, workdir if step is not None else None, step)
+  check_digest(eval_dir(record, step), digest, f"{workdir} step {step}")
+  _dump(record / "load_cost.json", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
   base_key = evaluate.eval_key(seed)
   for split, phase, c, lo, hi, path in plan:
     config.env.eval_split = split
@@ -277,6 +332,7 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
     fn = success_chunk if phase == "success" else fidelity_chunk
     out = fn(config, tasks, samplers, model.tokenizer, key)
     out.update(cell=name, split=split, phase=phase, tasks=[t.id for t in tasks], step=step, date=_now())
+    out["params_sha256"], out["params_norms"] = digest["sha256"], digest["norms"]
     _dump(path, out)
     print(f"{name} {split} {phase} [{lo}:{hi}] wall {out['wall_s']:.0f}s cpu {out['cpu_s']:.0f}s", flush=True)
 
@@ -306,7 +362,8 @@ def _read(workdir: pathlib.Path, split: str, phase: str) -> list[dict]:
 
 
 def gather_cell(args, name: str, workdir: pathlib.Path, step: int | None) -> dict:
-  """One cell's finished files: per split the per-task successes, per-call fidelity and their intervals."""
+  """One cell's finished files (``workdir``: its directory under ``--chunks``): per split the per-task successes,
+  per-call fidelity and their intervals, and the parameters' digests."""
   out = {"splits": {}, "checkpoint_step": step}
   for cost_file in ("train_cost.json", "load_cost.json"):
     if (workdir / cost_file).exists():
@@ -321,9 +378,11 @@ def gather_cell(args, name: str, workdir: pathlib.Path, step: int | None) -> dic
       "compile_s": sum(m.get("time/compile_s", 0.0) for m in steps),
       "host_peak_gib": max((m.get("memory/host_peak_gib", 0.0) for m in steps), default=0.0),
     }
+  digests = set()
   for split in args.splits:
     d = eval_dir(workdir, step)
     succ, fid = _read(d, split, "success"), _read(d, split, "fidelity")
+    digests |= {ch["params_sha256"] for ch in succ + fid if "params_sha256" in ch}
     s = {}
     if succ:
       rows = [r for ch in succ for r in ch["rows"]]
@@ -351,6 +410,7 @@ def gather_cell(args, name: str, workdir: pathlib.Path, step: int | None) -> dic
       }
     if s:
       out["splits"][split] = s
+  out["params_sha256"] = sorted(digests)
   return out
 
 
@@ -362,11 +422,11 @@ def _ci(d: dict | None, pct: bool = True) -> str:
 
 
 def write(args) -> None:
-  """Gathers every cell under ``--root`` into ``--out`` and ``--out_md``."""
+  """Gathers every cell under ``--chunks`` into ``--out`` and ``--out_md``."""
   cells = {}
   for seed in args.seeds:
     for model in args.models:
-      workdir = args.root / f"{model}_s{seed}"
+      workdir = args.chunks / f"{model}_s{seed}"
       if not workdir.is_dir():
         continue
       for step in [None] if model == "base" else args.report_steps or [args.warmup_steps]:
@@ -450,7 +510,13 @@ def _now() -> str:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--root", type=pathlib.Path, default=pathlib.Path("/tmp/tbcal"))
+  p.add_argument("--root", type=pathlib.Path, default=pathlib.Path("/tmp/tbcal"), help="checkpoints and logs")
+  p.add_argument(
+    "--chunks",
+    type=pathlib.Path,
+    default=ROOT / "experiments" / "results" / "testbed_calibration_chunks",
+    help="finished chunk files, one directory per cell (committed: a calibration adds up over sessions)",
+  )
   p.add_argument("--level", default="cpu")
   p.add_argument("--model", default="smollm2-135m", help="tiny: the random tiny model (smoke runs)")
   p.add_argument("--models", default="base,warmup", type=lambda s: s.split(","))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from experiments import testbed_calibration as cal
@@ -29,13 +30,14 @@ def _chunk(path, phase, rows, tasks, **extra):
 def test_write_gathers_chunks_into_json_and_table(tmp_path):
   """Two success chunks (3 of 4 tasks succeed) and one fidelity chunk of a warm-up cell at K=5 become the split's
   numbers; the base cell without files has no split; costs add up."""
-  d = tmp_path / "root" / "warmup_s0" / "cal_k5" / "iid"
+  d = tmp_path / "chunks" / "warmup_s0" / "cal_k5" / "iid"
   ok = {"valid": True, "tool_calls": 1, "turns": 1}
   _chunk(
     d / "success_0000_0002.json",
     "success",
     [{"task": "a", "success": 1, **ok}, {"task": "b", "success": 1, **ok}],
     ["a", "b"],
+    params_sha256="ab" * 32,
   )
   _chunk(
     d / "success_0002_0004.json",
@@ -49,15 +51,15 @@ def test_write_gathers_chunks_into_json_and_table(tmp_path):
     d / "fidelity_0000_0004.json", "fidelity", [{"task": "a", **pair}, {"task": "b", **miss}], ["a", "b", "c", "d"],
     gold_calls=2, stats={"generated_tokens": 10.0},
   )  # fmt: skip
-  (tmp_path / "root" / "base_s0").mkdir()
-  (tmp_path / "root" / "warmup_s0" / "train_cost.json").write_text(
+  (tmp_path / "chunks" / "base_s0").mkdir()
+  (tmp_path / "chunks" / "warmup_s0" / "train_cost.json").write_text(
     json.dumps({"steps": 5, "wall_s": 600.0, "cpu_s": 1200.0, "command": "x"})
   )
   logged = [{"step": k, "sft/nll": 1.0 / k, "time/step_s": 30.0 * k, "time/compile_s": 5.0} for k in (1, 2, 3, 4, 5, 6)]
-  (tmp_path / "root" / "warmup_s0" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+  (tmp_path / "chunks" / "warmup_s0" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
   out, md = tmp_path / "cal.json", tmp_path / "cal.md"
   cal.main(
-    [f"--root={tmp_path / 'root'}", "--report_steps=5", "--splits=iid", "--write", f"--out={out}", f"--out_md={md}"]
+    [f"--chunks={tmp_path / 'chunks'}", "--report_steps=5", "--splits=iid", "--write", f"--out={out}", f"--out_md={md}"]
   )
   result = json.loads(out.read_text())
   assert result["warmup_steps"] == [5] and result["level"] == "cpu" and result["sft_learning_rate"] == 1e-4
@@ -68,9 +70,27 @@ def test_write_gathers_chunks_into_json_and_table(tmp_path):
   assert s["success"]["mean"] == 0.75 and s["success"]["tasks"] == 4 and s["success"]["cpu_s"] == 240.0
   assert s["fidelity"]["calls"] == 2 and s["fidelity"]["gold_calls"] == 2 and s["fidelity"]["tasks"] == 4
   assert s["fidelity"]["exact_match"]["mean"] == 0.5 and s["fidelity"]["value_accuracy"]["n"] == 0
+  assert result["cells"]["warmup_s0_k5"]["params_sha256"] == ["ab" * 32]
   text = md.read_text()
   assert "| warmup_s0_k5 | iid | 75.0 [" in text and "| 2 | 6.0 |" in text  # (240 + 120) CPU-s = 6 min
   assert "warm-up: 5 steps, wall 10.0 min, CPU 20.0 min" in text
   assert "steps 1-5 took 7.5 min wall (compiling 25 s" in text and "1.000, 0.500, 0.333, 0.250, 0.200" in text
   with pytest.raises(SystemExit):
     cal.main([f"--root={tmp_path / 'root'}", "--models=other", "--no_train"])
+
+
+def test_chunks_of_other_parameters_stop_the_run(tmp_path):
+  """A finished chunk that evaluated other parameters (leaf norms off by more than NORMS_RTOL) stops the run; the same
+  SHA-256, norms within rounding (a retrained warm-up), or a chunk from before digests were kept, pass."""
+  params = {"a": np.full(3, 2.0, np.float32), "b": np.ones(4, np.float32)}
+  digest = cal.params_digest(params)
+  assert len(digest["sha256"]) == 64 and digest["norms"] == pytest.approx([np.sqrt(12.0), 2.0])
+  d = tmp_path / "cal_k10"
+  _chunk(d / "iid" / "success_0000_0008.json", "success", [], [], params_sha256="ab" * 32, params_norms=[3.4641, 2.0])
+  _chunk(d / "rules" / "success_0000_0008.json", "success", [], [])
+  cal.check_digest(d, digest, "warmup_s0 step 10")  # another SHA-256, the norms within 1e-3
+  moved = cal.params_digest({"a": np.full(3, 2.01, np.float32), "b": np.ones(4, np.float32)})
+  assert moved["sha256"] != digest["sha256"]
+  with pytest.raises(SystemExit, match=r"iid/success_0000_0008.json evaluated other parameters than warmup_s0 step 10 "
+                     r"holds \(leaf norms differ by 0.005 relative, more than 0.001\)"):  # fmt: skip
+    cal.check_digest(d, moved, "warmup_s0 step 10")

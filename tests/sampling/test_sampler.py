@@ -756,6 +756,28 @@ def test_traced_sampling_values_draw_what_constant_ones_drew(top_k):
   np.testing.assert_array_equal(traced(logits, keys, greedy, top_k=top_k), jnp.argmax(logits, axis=-1))
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.5])
+def test_nucleus_from_the_top_candidates_is_the_whole_sorts(scale):
+  """`sampler._nucleus` keeps exactly the tokens the whole-vocabulary sort keeps (`_constant_sample`'s mask), both when
+  every row's nucleus lies in its top `NUCLEUS_CANDIDATES` tokens (peaked logits, scale 8: the top-k path) and when
+  it does not (scale 0.5: the sort), over 2,048 tokens and top_p from 0.3 to 0.99."""
+  from envace_jax.sampling.sampler import NUCLEUS_CANDIDATES, _nucleus
+
+  top_p = jnp.asarray([[0.3], [0.5], [0.9], [0.95], [0.99], [0.95], [0.7], [0.999]])
+  logits = jax.random.normal(jax.random.key(3), (8, 2048)) * scale
+  top = jax.lax.top_k(logits, NUCLEUS_CANDIDATES)[0]
+  mass = jnp.sum(jax.nn.softmax(logits, axis=-1) * (logits >= top[:, -1:]), axis=-1)
+  assert bool(jnp.all(mass[:, None] > top_p + 1e-4)) == (scale > 1)  # the case each parameter is about
+  got = np.isfinite(np.asarray(jax.jit(_nucleus)(logits, top_p)))
+  for b in range(8):
+    sorted_b = jnp.sort(logits[b])[::-1]
+    probs = jax.nn.softmax(sorted_b)
+    keep = (jnp.cumsum(probs) - probs) < top_p[b, 0]
+    threshold = jnp.min(jnp.where(keep, sorted_b, jnp.inf))
+    np.testing.assert_array_equal(got[b], np.asarray(logits[b] >= threshold), err_msg=f"row {b}")
+  assert 1 < got.sum(axis=-1).max() < 2048  # not the argmax alone, nor everything
+
+
 def test_extreme_temperature_and_top_p_sample_their_limit_the_argmax():
   """A top_p below float32's resolution (1e-38, 1e-300) keeps the most likely token, and a temperature whose
   reciprocal overflows float32 (1e-39, 1e-45) or is below `MIN_TEMPERATURE` samples greedily: both limits are the
