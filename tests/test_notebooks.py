@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -259,6 +260,23 @@ CHECKS = {  # notebook stem: ({marker: cell source with {path}} inserted before 
 
 def test_every_notebook_has_a_check():
   assert sorted(p.stem for p in NOTEBOOKS) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_its_outputs(path):
+  """Each notebook is committed executed top to bottom at its default settings (a reader sees what it prints without
+  running it; stderr — progress bars, library logs — left out): every code cell numbered in order, no error output,
+  output in half the cells or more and in the last; the install cell's one constant REPO_URL; Colab metadata, a GPU
+  for the quickstart."""
+  nb = json.loads(path.read_text(encoding="utf-8"))
+  code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+  assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1))
+  outputs = [o for c in code for o in c["outputs"]]
+  assert not [o for o in outputs if o["output_type"] == "error" or o.get("name") == "stderr"]
+  assert sum(bool(c["outputs"]) for c in code) >= len(code) // 2 and code[-1]["outputs"]
+  install = "".join(code[0]["source"])
+  assert install.count("REPO_URL = ") == 1 and "ENVACE_REPO_URL" not in install and '".[tau2,bfcl' in install
+  assert "colab" in nb["metadata"] and (nb["metadata"].get("accelerator") == "GPU") == (path.stem == "quickstart")
 
 
 @pytest.mark.slow
