@@ -619,7 +619,8 @@ def validate(config, *, weights: bool = True) -> None:
   for name in names.split(",") if isinstance(names, str) and names else ():
     if name not in PRESETS:
       known = ", ".join(repr(p) for p in PRESETS)
-      ck.add(f"presets: unknown preset {name!r} (after '+' in --config=configs/<file>.py:...); known: {known}")
+      where = "--config=FILE:ARG+PRESET, or FILE:PRESET for a config that takes no ARG"
+      ck.add(f"presets: unknown preset {name!r} ({where}); known: {known}")
   context = _check_model(ck, weights)
   _check_mesh(ck)
   ck.integer("sampler.prefill_chunk", 1)

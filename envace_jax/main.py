@@ -15,7 +15,9 @@ only: the other modes run in one process.
 
 Output (``console.py``): warnings, the progress bar with a line per step, and the held-out table; absl's
 ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG) brings back every library's log. A bad config value prints one
-line per problem (the key, its value, the valid values) and exits with status 2, before anything loads.
+line per problem (the key, its value, the valid values) and exits with status 2, before anything loads; a usage error
+(a missing flag, a config file that does not load, a ``--config.KEY`` that names no setting, a workdir that is a
+file) prints one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ _DEFAULTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
   _DEFAULTS_FILE,
-  "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail). Required, but for --mode=eval on a workdir with a "
-  "checkpoint: the run's own config, stored with it, is used (--config.KEY=VALUE flags override it).",
+  "Config file, e.g. configs/tau2.py (or configs/tau2.py:retail). Needed by every mode but --mode=eval on a workdir "
+  "with a checkpoint, which uses the run's own config stored with it (--config.KEY=VALUE flags override it); the "
+  "default shown only parses those flags.",
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs (a checkpoint resumes).")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "demo", "plan"], "What to run.")
@@ -57,17 +60,56 @@ _HEARTBEAT = flags.DEFINE_integer(
 )
 
 
+def _usage(message: str) -> SystemExit:
+  """A usage error: one line on stderr, exit status 1 (absl's UsageError would print every flag's help first)."""
+  return SystemExit(f"envace_jax.main: {message} (--helpshort lists the flags)")
+
+
+def _load_config():
+  """``--config``'s value (ml_collections loads the file at parsing and hands a stand-in that raises on any use when it
+  did not load).
+
+  Raises:
+    SystemExit: the file does not load (`_usage`, with the loader's own reason).
+  """
+  config = _CONFIG.value
+  if type(config).__name__ == "_ErrorConfig":
+    reason = " ".join(" ".join(str(config._error).splitlines()[1:]).split()) or str(config._error)
+    raise _usage(f"--config does not load: {reason}")
+  return config
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or a ``--config.KEY`` the config lacks as one line (`_usage`).
+
+  Raises:
+    SystemExit: naming the flag, or the key with ml_collections' "Did you mean" suggestion.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise _usage(str(e)) from None
+  except (AttributeError, KeyError) as e:  # ml_collections: KeyError("'stepz'\nDid you mean "steps" ...?"), wrapped
+    message = e
+    while isinstance(message, BaseException) and message.args:
+      message = message.args[0]
+    raise _usage(f"a --config.KEY flag names no setting of the config: {' '.join(str(message).split())}") from None
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    raise _usage(f"unexpected arguments: {argv[1:]}")
   from envace_jax import config_check, console, distributed
 
   config_given = flags.FLAGS["config"].present > 0
   if not config_given and _MODE.value != "eval":
-    raise app.UsageError(f"--mode={_MODE.value} needs --config=FILE (e.g. configs/tau2.py)")
+    raise _usage(f"--mode={_MODE.value} needs --config=FILE (e.g. configs/tau2.py)")
+  config = _load_config()
+  if _WORKDIR.value and os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+    raise _usage(f"--workdir={_WORKDIR.value} is a file, not a directory")
   multi = _DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value >= 0
   if multi and _MODE.value != "train":
-    raise app.UsageError(f"--mode={_MODE.value} runs in one process; only --mode=train runs across processes")
+    raise _usage(f"--mode={_MODE.value} runs in one process; only --mode=train runs across processes")
   try:  # first: nothing may touch a device before the processes join
     joined = distributed.initialize(
       _COORDINATOR.value,
@@ -77,7 +119,7 @@ def main(argv: list[str]) -> None:
       heartbeat_timeout_s=_HEARTBEAT.value,
     )
   except ValueError as e:
-    raise app.UsageError(str(e)) from e
+    raise _usage(str(e)) from None
 
   console.setup(verbosity_given=flags.FLAGS["verbosity"].present > 0)
   from envace_jax import compilation_cache
@@ -87,29 +129,27 @@ def main(argv: list[str]) -> None:
     if _MODE.value == "demo":
       from envace_jax import demo
 
-      demo.run(_CONFIG.value, _WORKDIR.value)
+      demo.run(config, _WORKDIR.value)
     elif _MODE.value == "train":
       if not _WORKDIR.value:
-        raise app.UsageError("--mode=train needs --workdir=DIR (checkpoints, metrics.jsonl, TensorBoard events)")
-      config_check.validate(_CONFIG.value)  # before the training loop's imports: a bad value costs seconds
+        raise _usage("--mode=train needs --workdir=DIR (checkpoints, metrics.jsonl, TensorBoard events)")
+      config_check.validate(config)  # before the training loop's imports: a bad value costs seconds
       from envace_jax import train
 
-      train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+      train.train_and_evaluate(config, _WORKDIR.value)
     elif _MODE.value == "eval":
       from envace_jax import evaluate
 
       try:  # the run's own config where the workdir holds a checkpoint, with the --config.KEY flags given
-        config = evaluate.command_config(
-          _CONFIG.value, _WORKDIR.value, flags.FLAGS["config"].override_values, config_given
-        )
+        config = evaluate.command_config(config, _WORKDIR.value, flags.FLAGS["config"].override_values, config_given)
       except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        raise _usage(str(e)) from None
       config_check.validate(config)
       evaluate.run(config, _WORKDIR.value)
     elif _MODE.value == "plan":
       from envace_jax import plan
 
-      plan.run(_CONFIG.value, _DEVICE_GB.value, _OPENING.value, _PLAN_BACKEND.value)
+      plan.run(config, _DEVICE_GB.value, _OPENING.value, _PLAN_BACKEND.value)
   except config_check.ConfigError as e:
     console.config_error(e)
   except Exception as e:  # noqa: BLE001 - re-raised unless it is a CheckpointError
@@ -125,4 +165,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

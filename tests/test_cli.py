@@ -139,6 +139,22 @@ def test_bad_config_values_print_one_line_each_and_exit_2(tmp_path, mode):
   assert "Traceback" not in out and not workdir.exists() and not data_dir.exists()
 
 
+def test_usage_errors_print_one_line(tmp_path):
+  """A --config.KEY that names no setting, a config file that does not load, a workdir that is a file: one line each
+  naming the problem (no traceback, no flag help), exit status 1, nothing written."""
+  afile = tmp_path / "afile"
+  afile.write_text("not a directory")
+  cases = [
+    (("--config.train.stepz=1",), 'no setting of the config: \'stepz\' Did you mean "steps" instead of "stepz"?'),
+    ((f"--config={tmp_path / 'nope.py'}",), f"--config does not load: Attempted [Relative path]: {tmp_path}/nope.py"),
+    ((f"--workdir={afile}",), f"--workdir={afile} is a file, not a directory"),
+  ]
+  for args, want in cases:
+    code, out = _main(*args, timeout=300)
+    assert code == 1 and len(out.strip().splitlines()) == 1 and want in out, out
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_multi_process_flags_are_checked_before_anything_joins(tmp_path):
   """Part of --coordinator / --num_processes / --process_id, or a mode other than train across processes: a usage
   error naming what to give, exit status 1, nothing joined, prepared or written."""

@@ -281,6 +281,9 @@ def test_eval_command_needs_no_flags_on_a_run_and_says_when_it_evaluates_base_we
     "invalid config: eval.tasks=0: --mode=eval needs at least one task"
   ), proc.stdout
   given = _tiny_config(data_dir)
+  with pytest.raises(ValueError, match=f"--mode=eval: {empty} does not exist; give --config=FILE"):
+    evaluate.command_config(given, empty, {}, config_given=False)
+  pathlib.Path(empty).mkdir()
   with pytest.raises(ValueError, match=f"--mode=eval: {empty} holds no checkpoint to read the run's config from"):
     evaluate.command_config(given, empty, {}, config_given=False)
   assert evaluate.command_config(given, empty, {}) is given and capsys.readouterr().out == ""

@@ -107,7 +107,8 @@ def test_an_unknown_preset_stops_the_run_in_one_line(name, arg, unknown):
   with pytest.raises(config_check.ConfigError) as err:
     config_check.validate(config)
   assert [p for p in err.value.problems if p.startswith("presets")] == [
-    f"presets: unknown preset {unknown!r} (after '+' in --config=configs/<file>.py:...); known: 'official', 'paper'"
+    f"presets: unknown preset {unknown!r} (--config=FILE:ARG+PRESET, or FILE:PRESET for a config that takes no ARG); "
+    "known: 'official', 'paper'"
   ]
 
 
