@@ -497,9 +497,10 @@ class Trainer:
   def sft_step(self, step: int) -> dict[str, float]:
     """A supervised warm-up step: one update on the token-mean negative log-likelihood of B demonstrations.
 
-    The update is the GRPO update step with advantage 1 and ``old_logprobs`` = the current logprobs, so the ratio is
-    exactly 1 and the surrogate's gradient is that of -log p (docs/method.md, the warm-up). Returns ``sft/*``
-    metrics: ``nll`` (before the update; per role ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``,
+    The update is the GRPO update step with advantage 1 and NaN ``old_logprobs`` (`grpo.logprob_sums`: the update's
+    own logprobs, without their gradient), so the ratio is exactly 1 and the surrogate's gradient is that of -log p
+    (docs/method.md, the warm-up), with no forward pass besides the update's. Returns ``sft/*`` metrics: ``nll``
+    (the update's, before it steps; per role ``nll/<role>``), ``tokens``, ``grad_norm``, ``demonstrations``,
     ``skipped_tasks`` and the time.
     """
     start = time.perf_counter()
@@ -516,15 +517,15 @@ class Trainer:
       batch = None
     if batch is not None:
       self.finish_save()
-      old = self.policy_logprobs(batch)
-      mask, row_role = np.asarray(batch.loss_mask), np.asarray(batch.row_role)
-      scalars["sft/nll"] = float(-old[mask].sum() / max(mask.sum(), 1))
+      own = np.full(np.shape(batch.old_logprobs), np.nan, np.float32)
+      update_metrics = self.apply_update(batch.replace(old_logprobs=own), supervised=True)
+      scalars.update(
+        {f"sft/{k}": update_metrics[k] for k in ("tokens", "grad_norm", "kl", "nll") if k in update_metrics}
+      )
       for role in self.grpo_cfg.trained_roles:
-        role_mask = mask & (row_role == role)[..., None]
-        if role_mask.any():
-          scalars[f"sft/nll/{Role(role).name.lower()}"] = float(-old[role_mask].sum() / role_mask.sum())
-      update_metrics = self.apply_update(batch.replace(old_logprobs=old), supervised=True)
-      scalars.update({f"sft/{k}": update_metrics[k] for k in ("tokens", "grad_norm", "kl") if k in update_metrics})
+        name = Role(role).name.lower()
+        if update_metrics.get(f"tokens/{name}", 0.0) > 0:
+          scalars[f"sft/nll/{name}"] = update_metrics[f"nll/{name}"]
     scalars["time/step_s"] = time.perf_counter() - start
     return scalars
 

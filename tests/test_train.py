@@ -252,9 +252,9 @@ def test_recomputed_old_logprobs_are_the_samplers_up_to_numerics(tmp_path, data_
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["envace", "per_role"])
 def test_sft_update_is_the_gradient_of_the_demonstrations_mean_nll(tmp_path, data_dir, mode):
-  """Advantage 1 and old logprobs = the current policy's: the GRPO surrogate's gradient is exactly -grad log p,
-  averaged as the loss aggregation averages (generation_mean: over the demonstrations' generations of each one's
-  token mean; per_role: each tree over its own role's generations)."""
+  """Advantage 1 and NaN old logprobs (the update's own, as `Trainer.sft_step` passes them): the GRPO surrogate's
+  gradient is exactly -grad log p, averaged as the loss aggregation averages (generation_mean: over the
+  demonstrations' generations of each one's token mean; per_role: each tree over its own role's generations)."""
   from envace_jax.model.roles import NUM_ROLES, Role
   from envace_jax.rl import grpo, logprobs
 
@@ -266,7 +266,7 @@ def test_sft_update_is_the_gradient_of_the_demonstrations_mean_nll(tmp_path, dat
   adv = np.zeros((3, NUM_ROLES), np.float32)
   adv[:, [int(Role.ACT), int(Role.REHEARSE)]] = 1.0
   batch = trainer.training_batch(trajectories, adv)
-  batch = batch.replace(old_logprobs=trainer.policy_logprobs(batch))
+  batch = batch.replace(old_logprobs=np.full(np.shape(batch.old_logprobs), np.nan, np.float32))
   params = trainer.state.params
   grads, _ = jax.jit(grpo.loss_and_grads, static_argnames=("config", "cfg"))(
     trainer.model.config, trainer.grpo_cfg, params, batch

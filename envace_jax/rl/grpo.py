@@ -375,10 +375,15 @@ def logprob_sums(
     (objective, sums): objective float32[] = sum of w * (policy loss (+ kl_coef * KL when use_kl)), the value to
     differentiate; sums (no gradient): ``objective``, ``pg_loss``, ``kl``, ``clip_low``, ``clip_high``,
     ``clip_dual``, ``entropy``, ``approx_kl`` (each the sum of w * term), ``units``, ``tokens``, ``generations`` and
-    ``tokens/<role>`` (counts).
+    ``tokens/<role>`` (counts), ``nll`` and ``nll/<role>`` (sums of -logp, unweighted).
+
+  A NaN old logprob stands for ``logp`` itself (without its gradient): the ratio is exactly 1 and the token's
+  surrogate has the gradient of ``advantage * logp``. The supervised warm-up passes NaN (`train.Trainer.sft_step`)
+  instead of recomputing the logprobs with a forward of its own.
   """
   mask = batch.target_mask
   old = jnp.take_along_axis(batch.old_logprobs, batch.target_index, axis=1)
+  old = jnp.where(jnp.isnan(old), jax.lax.stop_gradient(logp), old)
   log_ratio = jnp.clip(logp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   pg, low, high, dual = clipped_policy_loss(
     log_ratio, batch.target_advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_ratio_c
@@ -409,8 +414,11 @@ def logprob_sums(
     entropy=wsum(entropy),
     approx_kl=wsum(-log_ratio),
   )
+  sums["nll"] = msum(-logp)
   for r in cfg.trained_roles:
-    sums[f"tokens/{role_name(r)}"] = msum(jnp.broadcast_to((batch.row_role == r)[:, None], mask.shape))
+    in_role = jnp.broadcast_to((batch.row_role == r)[:, None], mask.shape)
+    sums[f"tokens/{role_name(r)}"] = msum(in_role)
+    sums[f"nll/{role_name(r)}"] = msum(jnp.where(in_role, -logp, 0.0))
   return sums["objective"], jax.lax.stop_gradient(sums)
 
 
@@ -522,6 +530,10 @@ def _finalize(sums: dict[str, jax.Array], names: Sequence[str]) -> dict[str, jax
     "clip_frac_dual": sums["clip_dual"] / count,
   }
   m.update({k: v for k, v in sums.items() if k in ("tokens", "generations") or k.startswith("tokens/")})
+  m["nll"] = sums["nll"] / jnp.maximum(sums["tokens"], 1.0)  # the trained tokens' mean -logp before the step
+  for k in sums:
+    if k.startswith("nll/"):
+      m[k] = sums[k] / jnp.maximum(sums["tokens/" + k.removeprefix("nll/")], 1.0)
   if len(names) > 1:
     for name in names:
       m[f"loss/{name}"] = sums[f"tree_objective/{name}"] / jnp.maximum(sums[f"tree_units/{name}"], 1.0)

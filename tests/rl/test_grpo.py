@@ -393,6 +393,26 @@ def test_micro_batch_accumulation_is_exact(params):
   assert tree_max_diff(g2, g3) <= 1e-6 and abs(float(m2["loss"] - m3["loss"])) <= 1e-6
 
 
+def test_nan_old_logprobs_are_the_updates_own(params):
+  """NaN old logprobs (what the supervised warm-up passes) give the update that old = the policy's logprobs from a
+  forward of their own gave (the former warm-up): the same loss and gradient, ratio 1 (approx_kl 0, nothing clipped),
+  and ``nll`` (per role ``nll/<role>``) the mean -logp of the trained tokens those logprobs give."""
+  rng = np.random.default_rng(5)
+  cfg = grpo.GrpoConfig.from_config()
+  batch = collate(_varied_rows(rng), [1.0] * 4, trained_roles=cfg.trained_roles, length_bucket=16)
+  own = np.asarray(recompute_logprobs(CONFIG, params, batch))
+  g_own, m_own = loss_and_grads(cfg, params, split_micro_batches(batch.replace(old_logprobs=own), 2))
+  nan = np.full(own.shape, np.nan, np.float32)
+  g_nan, m_nan = loss_and_grads(cfg, params, split_micro_batches(batch.replace(old_logprobs=nan), 2))
+  assert tree_max_abs(g_own) > 1e-3 and tree_max_diff(g_own, g_nan) <= 1e-6
+  assert float(m_nan["approx_kl"]) == 0.0 and float(m_nan["clip_frac_low"] + m_nan["clip_frac_high"]) == 0.0
+  np.testing.assert_allclose(m_nan["loss"], m_own["loss"], rtol=1e-6)
+  mask, role = np.asarray(batch.loss_mask), np.asarray(batch.row_role)[:, None]
+  np.testing.assert_allclose(m_nan["nll"], -own[mask].mean(), rtol=1e-6)
+  for r, name in ((ACT, "act"), (REHEARSE, "rehearse")):
+    np.testing.assert_allclose(m_nan[f"nll/{name}"], -own[mask & (role == r)].mean(), rtol=1e-6)
+
+
 def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program(params):
   """make_update_step cuts micro-batch k to its own bucketed T and I and skips one without a trained token; its state
   and metrics are the single-program update_step's on the uncut [K, M, T] batch, and a later step whose micro-batches
