@@ -34,11 +34,11 @@ means with percentile-bootstrap 95% intervals (10k resamples, fixed seed; over t
 fidelity), counts, K, learning rate, costs, dates) and ``--out_md`` (a table). Not a timed test; one seed per cell
 unless ``--seeds`` says more.
 
-Cost (measured 2026-12-05 on 2 shared vCPUs, SmolLM2-135M float32): one warm-up step ≈ 400-600 CPU-s (the first
-adds 140-275 s of compilation), a success chunk of 32 tasks ≈ 1230 CPU-s; K=10 and all cells are CPU-hours, so
-run it on a dedicated multi-core machine or an accelerator. The warm-up saves every ``train.checkpoint_every``
-steps (10 in configs/testbed.py) and a killed run keeps only those: pass
-``--train_flag=--config.train.checkpoint_every=2`` when the run may be cut.
+Cost (measured 2026-12-05 on 2 vCPUs shared with other jobs, SmolLM2-135M float32): the K=10 warm-up ≈ 33 min wall
+(100-230 s a step, before its forward pass was removed: 44ba95f), a success chunk of 8 tasks 30-70 s wall, a fidelity
+chunk of 8 tasks (13-16 gold calls) 70-140 s, loading a cell ≈ 1 min. The warm-up saves every
+``train.checkpoint_every`` steps (10 in configs/testbed.py) and a killed run keeps only those: pass
+``--train_flag=--config.train.checkpoint_every=5`` when the run may be cut.
 """
 
 from __future__ import annotations

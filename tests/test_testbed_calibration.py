@@ -94,3 +94,16 @@ def test_chunks_of_other_parameters_stop_the_run(tmp_path):
   with pytest.raises(SystemExit, match=r"iid/success_0000_0008.json evaluated other parameters than warmup_s0 step 10 "
                      r"holds \(leaf norms differ by 0.005 relative, more than 0.001\)"):  # fmt: skip
     cal.check_digest(d, moved, "warmup_s0 step 10")
+
+
+def test_committed_table_and_docs_are_the_committed_json():
+  """experiments/results/testbed_calibration.md is `table` of the committed JSON, and every interval docs/testbed.md
+  quotes ("31.2 [12.5, 56.2]") is one of that table's."""
+  import re
+
+  results = cal.ROOT / "experiments" / "results"
+  result = json.loads((results / "testbed_calibration.json").read_text(encoding="utf-8"))
+  table = (results / "testbed_calibration.md").read_text(encoding="utf-8")
+  assert cal.table(result) == table
+  quoted = re.findall(r"\d+\.\d \[\d+\.\d, \d+\.\d\]", (cal.ROOT / "docs" / "testbed.md").read_text(encoding="utf-8"))
+  assert quoted and all(q in table for q in quoted), [q for q in quoted if q not in table]
