@@ -103,8 +103,10 @@ def command_config(config, workdir: str | None, overrides: Mapping[str, Any], co
   found = stored_config(workdir)
   if found is None:
     if not config_given:
-      where = f"{workdir} does not exist" if workdir and not os.path.exists(workdir) else None
-      where = where or f"{workdir or 'no --workdir'} holds no checkpoint to read the run's config from"
+      if workdir and not os.path.exists(workdir):
+        where = f"{workdir} does not exist"
+      else:
+        where = f"{workdir or 'no --workdir'} holds no checkpoint to read the run's config from"
       raise ValueError(f"--mode=eval: {where}; give --config=FILE to evaluate a model's base weights")
     return config
   stored, step = found

@@ -523,7 +523,7 @@ class Trainer:
         {f"sft/{k}": update_metrics[k] for k in ("tokens", "grad_norm", "kl", "nll") if k in update_metrics}
       )
       for role in self.grpo_cfg.trained_roles:
-        name = Role(role).name.lower()
+        name = advantages_lib.role_name(role)  # the update's own metric names (`grpo.logprob_sums`)
         if update_metrics.get(f"tokens/{name}", 0.0) > 0:
           scalars[f"sft/nll/{name}"] = update_metrics[f"nll/{name}"]
     scalars["time/step_s"] = time.perf_counter() - start

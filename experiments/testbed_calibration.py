@@ -11,10 +11,11 @@ Cells. One workdir per (model, seed) cell under ``--root``: ``base_s{seed}`` (th
 train.sft_warmup_steps = K``: K supervised steps of B=4 reference conversations, both roles, on the ``train`` split,
 AdamW at ``grpo.sft_learning_rate``; evaluated at checkpoint step K). Each (cell, split, phase, chunk) result is one
 JSON file under ``--chunks``/``{cell}/cal/{split}/`` (``cal_k{K}/`` for the warm-up), written when it finishes, with
-the SHA-256 of the parameters it evaluated; a rerun skips finished files, so the run resumes. The chunks directory
-is in the repository (experiments/results/testbed_calibration_chunks/) so that a calibration spread over several
-machines or sessions adds up: a warm-up retrained elsewhere must reproduce the parameters of the chunks already
-there (same digest), or the run stops before evaluating. The checkpoints stay under ``--root``.
+the digest of the parameters it evaluated (`params_digest`); a rerun skips finished files, so the run resumes. The
+chunks directory is in the repository (experiments/results/testbed_calibration_chunks/) so that a calibration spread
+over several machines or sessions adds up: a warm-up retrained elsewhere must reproduce the parameters of the chunks
+already there up to float rounding (`check_digest`), or the run stops before evaluating. The checkpoints stay under
+``--root``.
 
 What is measured per (cell, split) (splits: envs/testbed.py ``HELDOUT_SPLITS``):
 - success: committed execution without rehearsal, 1 trial, on the first ``--tasks`` tasks of the split against the
@@ -295,7 +296,7 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
   """Every unfinished (split, phase, chunk) file of one cell; the model is loaded once, if anything is left.
 
   Raises:
-    SystemExit: a finished chunk of this cell evaluated other parameters (its ``params_sha256``).
+    SystemExit: a finished chunk of this cell evaluated other parameters (`check_digest`).
   """
   import jax
 

@@ -168,9 +168,10 @@ def _nucleus(x_bv: jax.Array, top_p: jax.Array) -> jax.Array:
   # The row maximum from its own reduction: taken as ``top_bv[:, :1]`` XLA:CPU fused the top-k into both uses and
   # ran 63 ms, not 2 (8 x 49,152 logits; experiments/results/2026-12-05_eval_speed.md).
   m = jnp.max(x_bv, axis=-1, keepdims=True)
+  z = jnp.sum(jnp.exp(x_bv - m), axis=-1, keepdims=True)  # the softmax's denominator, shared by both paths
 
   def threshold(top_bv):  # top_bv: a row's k most likely logits, descending
-    probs = jnp.exp(top_bv - m) / jnp.sum(jnp.exp(x_bv - m), axis=-1, keepdims=True)
+    probs = jnp.exp(top_bv - m) / z
     keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p).at[:, 0].set(True)
     return jnp.min(jnp.where(keep, top_bv, jnp.inf), axis=-1, keepdims=True), jnp.sum(probs, axis=-1, keepdims=True)
 
