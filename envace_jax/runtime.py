@@ -6,13 +6,15 @@ same thing everywhere (see ``config_check.weights_source``).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -220,6 +222,7 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # 10-40 s), not an eager operation's (about 0.01 s) or the tiny test model's (1-3 s, whose caches are small: dropping
 # them after those made two resume tests 15% slower); each one leaves its jaxpr and lowered module in JAX's caches.
 _LARGE_COMPILE_S = 3.0
+OUTSIDE_PHASES = "other"  # `CompileClock.programs_by_phase_since`'s name for compiles outside any phase
 _large_compiles = 0  # since import
 _large_at_clear = 0  # _large_compiles when the caches were last dropped
 
@@ -240,18 +243,30 @@ class CompileClock:
 
       with CompileClock() as clock:
         mark = clock.mark()
-        ...
+        with clock.phase("rollout"):
+          ...
         seconds, programs = clock.since(mark), clock.programs_since(mark)
+        per_phase = clock.programs_by_phase_since(mark)  # {"rollout": n, ...}
   """
 
   def __init__(self):
-    self._spans: list[tuple[float, float, bool]] = []  # (start, end, a backend compile)
+    self._spans: list[tuple[float, float, bool, str]] = []  # (start, end, a backend compile, phase)
+    self._phase = OUTSIDE_PHASES
     self._listening = True
     jax.monitoring.register_event_time_span_listener(self._on_span)
 
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
-    if event.startswith(_COMPILE_EVENTS):
-      self._spans.append((start, end, event == _BACKEND_COMPILE))
+    if event.startswith(_COMPILE_EVENTS):  # reported by the compiling thread, after the compile, inside its phase
+      self._spans.append((start, end, event == _BACKEND_COMPILE, self._phase))
+
+  @contextlib.contextmanager
+  def phase(self, name: str) -> Iterator[None]:
+    """Attributes what compiles inside the block to phase ``name`` (the innermost phase, when nested)."""
+    outer, self._phase = self._phase, name
+    try:
+      yield
+    finally:
+      self._phase = outer
 
   def mark(self) -> int:
     return len(self._spans)
@@ -259,7 +274,7 @@ class CompileClock:
   def since(self, mark: int) -> float:
     """Compile seconds recorded after ``mark`` (overlapping spans merged)."""
     total, end = 0.0, -float("inf")
-    for s, e, _ in sorted(self._spans[mark:]):
+    for s, e, *_ in sorted(self._spans[mark:]):
       if e > end:
         total += e - max(s, end)
         end = e
@@ -267,7 +282,12 @@ class CompileClock:
 
   def programs_since(self, mark: int) -> int:
     """Programs XLA compiled (or loaded from the persistent cache) after ``mark``."""
-    return sum(backend for _, _, backend in self._spans[mark:])
+    return sum(backend for _, _, backend, _ in self._spans[mark:])
+
+  def programs_by_phase_since(self, mark: int) -> dict[str, int]:
+    """`programs_since` split by `phase` (``OUTSIDE_PHASES`` for what compiled outside any); phases that compiled
+    nothing are left out, so the values sum to ``programs_since(mark)``."""
+    return dict(collections.Counter(phase for _, _, backend, phase in self._spans[mark:] if backend))
 
   def close(self) -> None:
     """Stops listening (the figures so far stay readable); a second call does nothing."""

@@ -223,6 +223,14 @@ class Trainer:
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
     self.turn_gate = scoring.turn_gate(config, self.judge)  # required_for_next_turn items end trajectories
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
+    self.clock: runtime.CompileClock | None = None  # while `run` runs: its phases' compiles (`_phase`)
+
+  @contextlib.contextmanager
+  def _phase(self, name: str) -> Iterator[dict[str, Any]]:
+    """`phase` (``name``'s outputs, timed by whoever replaced it), with what compiles inside it counted for
+    ``compile/programs/<name>`` (`runtime.CompileClock.phase`)."""
+    with self.clock.phase(name) if self.clock else contextlib.nullcontext(), self.phase(name) as out:
+      yield out
 
   def _process_mesh(self, update_mesh, shards: int):
     """This process's block of the mesh, where its samplers run (`distributed.process_mesh`), after checking what a
@@ -454,10 +462,10 @@ class Trainer:
     warm-up's learning rate when ``supervised``; returns the update step's metrics as floats."""
     self.finish_save()
     if self.grpo_cfg.use_kl:
-      with self.phase("reference") as out:
+      with self._phase("reference") as out:
         batch = out["batch"] = self.with_reference(batch)
     state = grpo.with_learning_rate(self.grpo_cfg, self.state, supervised=supervised)
-    with self.phase("update") as out:
+    with self._phase("update") as out:
       self.state, update_metrics = self.update(state, batch)
       out["metrics"] = {k: float(np.asarray(v)) for k, v in jax.device_get(update_metrics).items()}
     self._sync_samplers()
@@ -541,17 +549,17 @@ class Trainer:
     start = time.perf_counter()
     tasks = self.stream.next_batch()
     key = jax.random.fold_in(self.key, step)
-    with self.phase("rollout") as out:
+    with self._phase("rollout") as out:
       trajectories, stats = out["trajectories"], out["stats"] = self.rollout(tasks, key)
     scalars = rollout_metrics(trajectories, stats)  # the step's first batch: what the policy does on B tasks
     groups = group_trajectories(trajectories)
     scalars["rollout/groups_without_signal"] = sum(not has_signal(g) for g in groups) / len(groups)
     if self.grpo_cfg.dynamic_sampling:
-      with self.phase("dynamic_sampling") as out:
+      with self._phase("dynamic_sampling") as out:
         trajectories, dynamic = out["trajectories"], out["metrics"] = self.dynamic_sampling(groups, key)
       scalars.update(dynamic)
       scalars["time/rollout_s"] += dynamic["time/dynamic_sampling_s"]
-    with self.phase("batch") as out:
+    with self._phase("batch") as out:
       adv, empty, adv_stats = out["advantages"] = self.generation_advantages(trajectories)
       update_start = time.perf_counter()
       try:
@@ -564,7 +572,7 @@ class Trainer:
     scalars.update({k if k.startswith("adv/") else f"adv/{k}": float(v) for k, v in adv_stats.items()})
     if batch is not None:
       if self.grpo_cfg.old_logprobs == "recompute":  # verl's: the ratio's denominator from the update's own forward
-        with self.phase("old_logprobs") as out:
+        with self._phase("old_logprobs") as out:
           batch = out["batch"] = batch.replace(old_logprobs=self.policy_logprobs(batch))
       update_metrics = self.apply_update(batch, supervised=False)
       scalars.update({f"update/{k}": v for k, v in update_metrics.items()})
@@ -598,7 +606,7 @@ class Trainer:
       )
       say(f"resumed from step {self.start_step} in {self.ckpt.directory}{damaged}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
-    clock = runtime.CompileClock()
+    clock = self.clock = runtime.CompileClock()
     try:
       if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
         say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
@@ -613,6 +621,8 @@ class Trainer:
         last.update(runtime.host_memory_gib())
         if cfg.train.eval_tasks and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           last.update(self.evaluate(step))
+        # per phase, an in-run evaluation's ("eval") included: a step after the first compiles nothing new
+        last.update({f"compile/programs/{k}": v for k, v in clock.programs_by_phase_since(mark).items()})
         writer.write(step, last)
         self.ckpt.save(
           step,
@@ -637,6 +647,7 @@ class Trainer:
           say(metrics.format_eval_change(initial[-1], summary, total))
     finally:
       clock.close()
+      self.clock = None
       writer.close()
       self.ckpt.close()
     return {"steps": total, "last": last, "eval": summary}
@@ -652,14 +663,15 @@ class Trainer:
     """Committed execution of the current policy on held-out tasks against the real tools (``heldout.py``), with
     the host memory figures after it (``runtime.host_memory_gib``)."""
     self._sync_samplers()
-    summary = heldout.committed_execution(
-      self.config,
-      self.eval_tasks(),
-      self.samplers,
-      self.model.tokenizer,
-      jax.random.fold_in(jax.random.fold_in(self.key, step), _EVALUATION_STREAM),
-      num_trials=self.config.eval.num_trials,
-    )
+    with self.clock.phase("eval") if self.clock else contextlib.nullcontext():
+      summary = heldout.committed_execution(
+        self.config,
+        self.eval_tasks(),
+        self.samplers,
+        self.model.tokenizer,
+        jax.random.fold_in(jax.random.fold_in(self.key, step), _EVALUATION_STREAM),
+        num_trials=self.config.eval.num_trials,
+      )
     return {**summary, **runtime.host_memory_gib()}  # after the evaluation: an in-run one's replace the step's
 
 

@@ -108,6 +108,10 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     want = f", tool-call validity {r['rollout/tool_call_validity']:.2f}, {r['time/step_s']:.1f} s{compiling}"
     assert line.endswith(want), line
     assert r["compile/programs"] >= 0 and r["memory/host_peak_gib"] > 0 and r["memory/host_rss_gib"] > 0
+    per_phase = {k: v for k, v in r.items() if k.startswith("compile/programs/")}
+    assert sum(per_phase.values()) == r["compile/programs"], r  # no in-run evaluation here
+    if step == 1:  # the first step compiles the rollout's and the update's programs (or loads them from the cache)
+      assert per_phase["compile/programs/rollout"] > 0 and per_phase["compile/programs/update"] > 0, r
   assert re.fullmatch(r"train: 100%\|█+\| 2/2 \[\d\d:\d\d<00:00, .*step, reward=.*\]", lines[2]), lines[2]
   assert lines[3] == f"evaluating on {task} against the real tools..."
   final = metrics.format_eval_summary(held_out, 2).splitlines()

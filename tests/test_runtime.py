@@ -109,6 +109,31 @@ def test_compile_clock_counts_each_new_program_once_and_its_seconds():
   clock.close()  # a second close does nothing
 
 
+def test_compile_clock_attributes_programs_to_the_innermost_phase():
+  """`CompileClock.phase`: each compile counts for the innermost phase open when it ran, ``other`` outside any; the
+  per-phase counts sum to `programs_since` (train.py's ``compile/programs/<phase>``)."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  unique = float(time.time_ns() % 1_000_003)
+  f = jax.jit(lambda x: jnp.cos(x) * unique - 2)
+  with runtime.CompileClock() as clock:
+    mark = clock.mark()
+    with clock.phase("rollout"):
+      f(np.ones(3, np.float32)).block_until_ready()
+      with clock.phase("update"):
+        f(np.ones(4, np.float32)).block_until_ready()
+        f(np.ones(5, np.float32)).block_until_ready()
+      f(np.ones(3, np.float32)).block_until_ready()  # cached: nothing
+      f(np.ones(6, np.float32)).block_until_ready()  # the outer phase again
+    f(np.ones(7, np.float32)).block_until_ready()
+    assert clock.programs_by_phase_since(mark) == {"rollout": 2, "update": 2, runtime.OUTSIDE_PHASES: 1}
+    assert clock.programs_since(mark) == 5
+
+
 def test_a_sampler_off_the_mesh_warns_naming_the_values(caplog):
   """B x G rows that do not split over the mesh's batch shards (data x fsdp) put the sampler on one device, with a
   WARNING naming the rows, the shards and the mesh sizes; rows that split sample on the mesh, without one."""

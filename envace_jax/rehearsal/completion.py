@@ -19,7 +19,7 @@ import numpy as np
 
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message, Tokenizer
-from envace_jax.sampling.sampler import GREEDY, SamplingParams
+from envace_jax.sampling.sampler import GREEDY, SamplingParams, next_pow2
 from envace_jax.sampling.stopping import FinishReason
 
 
@@ -96,7 +96,9 @@ def complete(
   mult = sampler.batch_multiple
   n_groups = -(-len(order) // mult) * mult
   context = getattr(getattr(sampler, "config", None), "max_seq_len", None)
-  longest = max(len(ids) for ids, _ in rendered) + max_new_tokens
+  # Rounded up to a power of two: calls whose prompts differ in length (every fidelity chunk, every assessment)
+  # reuse the same compiled programs instead of compiling their own.
+  longest = next_pow2(max(len(ids) for ids, _ in rendered) + max_new_tokens)
   capacity = min(longest, context) if context else longest
   cache = sampler.init_cache(batch=n_groups, capacity=capacity)
   heads = [list(prefix) for prefix, _ in order] + [[]] * (n_groups - len(order))
