@@ -23,7 +23,7 @@ STAMP := $(VENV_DIR)/.envace-jax-installed$(if $(EXTRAS),-$(subst $(comma),-,$(E
 CONFIG ?= configs/tau2.py:mock_heldout
 WORKDIR ?= /tmp/envace_main
 ARGS ?=
-PYTEST_ARGS ?= -n auto --dist worksteal -q
+PYTEST_ARGS ?= -n auto --dist worksteal -q --durations=10
 
 .PHONY: run test install
 
