@@ -225,11 +225,14 @@ class Trainer:
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
     self.clock: runtime.CompileClock | None = None  # while `run` runs: its phases' compiles (`_phase`)
 
+  def _counted(self, name: str) -> AbstractContextManager[None]:
+    """What compiles inside the block counts for ``compile/programs/<name>`` (`runtime.CompileClock.phase`)."""
+    return self.clock.phase(name) if self.clock else contextlib.nullcontext()
+
   @contextlib.contextmanager
   def _phase(self, name: str) -> Iterator[dict[str, Any]]:
-    """`phase` (``name``'s outputs, timed by whoever replaced it), with what compiles inside it counted for
-    ``compile/programs/<name>`` (`runtime.CompileClock.phase`)."""
-    with self.clock.phase(name) if self.clock else contextlib.nullcontext(), self.phase(name) as out:
+    """`phase` (``name``'s outputs, timed by whoever replaced it), `_counted`."""
+    with self._counted(name), self.phase(name) as out:
       yield out
 
   def _process_mesh(self, update_mesh, shards: int):
@@ -663,7 +666,7 @@ class Trainer:
     """Committed execution of the current policy on held-out tasks against the real tools (``heldout.py``), with
     the host memory figures after it (``runtime.host_memory_gib``)."""
     self._sync_samplers()
-    with self.clock.phase("eval") if self.clock else contextlib.nullcontext():
+    with self._counted("eval"):
       summary = heldout.committed_execution(
         self.config,
         self.eval_tasks(),
