@@ -624,7 +624,7 @@ class Trainer:
         last.update(runtime.host_memory_gib())
         if cfg.train.eval_tasks and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           last.update(self.evaluate(step))
-        # per phase, an in-run evaluation's ("eval") included: a step after the first compiles nothing new
+        # per phase, an in-run evaluation's ("eval") included
         last.update({f"compile/programs/{k}": v for k, v in clock.programs_by_phase_since(mark).items()})
         writer.write(step, last)
         self.ckpt.save(

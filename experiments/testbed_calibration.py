@@ -326,20 +326,19 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
   check_digest(eval_dir(record, step), digest, f"{workdir} step {step}")
   _dump(record / "load_cost.json", {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
   base_key = evaluate.eval_key(seed)
-  clock = runtime.CompileClock()
-  for split, phase, c, lo, hi, path in plan:
-    config.env.eval_split = split
-    tasks = runtime.evaluation_tasks(config, hi)[lo:hi]
-    key = jax.random.fold_in(jax.random.fold_in(base_key, 1 if phase == "success" else 2), c)
-    fn = success_chunk if phase == "success" else fidelity_chunk
-    mark = clock.mark()
-    out = fn(config, tasks, samplers, model.tokenizer, key)
-    out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)  # part of wall_s
-    out.update(cell=name, split=split, phase=phase, tasks=[t.id for t in tasks], step=step, date=_now())
-    out["params_sha256"], out["params_norms"] = digest["sha256"], digest["norms"]
-    _dump(path, out)
-    print(f"{name} {split} {phase} [{lo}:{hi}] wall {out['wall_s']:.0f}s cpu {out['cpu_s']:.0f}s", flush=True)
-  clock.close()
+  with runtime.CompileClock() as clock:
+    for split, phase, c, lo, hi, path in plan:
+      config.env.eval_split = split
+      tasks = runtime.evaluation_tasks(config, hi)[lo:hi]
+      key = jax.random.fold_in(jax.random.fold_in(base_key, 1 if phase == "success" else 2), c)
+      fn = success_chunk if phase == "success" else fidelity_chunk
+      mark = clock.mark()
+      out = fn(config, tasks, samplers, model.tokenizer, key)
+      out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)  # part of wall_s
+      out.update(cell=name, split=split, phase=phase, tasks=[t.id for t in tasks], step=step, date=_now())
+      out["params_sha256"], out["params_norms"] = digest["sha256"], digest["norms"]
+      _dump(path, out)
+      print(f"{name} {split} {phase} [{lo}:{hi}] wall {out['wall_s']:.0f}s cpu {out['cpu_s']:.0f}s", flush=True)
 
 
 # -- gathering ------------------------------------------------------------------------------------------------------
