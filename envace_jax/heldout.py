@@ -101,24 +101,37 @@ def evaluate_policy(
       )
     )
   if gap:
-    # Held-out tasks are rehearsed as training rolls out, but with no grounding (the task's reference interactions
-    # are its gold actions executed for real) and with the user simulator's first message even where the rollout
-    # opens with the user scenario: REHEARSE must see neither when the task is the one being judged.
-    rcfg = dataclasses.replace(
-      ucfg, env_mode="rehearse", group_size=num_trials, grounding_max_tokens=0, scenario_opening=False
-    )
-    out = unfold(
-      tasks,
-      policy,
-      tokenizer,
-      rcfg,
-      jax.random.fold_in(key, _REWARD_GAP_STREAM),
-      reference_sampler=samplers.get("reference"),
-    )
+    out = rehearsed_runs(ucfg, tasks, policy, tokenizer, samplers, key, num_trials)
     summary.update(scoring.reward_gap(config, [t.task for t in out.trajectories], out.trajectories))
     summary["cost/gap/seconds"] = float(out.stats.get("time_total_s", 0.0))
   runtime.release_host_memory()
   return summary, result
+
+
+def rehearsed_runs(ucfg: UnfoldConfig, tasks: Sequence[Task], policy, tokenizer, samplers, key, num_trials: int):
+  """The reward gap's rollouts (`evaluate_policy` with ``gap``): ``num_trials`` self-unfolded trajectories per task,
+  REHEARSE answering every tool call (`unfold` with ``env_mode="rehearse"``), the stream of ``key`` the gap uses.
+
+  Held-out tasks are rehearsed as training rolls out, but with no grounding (the task's reference interactions are
+  its gold actions executed for real) and with the user simulator's first message even where the rollout opens with
+  the user scenario: REHEARSE must see neither when the task is the one being judged.
+
+  Args:
+    ucfg: `evaluation_unfold_config`'s settings; policy: `policy.Policy.by_role` of ``samplers``.
+  Returns:
+    `unfold`'s output: ``trajectories`` (task-major, ``num_trials`` per task) and ``stats``.
+  """
+  rcfg = dataclasses.replace(
+    ucfg, env_mode="rehearse", group_size=num_trials, grounding_max_tokens=0, scenario_opening=False
+  )
+  return unfold(
+    tasks,
+    policy,
+    tokenizer,
+    rcfg,
+    jax.random.fold_in(key, _REWARD_GAP_STREAM),
+    reference_sampler=samplers.get("reference"),
+  )
 
 
 def evaluation_unfold_config(config, samplers: Mapping[str, Any]) -> UnfoldConfig:

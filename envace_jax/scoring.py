@@ -270,37 +270,48 @@ def replay_for_real(task: Task, messages: Sequence[ChatMessage], env: ToolEnv) -
   return out
 
 
-def reward_gap(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, float]:
-  """Rule-checklist reward of rehearsed trajectories vs the benchmark reward of replaying them for real.
+def reward_gap_pairs(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> list[tuple | None]:
+  """Per rehearsed trajectory: (rule-checklist reward of the rehearsal, benchmark reward of replaying its calls for
+  real on a fresh environment of its task), or None where either scorer could not score it (`score`).
 
   Args:
     tasks: the original task of each trajectory (with its gold actions).
-    trajectories: rehearsed trajectories.
+    trajectories: rehearsed trajectories (`heldout.rehearsed_runs`).
   Returns:
-    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real): means over the trajectories both
-    scorers accepted, "gap/trajectories": how many those are, "gap/invalid": how many either scorer could not score
-    (`score`), "gap/scoring_errors": how many of those a scorer failed on}.
+    One entry per trajectory, in order: ``(rehearsed, real, scoring_error)`` floats and a bool (a scorer failed on
+    either side), or ``(None, None, scoring_error)`` for an invalid one.
   """
-  rehearsed, real, invalid, errors = [], [], 0, 0
+  out = []
   for task, traj in zip(tasks, trajectories, strict=True):
     r = score(config, traj, task=task)
     env = make_env(config, task)
     replayed = Trajectory(task, traj.group, traj.sample, replay_for_real(task, traj.messages, env))
     q = score(config, replayed, env=env)
-    errors += bool(traj.counts.get(SCORING_ERROR) or replayed.counts.get(SCORING_ERROR))
-    if r.valid and q.valid:
-      rehearsed.append(r.reward)
-      real.append(q.reward)
-    else:
-      invalid += 1
+    error = bool(traj.counts.get(SCORING_ERROR) or replayed.counts.get(SCORING_ERROR))
+    out.append((r.reward, q.reward, error) if r.valid and q.valid else (None, None, error))
+  return out
+
+
+def reward_gap(config, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """Rule-checklist reward of rehearsed trajectories vs the benchmark reward of replaying them for real
+  (`reward_gap_pairs`).
+
+  Returns:
+    {"gap/rehearsed_reward", "gap/real_reward", "gap/gap" (rehearsed - real): means over the trajectories both
+    scorers accepted, "gap/trajectories": how many those are, "gap/invalid": how many either scorer could not score
+    (`score`), "gap/scoring_errors": how many of those a scorer failed on}.
+  """
+  pairs = reward_gap_pairs(config, tasks, trajectories)
+  rehearsed = [r for r, _, _ in pairs if r is not None]
+  real = [q for _, q, _ in pairs if q is not None]
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
   return {
     "gap/rehearsed_reward": mean(rehearsed),
     "gap/real_reward": mean(real),
     "gap/gap": mean(rehearsed) - mean(real),
     "gap/trajectories": float(len(real)),
-    "gap/invalid": float(invalid),
-    "gap/scoring_errors": float(errors),
+    "gap/invalid": float(len(pairs) - len(real)),
+    "gap/scoring_errors": float(sum(e for _, _, e in pairs)),
   }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -180,50 +181,103 @@ class Trainer:
       state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
       state = jax.device_put(state, jax.devices()[0])
     self.state = state
+    del state  # the train state's only reference is self.state: a restore releases it before reading
     self.key = jax.random.key(config.seed)
     self.stream = datasets.TaskStream(self.train_source, config.train.tasks_per_step, config.seed)
     self.ckpt = checkpoint_lib.Checkpointer.from_config(workdir, config)
     self.start_step = 0
     self.damaged: dict[int, str] = {}  # the damaged steps a resume passed over (`Checkpointer.restore`)
+    self.init_from: tuple[str, int] | None = None  # (workdir, step) a fresh run started from (`_start_from`)
     latest = self.ckpt.latest_step()
     if latest is not None:
-      # Restored onto the fresh state's shapes and shardings, that state released first (no device holds two).
-      fresh, self.state = {"params": self.state.params, "opt_state": self.state.opt_state}, None
-      shape_of = lambda x: (
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
-      )
-      abstract = jax.tree.map(shape_of, fresh)
-      del fresh, state
-      restored = self.ckpt.restore(
-        latest,
-        abstract_state=abstract,
-        fallback=config.train.checkpoint_fallback,
-        fallback_setting="train.checkpoint_fallback",
-      )
-      self.damaged = restored.damaged
-      if self.processes > 1:  # every process must resume from the same step (they read one shared workdir)
-        steps = distributed.allgather_objects(restored.step)
-        if len(set(steps)) > 1:
-          raise checkpoint_lib.CheckpointError(
-            f"the processes restored different steps from {self.ckpt.directory} (by process: {steps}): a damaged "
-            "step reads on some of them; move the damaged steps away and restart"
-          )
-      if restored.damaged:  # the run saves those steps afresh
-        distributed.primary_first("envace_damaged_checkpoints", lambda: self.ckpt.set_aside(restored.damaged))
-      self.state = grpo.TrainState(
-        step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
-      )
-      self.key = restored.rng
-      if restored.data_state is not None:
-        self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
-      self.start_step = restored.step
-      logging.info("resumed from step %d in %s", restored.step, self.ckpt.directory)
+      self._restore(self.ckpt, latest, fallback=config.train.checkpoint_fallback)
+      logging.info("resumed from step %d in %s", self.start_step, self.ckpt.directory)
+    elif config.train.init_from:
+      self._start_from(config.train.init_from)
     rows = config.train.tasks_per_step * config.train.group_size // self.processes  # this process's share
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
     self.turn_gate = scoring.turn_gate(config, self.judge)  # required_for_next_turn items end trajectories
     self.phase: Callable[[str], AbstractContextManager[dict[str, Any]]] = _untimed_phase
     self.clock: runtime.CompileClock | None = None  # while `run` runs: its phases' compiles (`_phase`)
+
+  def _restore(self, ckpt: checkpoint_lib.Checkpointer, latest: int, fallback: bool) -> None:
+    """The whole train state of ``ckpt``'s step ``latest`` (with ``fallback``, or the newest older step that reads),
+    its key and data position, restored onto the fresh state's shapes and shardings; ``start_step`` is the step
+    restored."""
+    # Restored onto the fresh state's shapes and shardings, that state released first (no device holds two).
+    fresh, self.state = {"params": self.state.params, "opt_state": self.state.opt_state}, None
+    shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+    abstract = jax.tree.map(shape_of, fresh)
+    del fresh
+    restored = ckpt.restore(
+      latest,
+      abstract_state=abstract,
+      fallback=fallback,
+      fallback_setting="train.checkpoint_fallback",
+    )
+    self.damaged = restored.damaged
+    if self.processes > 1:  # every process must resume from the same step (they read one shared workdir)
+      steps = distributed.allgather_objects(restored.step)
+      if len(set(steps)) > 1:
+        raise checkpoint_lib.CheckpointError(
+          f"the processes restored different steps from {ckpt.directory} (by process: {steps}): a damaged "
+          "step reads on some of them; move the damaged steps away and restart"
+        )
+    if restored.damaged:  # the run saves those steps afresh
+      distributed.primary_first("envace_damaged_checkpoints", lambda: ckpt.set_aside(restored.damaged))
+    self.state = grpo.TrainState(
+      step=jnp.asarray(restored.step, jnp.int32), params=restored.params, opt_state=restored.opt_state
+    )
+    self.key = restored.rng
+    if restored.data_state is not None:
+      self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
+    self.start_step = restored.step
+
+  def _start_from(self, source: str) -> None:
+    """A fresh run's start from the newest checkpoint of another run's workdir (``train.init_from``): its
+    parameters, step, key and data position, so that the run goes on from that step (e.g. GRPO after a shared
+    supervised warm-up, experiments/evidence.py). A checkpoint of the same layout (both shared, or both per_role)
+    also gives its optimizer state: the run then equals a resume of the source. A shared checkpoint starts a
+    per_role run with both role trees as copies of its parameters and a fresh optimizer state (`init_train_state`).
+
+    Raises:
+      CheckpointError: naming ``train.init_from``: no checkpoint there, its newest step does not read, per_role
+        parameters for a shared-policy run, or arrays of another model (`Checkpointer.restore`).
+    """
+    where = f"train.init_from={source!r}"
+    with checkpoint_lib.Checkpointer(source, read_only=True) as src:
+      step = src.latest_step()
+      if step is None:
+        raise checkpoint_lib.CheckpointError(f"{where}: no checkpoint in {src.directory}; give a run's workdir")
+      try:
+        split = any(name.startswith("params/act/") for name in src.saved_arrays(step))
+        if split and not self.grpo_cfg.per_role:
+          raise checkpoint_lib.IncompatibleCheckpointError(
+            f"step {step} holds per_role parameters (an ACT and a REHEARSE tree); this run (grpo.mode="
+            f"{self.grpo_cfg.mode!r}) has one shared tree"
+          )
+        if split or not self.grpo_cfg.per_role:
+          self._restore(src, step, fallback=False)
+        else:
+          shared = dataclasses.replace(self.grpo_cfg, mode="envace")
+          as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+          tree = jax.tree.map(as_abstract, self.state.params["act"])  # ACT's tree: the shared one's shapes, placed
+          placement = jax.tree.map(lambda x: x.sharding, self.state)
+          self.state = None  # released before reading
+          target = jax.eval_shape(functools.partial(grpo.init_train_state, shared), tree)
+          # The shared run's optimizer state is read only to be dropped (onto the first device).
+          abstract = {"params": tree, "opt_state": target.opt_state}
+          restored = src.restore(step, abstract_state=abstract)
+          self.state = jax.device_put(grpo.init_train_state(self.grpo_cfg, restored.params), placement)
+          self.state = self.state.replace(step=jnp.asarray(restored.step, jnp.int32))
+          self.key, self.start_step = restored.rng, restored.step
+          if restored.data_state is not None:
+            self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
+      except checkpoint_lib.CheckpointError as e:
+        raise checkpoint_lib.CheckpointError(f"{where}: {e}") from e
+    logging.info("started from step %d of %s (train.init_from)", self.start_step, src.directory)
+    self.init_from = (str(src.directory), self.start_step)
 
   def _counted(self, name: str) -> AbstractContextManager[None]:
     """What compiles inside the block counts for ``compile/programs/<name>`` (`runtime.CompileClock.phase`)."""
@@ -607,7 +661,10 @@ class Trainer:
         f" (step {s} did not read: {problem}; moved to {checkpoint_lib.DAMAGED_SUBDIR}/)"
         for s, problem in self.damaged.items()
       )
-      say(f"resumed from step {self.start_step} in {self.ckpt.directory}{damaged}")
+      if self.init_from:
+        say(f"started from step {self.start_step} of {self.init_from[0]} (train.init_from)")
+      else:
+        say(f"resumed from step {self.start_step} in {self.ckpt.directory}{damaged}")
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
     clock = self.clock = runtime.CompileClock()
     try:

@@ -8,8 +8,6 @@ Models:
   ``tiny``     the random tiny preset (configs/tiny.py): 1024-token context, so only τ² mock fits (airline's and
                retail's system prompts are ≈5k tokens). Its numbers check the plumbing, not the method.
   ``smollm2``  SmolLM2-135M-Instruct (configs/tau2.py:DOMAIN), the CPU model with real weights.
-  ``--full``   the paper's sizes: configs/tau2.py:DOMAIN+paper (the ``paper`` preset, envace_jax/config/presets.py;
-               Qwen3-8B from a local Hugging Face directory), for accelerators.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ DEFAULT_DATA_DIR = str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds")
 TINY_CAVEAT = (
   "CAVEAT: --model=tiny is a randomly initialised 2-layer model on τ² mock (the only domain its 1024-token context "
   "holds; mock has one 9-task split, so training and evaluation tasks overlap). These numbers test the pipeline "
-  "and say nothing about the method; use --model=smollm2 (CPU, slow) or --full (Qwen3-8B, accelerators)."
+  "and say nothing about the method; use --model=smollm2 (CPU, slow)."
 )
 
 
@@ -51,17 +49,13 @@ def check_domains(model: str, domains: Sequence[str]) -> None:
   if model == "tiny" and set(domains) != {"mock"}:
     raise ValueError(
       f"--model=tiny runs only --domains=mock: its 1024-token context cannot hold the ≈5k-token system prompts of "
-      f"{', '.join(d for d in domains if d != 'mock')}; use --model=smollm2 or --full there"
+      f"{', '.join(d for d in domains if d != 'mock')}; use --model=smollm2 there"
     )
 
 
-def make_config(model: str, domain: str, seed: int, data_dir: str, *, full: bool = False, model_path: str = ""):
-  """The run config of ``model`` on τ² ``domain`` with ``seed``; ``full``: the paper's sizes, the ``paper`` preset
-  (``configs/tau2.py:<domain>+paper``), with the weights at ``model_path``."""
-  if full:
-    c = config_file("tau2", f"{domain}+paper")
-    c.model_path = model_path
-  elif model == "tiny":
+def make_config(model: str, domain: str, seed: int, data_dir: str):
+  """The run config of ``model`` on τ² ``domain`` with ``seed``."""
+  if model == "tiny":
     check_domains(model, [domain])
     c = config_file("tiny")
   else:

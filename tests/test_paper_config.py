@@ -1,6 +1,5 @@
-"""The paper-size config is one place, the ``paper`` preset (envace_jax/config/presets.py:PAPER): the evidence
-script's ``--full`` is it, configs/tau2.py's hardware recipes take the paper's values from it (and differ from it only
-in the keys listed here), and every paper-size command in README.md and docs/ (the ``--mode=plan`` example included)
+"""The paper-size config is one place, the ``paper`` preset (envace_jax/config/presets.py:PAPER): configs/tau2.py's
+hardware recipes take the paper's values from it (and differ from it only in the keys listed here), and every paper-size command in README.md and docs/ (the ``--mode=plan`` example included)
 names it or such a recipe. Nothing here loads a model."""
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import pathlib
 import pytest
 
 from envace_jax.config import doc, presets
-from experiments import common, evidence
 from tests.test_docs import commands
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,19 +30,6 @@ def test_the_paper_preset_holds_the_papers_sizes():
     "model": "qwen3-8b", "train.tasks_per_step": 16, "train.group_size": 4, "grpo.learning_rate": 1e-6}  # fmt: skip
   assert SIZES["rollout.max_turns"] == 30
   assert [SIZES[f"rollout.{r}_max_new_tokens"] for r in ("act", "rehearse", "user")] == [8000] * 3
-
-
-def test_evidence_full_is_the_paper_preset(tmp_path):
-  """``experiments/evidence.py --full``'s config is configs/tau2.py:<domain>+paper with the weights' path (nothing
-  else), and every method's cell keeps the preset's sizes over the CPU grid's B, G, lr, turns and token budgets."""
-  full = common.make_config("smollm2", "airline", 3, str(tmp_path), full=True, model_path="/data/Qwen3-8B")
-  paper = _tau2().get_config("airline+paper")
-  paper.model_path, paper.seed, paper.env.data_dir = "/data/Qwen3-8B", 3, str(tmp_path)
-  assert full.to_dict() == paper.to_dict()
-  args = evidence.parse_args(["--full", "--model-path=/data/Qwen3-8B", f"--data-dir={tmp_path}"])
-  for method in evidence.METHODS:
-    flat = doc._flat(evidence.cell_config(args, method, 0))
-    assert {k: flat[k] for k in SIZES} == SIZES, method
 
 
 # Where each recipe departs from configs/tau2.py:airline+paper: the official semantics (the recipes keep ours), the

@@ -181,6 +181,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The first updates of train.steps that are supervised, on the benchmark's reference conversations (gold calls
   # for ACT, the real tools' responses for REHEARSE; τ² and BFCL) instead of rollouts; 0: none (the paper's runs).
   c.train.sft_warmup_steps = 0
+  # A fresh run (its workdir has no checkpoint) starts from the newest checkpoint of this other run's workdir: its
+  # parameters, step, key and data position, and its optimizer state when both runs have the same layout; a shared
+  # policy's checkpoint starts a per_role run with both trees as copies (experiments/evidence.py: every RL method
+  # from one warm-up per seed). "": from the initial weights.
+  c.train.init_from = ""
 
   # --- self-unfolded rollout: rehearsal/unfold.py's UnfoldConfig fields (group_size comes from train.group_size) ---
   c.rollout = ml_collections.ConfigDict()

@@ -1,0 +1,87 @@
+"""``train.init_from``: a fresh run that starts from another run's checkpoint (experiments/evidence.py starts every RL
+method from one supervised warm-up per seed).
+
+A warm-up of one step, then a run of two steps started from it, must end where one uninterrupted two-step run ends,
+bit for bit (parameters, AdamW's state, key, data position, the second step's metrics): the shaped rewards of
+tests/test_resume.py make the RL step move the weights, so a start from anything else would differ. A shared
+checkpoint starts a per_role run with both trees equal to its parameters and a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from envace_jax import checkpoint as checkpoint_lib
+from envace_jax import config_check, metrics, train
+from tests.test_resume import assert_same_rows, assert_same_state, assert_same_trees, moved_from, shaped_rollout
+from tests.test_train import _adam_counts, tiny_config
+
+_RUN = {
+  "train.steps": 2,
+  "train.sft_warmup_steps": 1,
+  "grpo.sft_learning_rate": 1e-2,
+  "grpo.learning_rate": 1e-3,
+  "train.eval_tasks": 0,
+}
+
+
+@pytest.fixture
+def shaped_rewards(monkeypatch):
+  monkeypatch.setattr(train.Trainer, "rollout", shaped_rollout(train.Trainer.rollout))
+
+
+@pytest.fixture
+def warmup(tmp_path, data_dir):
+  """The workdir of a one-step warm-up (step 1 saved), and its Trainer."""
+  workdir = tmp_path / "warmup"
+  trainer = train.Trainer(tiny_config(data_dir, **{**_RUN, "train.steps": 1}), str(workdir))
+  trainer.run()
+  return workdir, trainer
+
+
+@pytest.mark.slow
+def test_a_run_started_from_a_warmup_equals_the_uninterrupted_run(tmp_path, data_dir, shaped_rewards, warmup):
+  config = tiny_config(data_dir, **_RUN)
+  whole = train.Trainer(config, str(tmp_path / "whole"))
+  whole.run()
+
+  source, _ = warmup
+  config.train.init_from = str(source)
+  started = train.Trainer(config, str(tmp_path / "started"))
+  assert (started.start_step, started.init_from) == (1, (str(source / "checkpoints"), 1))
+  started.run()
+
+  assert_same_state(started, whole)
+  rows = metrics.read_jsonl(tmp_path / "started")
+  assert [r["step"] for r in rows] == [2]  # the warm-up's step is the source's, not logged again
+  assert_same_rows(rows, metrics.read_jsonl(tmp_path / "whole")[1:])
+  assert rows[0]["update/grad_norm"] > 0 and moved_from(started.state.params, whole.model.params)
+  assert checkpoint_lib.Checkpointer(tmp_path / "started", read_only=True).all_steps() == [2]
+  assert checkpoint_lib.Checkpointer(source, read_only=True).all_steps() == [1]  # the source is only read
+
+
+def test_a_shared_checkpoint_starts_both_trees_of_a_per_role_run(tmp_path, data_dir, warmup):
+  source, trainer = warmup
+  config = tiny_config(data_dir, **{**_RUN, "grpo.mode": "per_role", "train.init_from": str(source)})
+  started = train.Trainer(config, str(tmp_path / "per_role"))
+  assert started.start_step == 1
+  for tree in ("act", "rehearse"):
+    assert_same_trees(started.state.params[tree], trainer.state.params, tree)
+  assert {n: _adam_counts(started.state.opt_state[n]) for n in ("act", "rehearse")} == {"act": {0}, "rehearse": {0}}
+  a, r = (jax.tree.leaves(started.state.params[n])[0] for n in ("act", "rehearse"))
+  assert a.unsafe_buffer_pointer() != r.unsafe_buffer_pointer()  # two trees, each its own buffers
+  assert started.stream.state() == trainer.stream.state()
+
+  # And a per_role checkpoint cannot start a shared-policy run: one line naming the key.
+  started.ckpt.save(1, params=started.state.params, opt_state=started.state.opt_state, rng=started.key, force=True)
+  started.ckpt.wait()
+  config = tiny_config(data_dir, **{**_RUN, "train.init_from": str(tmp_path / "per_role")})
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r"train.init_from=.*per_role parameters.*one shared tree"):
+    train.Trainer(config, str(tmp_path / "shared"))
+
+
+def test_init_from_without_checkpoints_stops_before_loading(tmp_path, data_dir):
+  config = tiny_config(data_dir, **{"train.init_from": str(tmp_path / "nothing")})
+  with pytest.raises(config_check.ConfigError, match=r"train.init_from=.*holds no checkpoints/ folder"):
+    config_check.validate(config)
