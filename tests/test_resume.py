@@ -1,9 +1,9 @@
 """A resumed run ends where the uninterrupted run ends, bit for bit; and the training loop on a device mesh.
 
-Interrupted in-process (the first Trainer raises where a kill would have stopped it, a fresh Trainer resumes on the
-same workdir) in the warm-up, per_role, dynamic sampling, grpo_real_env and eval_every configurations; SIGKILLed in a
-subprocess while orbax commits a checkpoint; from a checkpoint an earlier version of the code wrote; and the loop on a
-2x2x2 mesh of 8 fake devices against the same loop on one device.
+Interrupted in-process (the uninterrupted run's workdir is copied as a kill right before a checkpoint save would leave
+it, and a fresh Trainer resumes on the copy) in the warm-up, per_role, dynamic sampling, grpo_real_env and eval_every
+configurations; SIGKILLed in a subprocess while orbax commits a checkpoint; from a checkpoint an earlier version of the
+code wrote; and the loop on a 2x2x2 mesh of 8 fake devices against the same loop on one device.
 
 The tiny random model never calls a tool, so every rollout of a task gets the same checklist reward, every advantage
 is 0 and an RL update moves nothing (AdamW's weight decay at lr 1e-6 is below float32's resolution): parameters
@@ -11,9 +11,9 @@ that "match" would prove nothing. ``shaped_rollout`` therefore replaces each tra
 deterministic function of the tokens it generated, so advantages are non-zero, every step has a gradient and a later
 step samples from visibly updated weights; a resumed run that sampled anything else would get other rewards.
 
-The suite's persistent compilation cache (tests/conftest.py) lets the interrupted run and the killed subprocess load
-the uninterrupted run's executables instead of compiling them again. A resumed run still compiles its own: its
-restored arrays are committed to a device, a fresh run's are not, and that changes the programs' cache keys.
+The suite's persistent compilation cache (tests/conftest.py) lets the killed subprocess load the uninterrupted run's
+executables instead of compiling them again. A resumed run still compiles its own: its restored arrays are committed
+to a device, a fresh run's are not, and that changes the programs' cache keys.
 """
 
 from __future__ import annotations
@@ -138,24 +138,23 @@ def moved_from(params, initial) -> bool:
 # 1. Interrupted in-process, resumed by a fresh Trainer
 
 
-class Interrupted(Exception):
-  pass
+def copy_when_saving(trainer: train.Trainer, at_save: int, to) -> None:
+  """Makes ``trainer`` copy its workdir to ``to`` when step ``at_save`` is about to be checkpointed, after step
+  ``at_save - 1``'s save has committed: the copy is the workdir a kill between the two leaves (step ``at_save - 1``'s
+  checkpoint is the last, step ``at_save``'s metrics row, and its evaluation's, already written). The run goes on.
 
-
-def interrupted_run(config, workdir, at_save: int) -> None:
-  """Runs ``config`` until step ``at_save`` is about to be checkpointed and stops it there: step ``at_save - 1``'s
-  checkpoint is the last, step ``at_save``'s metrics row is already written (a kill between the two)."""
-  trainer = train.Trainer(config, str(workdir))
+  The copy stands for a second, interrupted run of the same config: that run would write the same files up to that
+  point (the same deterministic steps; the resumed run checks everything it reads from them), at the cost of running
+  the first ``at_save`` steps again."""
   save = trainer.ckpt.save
 
-  def save_or_stop(step, **kwargs):
+  def copy_then_save(step, **kwargs):
     if step == at_save:
-      raise Interrupted(step)
+      trainer.ckpt.wait()
+      shutil.copytree(trainer.workdir, to)
     return save(step, **kwargs)
 
-  trainer.ckpt.save = save_or_stop
-  with pytest.raises(Interrupted):
-    trainer.run()
+  trainer.ckpt.save = copy_then_save
 
 
 _FAST = {"grpo.learning_rate": 1e-3}  # with the shaped rewards, an update moves the policy a visible amount
@@ -192,9 +191,10 @@ RESUMES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards, monkeypatch, name):
-  """Stopped after step 1's checkpoint with step 2 already logged, resumed by a new Trainer: parameters, every leaf
-  of the optimizer state, the update count, the RNG key, the data position, every metrics row (the evaluation of
-  step 2 included), the final evaluation and the last checkpoint's metadata equal the uninterrupted run's."""
+  """Stopped after step 1's checkpoint with step 2 already logged (the uninterrupted run's workdir at that moment,
+  `copy_when_saving`), resumed by a new Trainer: parameters, every leaf of the optimizer state, the update count, the
+  RNG key, the data position, every metrics row (the evaluation of step 2 included), the final evaluation and the
+  last checkpoint's metadata equal the uninterrupted run's."""
   overrides = RESUMES[name]
   config = tiny_config(data_dir, **_FAST, **overrides)
   steps, warmup = overrides["train.steps"], overrides.get("train.sft_warmup_steps", 0)
@@ -203,10 +203,10 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, data_dir, shaped_rewards,
     first_rl = [stream.next_batch() for _ in range(warmup + 1)][-1][0].id
     monkeypatch.setattr(sys.modules[__name__], "CONSTANT_REWARD_TASKS", {first_rl})
   whole = train.Trainer(config, str(tmp_path / "whole"))
+  workdir = tmp_path / "interrupted"
+  copy_when_saving(whole, at_save=2, to=workdir)
   whole_result = whole.run()
 
-  workdir = tmp_path / "interrupted"
-  interrupted_run(config, workdir, at_save=2)
   assert checkpoint_lib.Checkpointer(workdir, read_only=True).all_steps() == [1]
   assert [r["step"] for r in metrics.read_jsonl(workdir)] == [1, 2]  # step 2 was logged, never checkpointed
 
