@@ -38,6 +38,7 @@ from envace_jax.config.choices import (
   MESH_AXES,
   OLD_LOGPROBS,
   PARALLEL_REHEARSALS,
+  REHEARSAL_CONTROLS,
   REHEARSAL_FORMATS,
   REHEARSAL_USERS,
   REHEARSE_CONTEXTS,
@@ -598,6 +599,7 @@ def _check_eval(ck: _Checker) -> None:
       )
   ck.integer("eval.rehearsal_n", 1)
   ck.one_of("eval.rehearsal_user", REHEARSAL_USERS)
+  ck.one_of("eval.rehearsal_control", REHEARSAL_CONTROLS)
   for key in ("eval.assessment_max_tokens", "eval.memory_max_tokens", "eval.digest_max_tokens"):
     ck.integer(key, 1)
   ck.boolean("eval.fidelity")

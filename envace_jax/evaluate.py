@@ -175,9 +175,10 @@ def run(config, workdir: str | None) -> dict[str, Any]:
   """``--mode=eval``: evaluates the latest checkpoint in ``workdir`` (or the base weights) on ``env.eval_split``.
 
   Returns:
-    {"weights", "checkpoint_step", "domain", "benchmark", "rows": one summary per rehearsal mode (with "rehearsal"
-    and "N"), "fidelity_gold": REHEARSE on the benchmark's gold calls (``fidelity_gold/*``, once), "reward_gap": the
-    gap summary}; also printed as a table and written to ``workdir/eval_results.json``.
+    {"weights", "checkpoint_step", "domain", "benchmark", "rows": one summary per rehearsal mode (with "rehearsal":
+    the mode, "MODE+CONTROL" under ``eval.rehearsal_control``, and "N"), "fidelity_gold": REHEARSE on the
+    benchmark's gold calls (``fidelity_gold/*``, once), "reward_gap": the gap summary}; also printed as a table and
+    written to ``workdir/eval_results.json``.
   Raises:
     config_check.ConfigError: a bad config value or a scorer that cannot work (`scoring.check_scorers`), before any
       compute.
@@ -209,7 +210,9 @@ def run(config, workdir: str | None) -> dict[str, Any]:
     if i == 0:
       gold = _pop(summary, ("fidelity_gold/", "cost/fidelity_gold/")) or None
       gap = _pop(summary, ("gap/", "cost/gap/")) or None
-    summary.update(rehearsal=mode, N=0 if mode == "off" else config.eval.rehearsal_n)
+    control = config.eval.rehearsal_control
+    label = mode if mode == "off" or control == "none" else f"{mode}+{control}"  # a control at the same budget
+    summary.update(rehearsal=label, N=0 if mode == "off" else config.eval.rehearsal_n)
     rows.append(summary)
   result = {
     "weights": model.source if step is None else f"{workdir} step {step}",

@@ -17,6 +17,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -735,10 +737,37 @@ class Trainer:
     return {**summary, **runtime.host_memory_gib()}  # after the evaluation: an in-run one's replace the step's
 
 
+COMPILE_LOG = "compile.jsonl"  # one line per process run of a workdir: what it compiled (`train_and_evaluate`)
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Validates ``config`` (before any compute), trains, checkpoints into ``workdir`` and evaluates.
+
+  What the whole run compiled, from the model's load to the last evaluation (`runtime.CompileClock`), is printed in
+  one line and appended to ``workdir/compile.jsonl`` (process 0): programs compiled or loaded from JAX's persistent
+  cache, compile seconds, the run's wall seconds, the cache folder (None: off). A second run on the same machine
+  reads its programs from the cache (docs/performance.md).
+
+  Returns:
+    `Trainer.run`'s dict with ``"compile"``: that record.
 
   Raises:
     config_check.ConfigError: a bad config value (the message names the key and the valid values).
   """
-  return Trainer(config, workdir).run()
+  start = time.perf_counter()
+  with runtime.CompileClock() as clock:
+    result = Trainer(config, workdir).run()
+  record = {
+    "programs": clock.programs_since(0),
+    "compile_s": clock.since(0),
+    "wall_s": time.perf_counter() - start,
+    "cache": jax.config.jax_compilation_cache_dir or None,
+  }
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, COMPILE_LOG), "a", encoding="utf-8") as f:
+      f.write(json.dumps(record) + "\n")
+    metrics.print_line(
+      f"compiled {record['programs']} programs in {record['compile_s']:.0f} s of the run's {record['wall_s']:.0f} s "
+      f"(compilation cache: {record['cache'] or 'off'})"
+    )
+  return {**result, "compile": record}

@@ -37,6 +37,12 @@ the same parameters, `testbed_calibration.check_digest`):
   gap       WM2Real: a self-unfolded rollout (REHEARSE answers every call) of each of the first ``--gap-tasks``
             tasks, scored by the rule checklist (what EnvACE trains on) and replayed on the real tools
             (`scoring.reward_gap_pairs`): per task the rehearsed reward, the real reward and their difference.
+  test time (claim 4; the cells of ``--test-time-methods`` on ``--test-time-splits``' first ``--test-time-tasks``
+            tasks): for each N of ``--ns``, private rehearsal (parallel, sequential) and its two controls at the same
+            generation budget (rehearsal/private.py ``control``): ``no_world_model``, the same rehearsals with the
+            imagined tool results withheld from the assessments and the memory; ``drafts``, N plans written with no
+            tool result, the best assessed one in the memory's place. Each with the success chunk's key: the same
+            openings, so N = 0 is the success evaluation of the same tasks.
 Chunk keys are `testbed_calibration`'s (``fold_in(fold_in(eval_key(seed), phase), chunk)``), so the calibration's
 chunks of the same weights are this grid's.
 
@@ -47,21 +53,26 @@ bootstrap (``BOOTSTRAP_RESAMPLES`` resamples, fixed seed): seeds resampled, and 
 not used: its 1.2.0 needs ``arch<8``, whose 7.2.0 does not import under pandas 3 (a ``deprecate_kwarg`` TypeError);
 the two functions here are what its ``aggregate_iqm`` and stratified bootstrap compute. Each claim's verdict reads
 the paired difference pooled over the splits (every split's items, each seed a stratum): supported where the
-interval is above 0, contradicted where below, unresolved where it holds 0.
+interval is above 0, contradicted where below, unresolved where it holds 0. Claim 4's differences are paired the
+same way, pooled over the test-time splits.
 
 Output: ``--out-dir/evidence.json`` (the protocol with the task ids of every split, every cell's per-item values and
-costs, the aggregate rows, the paired differences, the verdicts, what is missing), two PNGs there, and
-``--results-page``, docs/results.md's results section generated from that JSON (a test checks the page holds it).
+costs, the aggregate rows, the test-time rows, the paired differences, the verdicts, what is missing), the PNGs
+there, and ``--results-page``, docs/results.md's results section generated from that JSON (a test checks the page
+holds it).
 
-Budget (measured 2026-12-05 on 2 vCPUs, SmolLM2 float32, per (cell, split) with the defaults): success ≈ 1 CPU-min
-per 8 tasks, fidelity ≈ 1.5 CPU-min per 8 tasks (≈ 15 calls), WM2Real ≈ 1.5 CPU-min per 8 tasks; the warm-up ≈ 28
-CPU-min per seed; a GRPO step ≈ STEP CPU-min. The default grid: 6 methods x 3 seeds x 3 splits; the JSON's ``costs``
-give CPU-minutes per cell. Cuts, where the budget forces them, go methods first, then seeds below 5, then tasks.
+Budget (measured 2026-12-05 on 2 vCPUs, SmolLM2 float32): success ≈ 1 CPU-min per 8 tasks, fidelity ≈ 1.5 CPU-min
+per 8 tasks (≈ 15 calls), WM2Real ≈ 1.5-2.5 CPU-min per 8 tasks, the warm-up ≈ 28 CPU-min per seed; evidence.json's
+``cpu_minutes`` gives each cell's (training included). The default grid is 6 methods x 3 seeds x 3 splits, sized
+for about 15 CPU-hours with the test-time part; cuts, where the budget forces them, go methods first, then seeds
+below 5, then tasks.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import pathlib
 import sys
@@ -81,7 +92,7 @@ from experiments import testbed_calibration as calibration  # noqa: E402
 RESULTS_DIR = ROOT / "experiments" / "results"
 RESULTS_FILE = "evidence.json"
 CHUNKS_DIR = RESULTS_DIR / "evidence_chunks"
-PNGS = {"bars": "evidence_bars.png", "curves": "evidence_curves.png"}
+PNGS = {"bars": "evidence_bars.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
 CELL_FILE = "cell.json"  # beside a cell's chunks: its training record (budget, steps, costs, curve)
 RESULTS_PAGE = ROOT / "docs" / "results.md"
 RESULTS_BEGIN, RESULTS_END = "<!-- evidence.py --results-page: begin -->", "<!-- evidence.py --results-page: end -->"
@@ -122,6 +133,22 @@ CLAIMS = (
   ("3. shared parameters: EnvACE > per-role", "envace", "per_role", "success"),
   ("3. role-wise baseline: EnvACE > role-agnostic", "envace", "role_agnostic", "success"),
 )
+# Test-time variants (claim 4): name -> (eval.rehearsal mode, eval.rehearsal_control); N = 0 is the success chunk.
+TEST_TIME = {
+  "parallel": ("parallel", "none"),
+  "sequential": ("sequential", "none"),
+  "no_world_model": ("parallel", "no_world_model"),
+  "drafts": ("parallel", "drafts"),
+}
+# (claim, method, variant A, N of A, variant B, N of B): "A's success exceeds B's"; ("off", 0) is rehearsal off.
+TEST_TIME_CLAIMS = (
+  ("4. private rehearsal helps the trained policy (parallel)", "envace", "parallel", "max", "off", 0),
+  ("4. private rehearsal helps the trained policy (sequential)", "envace", "sequential", "max", "off", 0),
+  ("4. private rehearsal helps the base policy (parallel; the paper: ≈ 0)", "base", "parallel", "max", "off", 0),
+  ("4. imagining the tools helps: rehearsal > rehearsal without them", "envace", "parallel", "max", "no_world_model",
+   "max"),
+  ("4. imagining the tools helps: rehearsal > best of N drafts", "envace", "parallel", "max", "drafts", "max"),
+)  # fmt: skip
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 
@@ -129,10 +156,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
   "default": dict(
     model="smollm2-135m", level="cpu", methods=",".join(METHODS), seeds="0,1,2", splits="iid,compositional,rules",
     sft_steps=10, steps=5, tasks=32, fidelity_tasks=16, gap_tasks=16, chunk=8,
+    test_time_methods="base,envace", test_time_splits="iid", test_time_tasks=16, ns="2,4",
   ),
   "smoke": dict(
     model="tiny", level="cpu", methods="base,warmup,envace", seeds="0", splits="iid,rules",
     sft_steps=1, steps=1, tasks=2, fidelity_tasks=1, gap_tasks=1, chunk=2,
+    test_time_methods="envace", test_time_splits="iid", test_time_tasks=1, ns="1",
   ),
 }  # fmt: skip
 _BUDGET_KEYS = ("model", "level", "sft_steps", "steps", "overrides")
@@ -252,7 +281,48 @@ def gap_chunk(config, tasks, samplers, tokenizer, key) -> dict:
   return {"rows": rows, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
 
 
+def test_time_chunk(config, tasks, samplers, tokenizer, key, variant: str, n: int) -> dict:
+  """Private rehearsal (or a control, ``TEST_TIME[variant]``) with N = ``n`` before the committed execution of
+  ``tasks``, with the success chunk's key (the same openings, so N = 0 is that chunk): per task success, and the
+  tokens each phase generated."""
+  from envace_jax import heldout, scoring
+
+  mode, control = TEST_TIME[variant]
+  c = copy.deepcopy(config)
+  c.eval.rehearsal_n, c.eval.rehearsal_control = n, control
+  wall, cpu = time.perf_counter(), time.process_time()
+  summary, result = heldout.evaluate_policy(
+    c, tasks, samplers, tokenizer, key, mode=mode, num_trials=1, fidelity=False, gap=False, gold=False
+  )
+  rows = [
+    {
+      "task": traj.task.id,
+      "reward": float(traj.reward.reward),
+      "valid": bool(traj.reward.valid),
+      "success": int(bool(traj.reward.valid) and scoring.is_success(traj.reward.reward)),
+      "memory_tokens": item.memory_tokens,
+    }
+    for traj, item in zip(result.committed, result.prepared, strict=True)
+  ]
+  tokens = {p: summary.get(f"cost/{p}/generated_tokens", 0.0) for p in ("rehearsal", "assessment", "memory")}
+  return {
+    "rows": rows,
+    "generated_tokens": tokens,
+    "wall_s": time.perf_counter() - wall,
+    "cpu_s": time.process_time() - cpu,
+  }
+
+
+def _test_time_phases(args, method: str) -> list[tuple[str, str, int]]:
+  """(phase name, variant, N) of the cell's test-time chunks (none unless ``method`` is a test-time method)."""
+  if method not in args.test_time_methods:
+    return []
+  return [(f"testtime_{v}_n{n}", v, n) for v in TEST_TIME for n in args.ns]
+
+
 def _phase_tasks(args, phase: str) -> int:
+  if phase.startswith("testtime_"):
+    return min(args.test_time_tasks, args.tasks)
   return {"success": args.tasks, "fidelity": args.fidelity_tasks, "gap": args.gap_tasks}[phase]
 
 
@@ -268,15 +338,20 @@ def evaluate_cell(args, method: str, seed: int) -> None:
   from envace_jax import evaluate, runtime
 
   config = cell_config(args, method, seed)
-  plan = []  # every split's success first, then fidelity, then WM2Real: the headline numbers finish first
-  for phase in PHASES:
-    for split in args.splits:
+  functions = {"success": calibration.success_chunk, "fidelity": calibration.fidelity_chunk, "gap": gap_chunk}
+  phases = [(p, functions[p], PHASES[p], args.splits) for p in PHASES]
+  for name, variant, n in _test_time_phases(args, method):  # after the rest; the success chunks' keys
+    fn = functools.partial(test_time_chunk, variant=variant, n=n)
+    phases.append((name, fn, PHASES["success"], [s for s in args.test_time_splits if s in args.splits]))
+  plan = []  # every split's success first, then fidelity, then WM2Real, then test time: the headline numbers first
+  for phase, fn, stream, splits in phases:
+    for split in splits:
       config.env.eval_split = split
       n = min(_phase_tasks(args, phase), len(runtime.evaluation_tasks(config, -1)))
       for c, (lo, hi) in enumerate(calibration._chunks(n, args.chunk)):
         path = chunk_dir(args, method, seed) / split / f"{phase}_{lo:04d}_{hi:04d}.json"
         if not path.exists():
-          plan.append((split, phase, c, lo, hi, path))
+          plan.append((split, phase, fn, stream, c, lo, hi, path))
   record = train_cell(args, method, seed)
   if not plan:
     return
@@ -285,14 +360,13 @@ def evaluate_cell(args, method: str, seed: int) -> None:
   model, samplers, digest = calibration.load(config, cell_dir(args, method, seed), step)
   calibration.check_digest(chunk_dir(args, method, seed), digest, f"{method} seed {seed} step {step}")
   base_key = evaluate.eval_key(seed)
-  functions = {"success": calibration.success_chunk, "fidelity": calibration.fidelity_chunk, "gap": gap_chunk}
   with runtime.CompileClock() as clock:
-    for split, phase, c, lo, hi, path in plan:
+    for split, phase, fn, stream, c, lo, hi, path in plan:
       config.env.eval_split = split
       tasks = runtime.evaluation_tasks(config, hi)[lo:hi]
-      key = jax.random.fold_in(jax.random.fold_in(base_key, PHASES[phase]), c)
+      key = jax.random.fold_in(jax.random.fold_in(base_key, stream), c)
       mark = clock.mark()
-      out = functions[phase](config, tasks, samplers, model.tokenizer, key)
+      out = fn(config, tasks, samplers, model.tokenizer, key)
       out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)
       out.update(cell=f"{method}_s{seed}", split=split, phase=phase, tasks=[t.id for t in tasks], step=step)
       out.update(date=calibration._now(), params_sha256=digest["sha256"], params_norms=digest["norms"])
@@ -401,6 +475,17 @@ def gather(args) -> dict[str, Any]:
           "tool_call_validity": _validity(per_phase["success"]),
           "cpu_s": {p: sum(ch["cpu_s"] for ch in chs) for p, chs in per_phase.items()},
         }
+        for name, _, _ in _test_time_phases(args, method) if split in args.test_time_splits else []:
+          chunks = calibration._read(d, split, name)
+          done_tasks, wanted_tasks = sum(len(ch["rows"]) for ch in chunks), _phase_tasks(args, name)
+          if done_tasks < wanted_tasks:
+            missing.append(f"{method}/seed{seed}/{split}: {name} {done_tasks}/{wanted_tasks}")
+          splits[split].setdefault("test_time", {})[name] = {
+            "values": {r["task"]: float(r["success"]) for ch in chunks for r in ch["rows"]},
+            "generated_tokens": sum(sum(ch["generated_tokens"].values()) for ch in chunks),
+            "cpu_s": sum(ch["cpu_s"] for ch in chunks),
+          }
+          splits[split]["cpu_s"][name] = splits[split]["test_time"][name]["cpu_s"]
       cpu = sum(c["cpu_s"] for c in record.get("train_costs", [])) + sum(
         sum(s["cpu_s"].values()) for s in splits.values()
       )
@@ -421,7 +506,53 @@ def gather(args) -> dict[str, Any]:
     for split in [*args.splits, "pooled"]:
       d = paired(*(_by_seed(cells, m, split, metric) for m in (a, b)))
       diffs.append({"claim": claim, "a": a, "b": b, "metric": metric, "split": split, **d, "verdict": verdict(d)})
-  return {"cells": cells, "rows": rows, "differences": diffs, "missing": missing}
+  test_time, top = [], max(args.ns)
+  for method in (m for m in methods if m in args.test_time_methods):
+    for split in args.test_time_splits:
+      off = _test_time_by_seed(cells, method, [split], "off", 0)
+      for variant in TEST_TIME:
+        for n in args.ns:
+          mine = _test_time_by_seed(cells, method, [split], variant, n)
+          tokens = [_test_time_part(c, split, f"testtime_{variant}_n{n}") for c in cells if c["method"] == method]
+          tokens = [t["generated_tokens"] / len(t["values"]) for t in tokens if t and t["values"]]
+          test_time.append({
+            "method": method, "split": split, "variant": variant, "N": n,
+            "success": interval([[v for v in values.values() if v is not None] for values in mine.values()]),
+            "vs_off": paired(mine, off),
+            "tokens_per_task": float(np.mean(tokens)) if tokens else float("nan"),
+          })  # fmt: skip
+  for claim, method, va, na, vb, nb in TEST_TIME_CLAIMS:  # pooled over the test-time splits
+    if method not in methods or method not in args.test_time_methods:
+      continue
+    na, nb = (top if x == "max" else x for x in (na, nb))
+    a, b = (_test_time_by_seed(cells, method, args.test_time_splits, v, n) for v, n in ((va, na), (vb, nb)))
+    d = paired(a, b)
+    names = {"a": f"{method} {va} N={na}", "b": f"{method} {vb} N={nb}"}
+    diffs.append({"claim": claim, **names, "metric": "success", "split": "pooled", **d, "verdict": verdict(d)})
+  return {"cells": cells, "rows": rows, "differences": diffs, "test_time": test_time, "missing": missing}
+
+
+def _test_time_part(cell: Mapping[str, Any], split: str, name: str) -> Mapping[str, Any] | None:
+  return cell["splits"].get(split, {}).get("test_time", {}).get(name)
+
+
+def _test_time_by_seed(cells, method: str, splits, variant: str, n: int) -> dict[int, dict[str, float | None]]:
+  """Per seed, "split/task" -> success of ``method`` at test time on ``splits`` (``variant`` "off": the success
+  chunks)."""
+  out = {}
+  for c in cells:
+    if c["method"] != method:
+      continue
+    values = {}
+    for split in (s for s in splits if s in c["splits"]):
+      if variant == "off":
+        part = c["splits"][split]["values"]["success"]
+      else:
+        part = (_test_time_part(c, split, f"testtime_{variant}_n{n}") or {}).get("values", {})
+      values.update({f"{split}/{task}": v for task, v in part.items()})
+    if values:
+      out[c["seed"]] = values
+  return out
 
 
 def _validity(chunks) -> float | None:
@@ -459,7 +590,17 @@ def protocol(args) -> dict[str, Any]:
 
   c = cell_config(args, "warmup", 0)
   source = runtime.training_tasks(c)
-  out = {**budget(args), **{k: getattr(args, k) for k in ("tasks", "fidelity_tasks", "gap_tasks", "chunk")}}
+  keys = (
+    "tasks",
+    "fidelity_tasks",
+    "gap_tasks",
+    "chunk",
+    "test_time_methods",
+    "test_time_splits",
+    "test_time_tasks",
+    "ns",
+  )
+  out = {**budget(args), **{k: getattr(args, k) for k in keys}}
   out["train_tasks"] = len(source)
   out["heldout_task_ids"] = {}
   for split in args.splits:
@@ -498,6 +639,18 @@ def claims_table(result: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def test_time_table(result: Mapping[str, Any]) -> str:
+  """The test-time rows (markdown): success at N and its paired difference from rehearsal off (N = 0, the success
+  evaluation of the same tasks), in %, and the tokens generated before the committed execution per task."""
+  head = ["method", "split", "variant", "N", "success", "− rehearsal off (points)", "seeds", "tokens per task"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in result.get("test_time", []):
+    tokens = f"{r['tokens_per_task']:.0f}" if np.isfinite(r["tokens_per_task"]) else "–"
+    cells = [LABELS[r["method"]], r["split"], r["variant"], str(r["N"]), _ci(r["success"]), _ci(r["vs_off"])]
+    lines.append("| " + " | ".join([*cells, str(r["success"]["seeds"]), tokens]) + " |")
+  return "\n".join(lines)
+
+
 def results_section(result: Mapping[str, Any]) -> str:
   """docs/results.md's results section (between the markers), from evidence.json's content."""
   p = result["protocol"]
@@ -513,7 +666,20 @@ def results_section(result: Mapping[str, Any]) -> str:
   for split in splits:
     lines += ["", f"**{split}**", "", table(result, split)]
   lines += ["", "Claims (paired by seed and item; verdict from the interval):", "", claims_table(result)]
-  lines += ["", "Claim 4 (test-time private rehearsal, with its two compute-matched baselines): not run yet."]
+  p_tt = p.get("test_time_tasks")
+  if any(r["success"]["seeds"] for r in result.get("test_time", [])):
+    lines += [
+      "",
+      f"Test time (claim 4) on the first {p_tt} tasks of {', '.join(p['test_time_splits'])}: private rehearsal "
+      "(parallel, sequential) and its two controls at the same generation budget: `no_world_model` (the same "
+      "rehearsals, the imagined tool results withheld from the assessments and the memory) and `drafts` (N plans "
+      "written without tool results, the best assessed one committed with); the same openings as the success "
+      "evaluation, which is N = 0.",
+      "",
+      test_time_table(result),
+    ]
+  else:
+    lines += ["", "Claim 4 (test-time private rehearsal and its two controls): not run yet."]
   if result["missing"]:
     lines += ["", f"Not finished: {len(result['missing'])} (cell, split) parts; evidence.json's `missing` lists them."]
   cpu = sum(c["cpu_minutes"] for c in result["cells"])
@@ -566,6 +732,29 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   fig.savefig(out_dir / PNGS["curves"], dpi=100)
   plt.close(fig)
 
+  fig, ax = plt.subplots(figsize=(6.5, 3.8))
+  for (method, split, variant), rs in _grouped(result.get("test_time", [])).items():
+    off = next((r for r in result["rows"] if (r["method"], r["split"]) == (method, split)), None)
+    pts = ([(0, off["success"])] if off else []) + [(r["N"], r["success"]) for r in rs]
+    pts = [(n, x) for n, x in pts if x["seeds"]]
+    if pts:
+      ns, mean = [n for n, _ in pts], np.array([x["mean"] for _, x in pts]) * 100
+      err = np.array([[x["mean"] - x["lo"], x["hi"] - x["mean"]] for _, x in pts]).T * 100
+      ax.errorbar(ns, mean, yerr=err, marker="o", capsize=3, label=f"{LABELS[method]}, {variant} ({split})")
+  ax.set(xlabel="N (0: rehearsal off)", ylabel="held-out success (%)", title="test-time private rehearsal and controls")
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(out_dir / PNGS["test_time"], dpi=100)
+  plt.close(fig)
+
+
+def _grouped(rows) -> dict[tuple[str, str, str], list[Mapping[str, Any]]]:
+  out: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+  for r in rows:
+    out.setdefault((r["method"], r["split"], r["variant"]), []).append(r)
+  return out
+
 
 def write_results(args) -> dict[str, Any]:
   """Gathers the grid (`gather`) and writes ``--out-dir``/evidence.json and the PNGs; returns the JSON's content."""
@@ -602,10 +791,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if getattr(args, name) is None:
       setattr(args, name, value)
   args.methods, args.splits = common.parse_names(args.methods), common.parse_names(args.splits)
-  unknown = set(args.methods) - set(METHODS)
-  if unknown:
-    parser.error(f"--methods: unknown {sorted(unknown)}; valid: {', '.join(METHODS)}")
-  args.seeds = common.parse_ints(args.seeds)
+  args.test_time_methods = common.parse_names(args.test_time_methods)
+  args.test_time_splits = common.parse_names(args.test_time_splits)
+  for name in ("methods", "test_time_methods"):
+    unknown = set(getattr(args, name)) - set(METHODS)
+    if unknown:
+      parser.error(f"--{name.replace('_', '-')}: unknown {sorted(unknown)}; valid: {', '.join(METHODS)}")
+  args.seeds, args.ns = common.parse_ints(args.seeds), common.parse_ints(args.ns)
+  if any(n < 1 for n in args.ns):
+    parser.error(f"--ns={args.ns}: every N must be >= 1 (N = 0, rehearsal off, is the success evaluation)")
   return args
 
 
@@ -640,6 +834,8 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
   for split in [*args.splits, "pooled"]:
     print(f"\n{split}\n{table(result, split)}")
   print("\n" + claims_table(result))
+  if result["test_time"]:
+    print("\n" + test_time_table(result))
   if result["missing"]:
     print(f"not finished: {len(result['missing'])} (cell, split) parts")
   print(f"saved {out_dir / RESULTS_FILE} and {', '.join(PNGS.values())}; {time.perf_counter() - start:.0f} s")

@@ -152,7 +152,8 @@ def test_smoke_grid_chunks_cells_resume_and_page(smoke, capsys):
     calls = list(split["values"]["exact_match"])
     assert calls and all(c.startswith(ids[0] + "#") for c in calls)
     files = sorted(p.name for p in (tmp / "chunks" / method / "seed0" / "iid").iterdir())
-    assert files == ["fidelity_0000_0001.json", "gap_0000_0001.json", "success_0000_0002.json"]
+    test_time = [f"testtime_{v}_n1_0000_0001.json" for v in evidence.TEST_TIME] if method == "envace" else []
+    assert files == sorted(["fidelity_0000_0001.json", "gap_0000_0001.json", "success_0000_0002.json", *test_time])
   assert result["missing"] == ["warmup/seed0/iid: success 0/2, fidelity 0/1, gap 0/1"]
   # The rows: one seed, so each interval is the bootstrap over that cell's items.
   row = next(r for r in result["rows"] if (r["method"], r["split"]) == ("envace", "iid"))
@@ -163,6 +164,18 @@ def test_smoke_grid_chunks_cells_resume_and_page(smoke, capsys):
   diff = next(d for d in result["differences"] if d["split"] == "pooled" and (d["a"], d["b"]) == ("envace", "base"))
   base = list(cells["base"]["splits"]["iid"]["values"]["success"].values())
   assert diff["mean"] == pytest.approx(np.mean(success) - np.mean(base)) and diff["metric"] == "success"
+  # Test time (the EnvACE cell, N = 1, the first task): each variant generated before committing, and its difference
+  # from rehearsal off is paired with the success chunk's value for that task.
+  assert [(r["method"], r["variant"], r["N"]) for r in result["test_time"]] == [
+    ("envace", v, 1) for v in evidence.TEST_TIME
+  ]
+  parts = envace["splits"]["iid"]["test_time"]
+  for r in result["test_time"]:
+    part = parts[f"testtime_{r['variant']}_n1"]
+    assert list(part["values"]) == ids[:1] and part["generated_tokens"] > 0 and r["tokens_per_task"] > 0
+    assert r["vs_off"]["mean"] == part["values"][ids[0]] - envace["splits"]["iid"]["values"]["success"][ids[0]]
+  claims = {d["claim"] for d in result["differences"] if d["claim"].startswith("4.")}
+  assert len(claims) == 4  # the base cell has no test-time part in the smoke grid
   saved = json.loads((tmp / "out" / evidence.RESULTS_FILE).read_text())
   assert json.dumps(saved, sort_keys=True) == json.dumps(json.loads(json.dumps(result)), sort_keys=True)
   for png in evidence.PNGS.values():

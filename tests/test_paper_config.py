@@ -1,6 +1,7 @@
 """The paper-size config is one place, the ``paper`` preset (envace_jax/config/presets.py:PAPER): configs/tau2.py's
-hardware recipes take the paper's values from it (and differ from it only in the keys listed here), and every paper-size command in README.md and docs/ (the ``--mode=plan`` example included)
-names it or such a recipe. Nothing here loads a model."""
+hardware recipes take the paper's values from it (and differ from it only in the keys listed here), and every
+paper-size command in README.md and docs/ (the ``--mode=plan`` example included) names it or such a recipe. Nothing
+here loads a model."""
 
 from __future__ import annotations
 

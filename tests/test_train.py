@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import pathlib
 
@@ -15,7 +16,7 @@ import optax
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, evaluate, runtime, train
+from envace_jax import config_check, evaluate, metrics, runtime, train
 from envace_jax.envs import datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -456,3 +457,14 @@ def test_dynamic_sampling_keeps_the_groups_with_signal_it_found_when_the_draws_r
     want = {f"dynamic_sampling/{k}": float(v) for k, v in counts.items()}
     want["dynamic_sampling/generated_tokens"] = 7.0 * draws  # the extra batch's, as its rollout stats give them
     assert out == {**want, "time/dynamic_sampling_s": 2.0 * draws}
+
+
+def test_a_run_records_what_it_compiled(tiny_run):
+  """``compile.jsonl``: one line for the run, its programs at least those its steps compiled (the run also loads
+  the model and evaluates), compile seconds within its wall seconds, the suite's cache folder (tests/conftest.py)."""
+  workdir, _ = tiny_run
+  (record,) = [json.loads(line) for line in (workdir / train.COMPILE_LOG).read_text().splitlines()]
+  steps = metrics.read_jsonl(workdir)
+  assert record["programs"] >= sum(r["compile/programs"] for r in steps) > 0
+  assert sum(r["time/compile_s"] for r in steps) <= record["compile_s"] <= record["wall_s"]
+  assert record["cache"] == jax.config.jax_compilation_cache_dir

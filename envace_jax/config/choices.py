@@ -20,6 +20,7 @@ REHEARSE_CONTEXTS = ("trajectory", "per_call")  # rollout.rehearse_context (rehe
 PARALLEL_REHEARSALS = ("sequential", "independent")  # rollout.parallel_rehearsal
 REHEARSAL_MODES = ("off", "parallel", "sequential")  # eval.rehearsal (rehearsal/private.py)
 REHEARSAL_USERS = ("policy", "reference")  # eval.rehearsal_user
+REHEARSAL_CONTROLS = ("none", "no_world_model", "drafts")  # eval.rehearsal_control (rehearsal/private.py)
 DTYPES = ("float32", "bfloat16", "float16")  # dtype, param_dtype (model/config.py)
 ATTENTION = ("auto", "reference", "xla", "cudnn", "pallas_tpu")  # ModelConfig.attention (model/attention.py)
 MESH_AXES = ("data", "fsdp", "tensor")  # mesh.* (sampling/sharding.py)

@@ -17,6 +17,13 @@ For each (task, trial):
 
 ``mode="off"`` skips 2-3: the committed execution starts from the same opening without a memory. Every phase's cost is
 recorded (`PhaseCost`).
+
+Two controls (``control``; experiments/evidence.py, claim 4) ask whether imagining the environment is what helps, at
+the same generated-token budget: ``"no_world_model"`` makes the same N rehearsals, assessments and memory but withholds
+every imagined tool result from what the assessments, a sequential rehearsal's account and the memory see
+(`transcript` with ``tool_results=False``); ``"drafts"`` writes N plans from the agent's own view with no tool result at
+all (``DRAFT_PROMPT``; each up to one rehearsal's generation budget, ACT's and REHEARSE's turns together), assesses
+each (``DRAFT_ASSESS_PROMPT``) and commits with the best assessed plan in the memory's place (``DRAFT_HEADER``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 import jax
 
 from envace_jax.config import defaults
+from envace_jax.config.choices import REHEARSAL_CONTROLS as CONTROLS
 from envace_jax.config.choices import REHEARSAL_MODES as MODES
 from envace_jax.config.choices import REHEARSAL_USERS
 from envace_jax.envs import registry
@@ -85,6 +93,33 @@ MEMORY_HEADER = (
 )
 """Opens the rehearsal memory in the committed execution's system message."""
 
+WITHHELD = "(not shown)"
+"""What a tool result reads as in a ``no_world_model`` rehearsal's transcript."""
+
+DRAFT_PROMPT = (
+  "# Private draft\n\nBefore answering the real user, draft privately how you will handle this conversation: the "
+  "tool calls you will make, in order and with their arguments, and what you will tell the user. Nothing is executed "
+  "now and no tool result will be shown: write the plan only."
+)
+"""Appended to the agent's policy and tools in a ``drafts`` control's prompt (the conversation so far follows)."""
+
+DRAFT_ASSESS_PROMPT = (
+  "# Review of a draft\n\nBefore talking to the real user you drafted privately how to handle the conversation "
+  "(below; nothing was executed). Assess the draft in exactly three lines:\n"
+  "Outcome: success, partial or failure (would it do what the user needed, within the policy above?)\n"
+  "What went wrong: the mistakes to avoid, or 'nothing'\n"
+  "Key tool results: the calls whose results matter, to check against the real tools"
+)
+"""Appended to the agent's policy in a draft's assessment prompt (the draft follows as the user message)."""
+
+DRAFT_HEADER = (
+  "# Your private draft\n\nYou drafted this conversation privately before (nothing was executed: trust the real "
+  "tools now). The draft you judged best:"
+)
+"""Opens the chosen draft in the committed execution's system message (``control="drafts"``)."""
+
+_OUTCOME_RANK = {"success": 2, "partial": 1}  # an assessment's outcome word -> rank; anything else ranks 0
+
 
 class PrivateRehearsalError(ValueError):
   """Private rehearsal is misconfigured (mode, N, budgets, missing sampler)."""
@@ -100,6 +135,8 @@ class PrivateRehearsalConfig:
       ``rehearsal_n``, ``assessment_max_tokens``, ``memory_max_tokens``, ``digest_max_tokens`` and
       ``rehearsal_user`` (explained in ``envace_jax/config/defaults.py``; `from_config` reads them). Either user is
       told only the first message (``IMAGINED_USER``).
+    control: ``eval.rehearsal_control``: "none" (private rehearsal), or a control at the same budget (module
+      docstring).
     sampling: `SamplingParams` of the assessments and the memory (greedy).
   """
 
@@ -109,6 +146,7 @@ class PrivateRehearsalConfig:
   memory_max_tokens: int
   digest_max_tokens: int
   user: str
+  control: str = "none"
   sampling: SamplingParams = GREEDY
 
   @classmethod
@@ -125,12 +163,15 @@ class PrivateRehearsalConfig:
       memory_max_tokens=e.memory_max_tokens,
       digest_max_tokens=e.digest_max_tokens,
       user=e.rehearsal_user,
+      control=e.rehearsal_control,
     )
     return cls(mode=mode, **{**fields, **overrides})
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise PrivateRehearsalError(f"PrivateRehearsalConfig.mode={self.mode!r}; valid: {', '.join(MODES)}")
+    if self.control not in CONTROLS:
+      raise PrivateRehearsalError(f"PrivateRehearsalConfig.control={self.control!r}; valid: {', '.join(CONTROLS)}")
     if self.user not in REHEARSAL_USERS:
       raise PrivateRehearsalError(f"PrivateRehearsalConfig.user={self.user!r}; valid: {', '.join(REHEARSAL_USERS)}")
     for name in ("num_rehearsals", "assessment_max_tokens", "memory_max_tokens", "digest_max_tokens"):
@@ -175,6 +216,14 @@ class Rehearsal:
 
 
 @dataclasses.dataclass
+class Draft:
+  """One plan of a ``drafts`` control: its text (no tool was run) and the policy's assessment of it."""
+
+  text: str
+  assessment: str = ""
+
+
+@dataclasses.dataclass
 class Prepared:
   """One (task, trial) ready for its committed execution.
 
@@ -183,8 +232,10 @@ class Prepared:
     trial: the trial index (0..k-1).
     opening: the messages before the agent's first decision (greeting, the real user's first message).
     rehearsals: the N rehearsals in order (empty with mode "off").
-    memory: the rehearsal memory m_x ("" with mode "off").
+    memory: the rehearsal memory m_x ("" with mode "off"); with ``control="drafts"``, the chosen draft.
     memory_tokens: its length in tokens (<= ``memory_max_tokens``).
+    drafts: a ``drafts`` control's N plans, in order (else empty).
+    header: what opens the memory in the committed execution's system message.
   """
 
   task: Task
@@ -193,13 +244,15 @@ class Prepared:
   rehearsals: list[Rehearsal] = dataclasses.field(default_factory=list)
   memory: str = ""
   memory_tokens: int = 0
+  drafts: list[Draft] = dataclasses.field(default_factory=list)
+  header: str = MEMORY_HEADER
 
   @property
   def committed_task(self) -> Task:
     """The task as the committed execution's agent sees it: the policy followed by the memory."""
     if not self.memory:
       return self.task
-    return dataclasses.replace(self.task, system_prompt=f"{self.task.system_prompt}\n\n{MEMORY_HEADER}\n{self.memory}")
+    return dataclasses.replace(self.task, system_prompt=f"{self.task.system_prompt}\n\n{self.header}\n{self.memory}")
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -211,8 +264,9 @@ def _clip(text: str, limit: int = 400) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def transcript(messages: Sequence[ChatMessage]) -> str:
-  """A conversation as plain lines: "User: ...", "Agent: ...", "Agent calls f({...})", "Tool result: ..."."""
+def transcript(messages: Sequence[ChatMessage], tool_results: bool = True) -> str:
+  """A conversation as plain lines: "User: ...", "Agent: ...", "Agent calls f({...})", "Tool result: ..." (each
+  result's content replaced by ``WITHHELD`` unless ``tool_results``)."""
   lines = []
   for m in messages:
     if m.role == "user":
@@ -223,7 +277,10 @@ def transcript(messages: Sequence[ChatMessage]) -> str:
       for c in m.tool_calls:
         lines.append(f"Agent calls {c.name}({_clip(tool_format.compact_json(dict(c.arguments)), 300)})")
     elif m.role == "tool":
-      lines.append(f"Tool result{' (error)' if m.is_error else ''}: {_clip(m.content)}")
+      if tool_results:
+        lines.append(f"Tool result{' (error)' if m.is_error else ''}: {_clip(m.content)}")
+      else:
+        lines.append(f"Tool result: {WITHHELD}")
   return "\n".join(lines)
 
 
@@ -242,18 +299,21 @@ def bounded(tokenizer: Tokenizer, text: str, max_tokens: int) -> str:
   return out
 
 
-def digest(tokenizer: Tokenizer, rehearsal: Rehearsal, max_tokens: int) -> str:
-  """One rehearsal as later prompts show it: the transcript after the opening, within ``max_tokens``."""
+def digest(tokenizer: Tokenizer, rehearsal: Rehearsal, max_tokens: int, tool_results: bool = True) -> str:
+  """One rehearsal as later prompts show it: the transcript after the opening, within ``max_tokens`` (its imagined
+  tool results withheld unless ``tool_results``)."""
   traj = rehearsal.trajectory
   ending = traj.termination.value if traj.termination else "unfinished"
-  return bounded(tokenizer, transcript(traj.messages) + f"\n(The rehearsal ended: {ending}.)", max_tokens)
+  text = transcript(traj.messages, tool_results) + f"\n(The rehearsal ended: {ending}.)"
+  return bounded(tokenizer, text, max_tokens)
 
 
-def account(tokenizer: Tokenizer, rehearsals: Sequence[Rehearsal], max_tokens: int) -> str:
-  """Rehearsals 1..n with their assessments, each transcript within ``max_tokens``."""
+def account(tokenizer: Tokenizer, rehearsals: Sequence[Rehearsal], max_tokens: int, tool_results: bool = True) -> str:
+  """Rehearsals 1..n with their assessments, each transcript within ``max_tokens`` (`digest`)."""
   parts = []
   for i, r in enumerate(rehearsals, 1):
-    parts.append(f"## Rehearsal {i}\n{digest(tokenizer, r, max_tokens)}\nSelf-assessment:\n{r.assessment.strip()}")
+    text = digest(tokenizer, r, max_tokens, tool_results)
+    parts.append(f"## Rehearsal {i}\n{text}\nSelf-assessment:\n{r.assessment.strip()}")
   return "\n\n".join(parts)
 
 
@@ -371,7 +431,8 @@ def _assess(prepared, index_pairs, policy, tokenizer, cfg: PrivateRehearsalConfi
   for p, r in index_pairs:
     item = prepared[p]
     system = f"{item.task.system_prompt}\n\n{ASSESS_PROMPT}"
-    body = "Transcript of the rehearsal:\n" + digest(tokenizer, item.rehearsals[r], cfg.digest_max_tokens)
+    shown = cfg.control != "no_world_model"
+    body = "Transcript of the rehearsal:\n" + digest(tokenizer, item.rehearsals[r], cfg.digest_max_tokens, shown)
     chats.append([Message("system", system), Message("user", body)])
   texts = _reflect(policy, tokenizer, chats, cfg.assessment_max_tokens, cfg, key, cost, answer_prefix="Outcome:")
   for (p, r), text in zip(index_pairs, texts, strict=True):
@@ -382,13 +443,67 @@ def _memorize(prepared, policy, tokenizer, cfg: PrivateRehearsalConfig, key, cos
   """Fills ``memory`` of every item: the policy condenses its rehearsals into <= memory_max_tokens tokens."""
   chats = []
   for item in prepared:
-    body = "My rehearsals and their assessments:\n\n" + account(tokenizer, item.rehearsals, cfg.digest_max_tokens)
+    shown = cfg.control != "no_world_model"
+    body = "My rehearsals and their assessments:\n\n" + account(
+      tokenizer, item.rehearsals, cfg.digest_max_tokens, shown
+    )
     chats.append([Message("system", f"{item.task.system_prompt}\n\n{MEMORY_PROMPT}"), Message("user", body)])
   texts = _reflect(policy, tokenizer, chats, cfg.memory_max_tokens, cfg, key, cost)
   for item, text in zip(prepared, texts, strict=True):
     # The generation has <= memory_max_tokens tokens; its text re-tokenised may differ slightly: bound that too.
     item.memory = bounded(tokenizer, text, cfg.memory_max_tokens)
     item.memory_tokens = len(tokenizer.encode(item.memory))
+
+
+def _draft(prepared, policy, tokenizer: Tokenizer, unfold_config: UnfoldConfig, cfg, key, costs) -> None:
+  """The ``drafts`` control, in place: N independent plans per item from the agent's own view (its policy, tools and
+  the conversation before its first decision; no tool result), each assessed, the best assessed (success > partial >
+  anything else; the first on a tie) as the item's memory under ``DRAFT_HEADER``. A draft's budget is one
+  rehearsal's: ``max_turns`` ACT and REHEARSE generations."""
+  n = cfg.num_rehearsals
+  chats = []
+  for item in prepared:
+    history = [*registry.initial_conversation(item.task), *item.opening]
+    if not any(m.role == "user" for m in history) and item.task.user_turns:
+      history.append(ChatMessage("user", item.task.user_turns[0]))
+    system = item.task.system_prompt
+    if item.task.tools:
+      system += "\n\n" + tool_format.render_tools_block(item.task.tools)
+    chat = [Message("system", f"{system}\n\n{DRAFT_PROMPT}"), *(m for h in history for m in views.act_messages(h))]
+    chats += [chat] * n
+  budget = unfold_config.max_turns * (unfold_config.act_max_new_tokens + unfold_config.rehearse_max_new_tokens)
+  done, stats = complete(
+    sampler_for(policy, Role.ACT),
+    tokenizer,
+    chats,
+    key=jax.random.fold_in(key, 0),
+    max_new_tokens=budget,
+    sampling=unfold_config.act_sampling,
+  )
+  costs["rehearsal"].add(stats["generated_tokens"], stats["prefill_tokens"], stats["seconds"])
+  assess = []
+  for p, item in enumerate(prepared):
+    item.drafts = [Draft(c.text.strip()) for c in done[p * n : (p + 1) * n]]
+    for d in item.drafts:
+      body = "My draft:\n" + bounded(tokenizer, d.text, cfg.digest_max_tokens)
+      assess.append([Message("system", f"{item.task.system_prompt}\n\n{DRAFT_ASSESS_PROMPT}"), Message("user", body)])
+  texts = _reflect(
+    policy, tokenizer, assess, cfg.assessment_max_tokens, cfg, jax.random.fold_in(key, _ASSESS_STREAM),
+    costs["assessment"], answer_prefix="Outcome:",
+  )  # fmt: skip
+  for p, item in enumerate(prepared):
+    for d, text in zip(item.drafts, texts[p * n : (p + 1) * n], strict=True):
+      d.assessment = text
+    best = max(range(n), key=lambda i: (_outcome_rank(item.drafts[i].assessment), -i))
+    item.memory = bounded(tokenizer, item.drafts[best].text, cfg.memory_max_tokens)
+    item.memory_tokens = len(tokenizer.encode(item.memory))
+    item.header = DRAFT_HEADER
+
+
+def _outcome_rank(assessment: str) -> int:
+  """The rank of an assessment's outcome ("Outcome: success" > "partial" > anything else)."""
+  words = assessment.removeprefix("Outcome:").split()
+  return _OUTCOME_RANK.get(words[0].strip(".,;:").lower(), 0) if words else 0
 
 
 def rehearse(
@@ -403,8 +518,9 @@ def rehearse(
   costs: Mapping[str, PhaseCost] | None = None,
 ) -> None:
   """Rehearses every item privately (``config.mode``), assesses each rehearsal and writes the rehearsal memory, in
-  place (``Prepared.rehearsals``, ``.memory``). Calls no real tool: only the policy (and, with ``config.user ==
-  "reference"``, ``reference_sampler``) generates.
+  place (``Prepared.rehearsals``, ``.memory``); ``config.control`` runs a control instead (module docstring;
+  ``"drafts"``: ``Prepared.drafts``, whatever the mode but "off"). Calls no real tool: only the policy (and, with
+  ``config.user == "reference"``, ``reference_sampler``) generates.
 
   Args:
     prepared: the (task, trial) items with their openings.
@@ -419,9 +535,12 @@ def rehearse(
   """
   if config.mode == "off" or not prepared:
     return
+  costs = costs if costs is not None else {k: PhaseCost() for k in ("rehearsal", "assessment", "memory")}
+  if config.control == "drafts":
+    _draft(prepared, policy, tokenizer, unfold_config, config, key, costs)
+    return
   if config.user == "reference" and reference_sampler is None:
     raise PrivateRehearsalError("PrivateRehearsalConfig.user='reference' needs reference_sampler")
-  costs = costs if costs is not None else {k: PhaseCost() for k in ("rehearsal", "assessment", "memory")}
   parallel = config.mode == "parallel"
   ucfg = dataclasses.replace(
     unfold_config,
@@ -433,7 +552,10 @@ def rehearse(
   histories = [item.opening for item in prepared]
   rounds = 1 if parallel else config.num_rehearsals
   for n in range(rounds):
-    accounts = ["" if parallel else account(tokenizer, item.rehearsals, config.digest_max_tokens) for item in prepared]
+    shown = config.control != "no_world_model"
+    accounts = [
+      "" if parallel else account(tokenizer, item.rehearsals, config.digest_max_tokens, shown) for item in prepared
+    ]
     tasks = [rehearsal_task(item.task, item.opening, text) for item, text in zip(prepared, accounts, strict=True)]
     out = unfold(
       tasks,

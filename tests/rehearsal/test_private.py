@@ -211,3 +211,71 @@ def test_a_history_ending_in_the_users_stop_marker_ends_at_once(tokenizer, task)
                histories=[history])  # fmt: skip
   (traj,) = out.trajectories
   assert traj.termination == Termination.USER_STOP and traj.messages == list(history) and traj.rows == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The test-time controls (experiments/evidence.py, claim 4)
+
+
+def test_no_world_model_withholds_every_imagined_result_from_assessments_accounts_and_memory(tokenizer, task):
+  policy = Policy(tokenizer)
+  cfg = private.PrivateRehearsalConfig.from_config(mode="sequential", num_rehearsals=2, control="no_world_model")
+  heads = private.openings([task], 1, tokenizer, CONFIG, jax.random.key(0), user_sampler=User(tokenizer))
+  item = private.Prepared(task, 0, heads[0])
+  private.rehearse([item], policy, tokenizer, CONFIG, cfg, jax.random.key(1))
+  # The same rehearsals as the method's: REHEARSE imagined the create_task response in each ...
+  assert [r.trajectory.counts["generations_rehearse"] for r in item.rehearsals] == [1, 1]
+  assert all('"task_id"' in r.trajectory.messages[3].content for r in item.rehearsals)
+  # ... and nothing after them saw it: the assessments, the second rehearsal's account, the memory prompt.
+  later = [c for _, c, _ in policy.seen if private.ASSESS_PROMPT in c or private.MEMORY_PROMPT in c]
+  later.append(item.rehearsals[1].account)
+  assert len(later) == 4
+  for context in later:
+    assert f"Tool result: {private.WITHHELD}" in context and "Agent calls create_task(" in context
+    assert '"task_id"' not in context
+  assert item.memory
+
+
+class DraftPolicy(ContextSampler):
+  """Writes plan k on row k of a draft batch, judges plan 1 a success and the others failures; acts as `Policy`."""
+
+  def __init__(self, tokenizer):
+    self.policy = Policy(tokenizer)
+    super().__init__(tokenizer, self.answer, by_row=True)
+
+  def answer(self, role, context, row):
+    if private.DRAFT_PROMPT in context:
+      return f"Plan {row}: call create_task for user_1 titled 'Important Meeting', then confirm."
+    if private.DRAFT_ASSESS_PROMPT in context:
+      return " success\nWhat went wrong: nothing" if "Plan 1:" in context else " failure\nWhat went wrong: a lot"
+    return self.policy.answer(role, context)
+
+
+def test_drafts_commit_the_best_assessed_plan_without_imagining_anything(tokenizer, task):
+  policy = DraftPolicy(tokenizer)
+  cfg = private.PrivateRehearsalConfig.from_config(mode="parallel", num_rehearsals=3, control="drafts")
+  envs = [tau2.Tau2Env("mock")]
+  out = private.run([task], policy, tokenizer, CONFIG, cfg, jax.random.key(0), envs, reference_sampler=User(tokenizer))
+  (item,) = out.prepared
+  assert [d.text.split(":")[0] for d in item.drafts] == ["Plan 0", "Plan 1", "Plan 2"] and item.rehearsals == []
+  assert [d.assessment.split("\n")[0] for d in item.drafts] == ["Outcome: failure", "Outcome: success"] + [
+    "Outcome: failure"
+  ]
+  assert item.memory == item.drafts[1].text and item.memory_tokens == len(tokenizer.encode(item.memory))
+  assert out.committed[0].task.system_prompt.endswith(f"{private.DRAFT_HEADER}\n{item.memory}")
+  # A draft's prompt: the policy, the tools, the request; no REHEARSE generation before the committed execution.
+  drafts = [c for role, c, _ in policy.seen if private.DRAFT_PROMPT in c]
+  tools = tool_format.render_tools_block(task.tools)
+  assert len(drafts) == 3 and all(FIRST in c and tools in c and task.system_prompt in c for c in drafts)
+  assert not any(role == Role.REHEARSE for role, _, _ in policy.seen)
+  costs = private.summary_costs(out.costs)
+  assert costs["cost/rehearsal/generated_tokens"] > 0 and costs["cost/assessment/generated_tokens"] > 0
+  assert costs["cost/memory/generated_tokens"] == 0  # the chosen draft is the memory: nothing condensed
+  assert envs[0].evaluate(out.committed[0].messages).reward == 1.0
+
+
+def test_a_draft_assessment_ranks_success_over_partial_over_the_rest():
+  rank = private._outcome_rank
+  assert [rank("Outcome: success"), rank("Outcome: Partial."), rank("Outcome: failure"), rank("")] == [2, 1, 0, 0]
+  with pytest.raises(private.PrivateRehearsalError, match="control='both'"):
+    private.PrivateRehearsalConfig.from_config(mode="parallel", control="both")
