@@ -165,6 +165,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
   ),
 }  # fmt: skip
 _BUDGET_KEYS = ("model", "level", "sft_steps", "steps", "overrides")
+# --smoke's sizes (a pipeline check, cheap enough for the test suite): B=2 x G=2, 2 turns of 16 new tokens.
+SMOKE_SIZES = {
+  "train.tasks_per_step": 2,
+  "train.group_size": 2,
+  "rollout.max_turns": 2,
+  "rollout.act_max_new_tokens": 16,
+  "rollout.rehearse_max_new_tokens": 16,
+  "eval.assessment_max_tokens": 16,
+  "eval.memory_max_tokens": 16,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -182,6 +192,8 @@ def cell_config(args, method: str, seed: int):
   c.train.checkpoint_every = 5  # a killed warm-up or GRPO run loses at most 4 steps
   c.train.keep_checkpoints = 1  # SmolLM2 with AdamW's state: 1.6 GB a checkpoint
   c.grpo.remat = False  # 135M parameters fit without recomputing layers; faster on a CPU
+  if args.smoke:
+    common.apply_overrides(c, SMOKE_SIZES)
   if method in RL_METHODS:
     common.apply_overrides(c, TRAINING[method])
     c.train.init_from = str(cell_dir(args, "warmup", seed))
