@@ -347,13 +347,7 @@ def _check_train(ck: _Checker, benchmark: str | None) -> None:
   ck.integer("train.eval_every", 0)
   ck.integer("train.eval_tasks", -1, why=" (-1: every task of eval_split, 0: no evaluation)")
   ck.boolean("train.eval_at_start")
-  init_from = ck.text("train.init_from")
-  if (
-    init_from
-    and init_from is not _MISSING
-    and not os.path.isdir(os.path.join(os.path.expanduser(init_from), "checkpoints"))
-  ):
-    ck.add(f"train.init_from={init_from!r} holds no checkpoints/ folder; give the workdir of a run that saved one")
+  ck.text("train.init_from")  # a fresh run checks its checkpoint (`train.Trainer`); a resumed run never reads it
   warmup = ck.integer("train.sft_warmup_steps", 0)
   if steps is not _MISSING and warmup is not _MISSING and warmup > steps:
     ck.add(f"train.sft_warmup_steps={warmup} must be <= train.steps={steps}")

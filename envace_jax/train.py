@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -237,18 +236,25 @@ class Trainer:
     self.start_step = restored.step
 
   def _start_from(self, source: str) -> None:
-    """A fresh run's start from the newest checkpoint of another run's workdir (``train.init_from``): its
-    parameters, step, key and data position, so that the run goes on from that step (e.g. GRPO after a shared
-    supervised warm-up, experiments/evidence.py). A checkpoint of the same layout (both shared, or both per_role)
-    also gives its optimizer state: the run then equals a resume of the source. A shared checkpoint starts a
-    per_role run with both role trees as copies of its parameters and a fresh optimizer state (`init_train_state`).
+    """A fresh run's start from the newest checkpoint of another run's workdir (``train.init_from``): its parameters
+    and step, so that the run goes on from that step (e.g. GRPO after a shared supervised warm-up,
+    experiments/evidence.py). A checkpoint of the same layout (both shared, or both per_role) also gives its
+    optimizer state; a shared checkpoint starts a per_role run with both role trees as copies of its parameters and
+    a fresh optimizer state (`init_train_state`). The key is this run's (``seed``); the task stream goes on from the
+    source's position when ``seed`` and ``train.tasks_per_step`` are the source's, and starts afresh otherwise. So
+    with the source's settings the run equals a resume of the source (tests/test_init_from.py).
 
     Raises:
       CheckpointError: naming ``train.init_from``: no checkpoint there, its newest step does not read, per_role
-        parameters for a shared-policy run, or arrays of another model (`Checkpointer.restore`).
+        parameters for a shared-policy run, an optimizer state of another structure (another
+        ``grpo.sft_learning_rate`` or optimizer: set ``grpo.fresh_optimizer_after_sft`` and start a per_role run, or
+        match them), or arrays of another model (`Checkpointer.restore`).
     """
     where = f"train.init_from={source!r}"
-    with checkpoint_lib.Checkpointer(source, read_only=True) as src:
+    path = os.path.expanduser(source)
+    if not os.path.isdir(os.path.join(path, checkpoint_lib.CHECKPOINT_SUBDIR)):
+      raise checkpoint_lib.CheckpointError(f"{where}: no checkpoints/ folder there; give the workdir of a run")
+    with checkpoint_lib.Checkpointer(path, read_only=True) as src:
       step = src.latest_step()
       if step is None:
         raise checkpoint_lib.CheckpointError(f"{where}: no checkpoint in {src.directory}; give a run's workdir")
@@ -262,22 +268,32 @@ class Trainer:
         if split or not self.grpo_cfg.per_role:
           self._restore(src, step, fallback=False)
         else:
-          shared = dataclasses.replace(self.grpo_cfg, mode="envace")
           as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-          tree = jax.tree.map(as_abstract, self.state.params["act"])  # ACT's tree: the shared one's shapes, placed
+          # ACT's tree and its optimizer state: the shared run's shapes, placed as this run places them (the
+          # source's optimizer state is read only to be dropped, each part on the devices of ACT's).
+          abstract = {
+            "params": jax.tree.map(as_abstract, self.state.params["act"]),
+            "opt_state": jax.tree.map(as_abstract, self.state.opt_state["act"]),
+          }
           placement = jax.tree.map(lambda x: x.sharding, self.state)
           self.state = None  # released before reading
-          target = jax.eval_shape(functools.partial(grpo.init_train_state, shared), tree)
-          # The shared run's optimizer state is read only to be dropped (onto the first device).
-          abstract = {"params": tree, "opt_state": target.opt_state}
           restored = src.restore(step, abstract_state=abstract)
-          self.state = jax.device_put(grpo.init_train_state(self.grpo_cfg, restored.params), placement)
-          self.state = self.state.replace(step=jnp.asarray(restored.step, jnp.int32))
-          self.key, self.start_step = restored.rng, restored.step
+          state = grpo.init_train_state(self.grpo_cfg, restored.params)
+          restored.opt_state = None
+          self.state = jax.device_put(state.replace(step=jnp.asarray(restored.step, jnp.int32)), placement)
+          self.start_step = restored.step
           if restored.data_state is not None:
             self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
       except checkpoint_lib.CheckpointError as e:
+        self.ckpt.close()
         raise checkpoint_lib.CheckpointError(f"{where}: {e}") from e
+    self.key = jax.random.key(self.config.seed)
+    ours = {"seed": self.config.seed, "batch_size": self.config.train.tasks_per_step}
+    if {k: self.stream.state()[k] for k in ours} != ours:
+      logging.info(
+        "train.init_from: the source's task stream was %s, this run's is %s: a fresh stream", self.stream.state(), ours
+      )
+      self.stream = datasets.TaskStream(self.train_source, self.config.train.tasks_per_step, self.config.seed)
     logging.info("started from step %d of %s (train.init_from)", self.start_step, src.directory)
     self.init_from = (str(src.directory), self.start_step)
 

@@ -38,23 +38,25 @@ the same parameters, `testbed_calibration.check_digest`):
             tasks, scored by the rule checklist (what EnvACE trains on) and replayed on the real tools
             (`scoring.reward_gap_pairs`): per task the rehearsed reward, the real reward and their difference.
   test time (claim 4; the cells of ``--test-time-methods`` on ``--test-time-splits``' first ``--test-time-tasks``
-            tasks): for each N of ``--ns``, private rehearsal (parallel, sequential) and its two controls at the same
-            generation budget (rehearsal/private.py ``control``): ``no_world_model``, the same rehearsals with the
-            imagined tool results withheld from the assessments and the memory; ``drafts``, N plans written with no
-            tool result, the best assessed one in the memory's place. Each with the success chunk's key: the same
-            openings, so N = 0 is the success evaluation of the same tasks.
+            tasks): for each N of ``--ns``, private rehearsal (parallel, sequential) and its two controls under the
+            same generation cap (rehearsal/private.py ``control``; the tokens each spent are in the table):
+            ``no_world_model``, the same rehearsals with the imagined tool results withheld from the assessments and
+            the memory; ``drafts``, N plans written with no tool result, the best assessed one in the memory's place.
+            Each with the success chunk's key: the same openings, so N = 0 is the success evaluation of the same
+            tasks.
 Chunk keys are `testbed_calibration`'s (``fold_in(fold_in(eval_key(seed), phase), chunk)``), so the calibration's
 chunks of the same weights are this grid's.
 
 Aggregation (`interval`, `paired`): per (method, split, metric) the mean over seeds of each seed's mean over items,
-the interquartile mean over seeds (rliable's IQM: the 25%-trimmed mean), and a 95% interval from a stratified
-bootstrap (``BOOTSTRAP_RESAMPLES`` resamples, fixed seed): seeds resampled, and within each drawn seed its items
-(tasks or calls). Paired differences between two methods use the items both evaluated, per seed. rliable itself is
-not used: its 1.2.0 needs ``arch<8``, whose 7.2.0 does not import under pandas 3 (a ``deprecate_kwarg`` TypeError);
-the two functions here are what its ``aggregate_iqm`` and stratified bootstrap compute. Each claim's verdict reads
+the interquartile mean over seeds (the 25%-trimmed mean of the seeds' means: with 3 seeds it trims nothing; rliable's
+``aggregate_iqm`` trims over every (seed, task) score instead, which for 0/1 task successes says little), and a 95%
+interval from a two-level bootstrap (``BOOTSTRAP_RESAMPLES`` resamples, fixed seed): seeds drawn with replacement,
+then within each drawn seed its items (tasks or calls), so both seed and item variation widen it. Paired
+differences between two methods use the items both evaluated, per seed. rliable is not used: its 1.2.0 needs
+``arch<8``, whose 7.2.0 does not import under pandas 3 (a ``deprecate_kwarg`` TypeError). Each claim's verdict reads
 the paired difference pooled over the splits (every split's items, each seed a stratum): supported where the
-interval is above 0, contradicted where below, unresolved where it holds 0. Claim 4's differences are paired the
-same way, pooled over the test-time splits.
+interval is above 0, contradicted where below, unresolved where it holds 0; a verdict on fewer than 3 seeds is
+provisional (the page says so). Claim 4's differences are paired the same way, pooled over the test-time splits.
 
 Output: ``--out-dir/evidence.json`` (the protocol with the task ids of every split, every cell's per-item values and
 costs, the aggregate rows, the test-time rows, the paired differences, the verdicts, what is missing), the PNGs
@@ -238,10 +240,12 @@ def train_cell(args, method: str, seed: int) -> dict[str, Any]:
     costs = (record or {}).get("train_costs", []) + [
       {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, "date": calibration._now()}
     ]
-  elif record is not None:
-    return record
-  else:  # trained outside this script (its workdir's train_cost.json, as testbed_calibration.py writes it)
-    outside = workdir / "train_cost.json"
+  else:
+    if step is not None:
+      _check_trained(config, workdir, step)
+    if record is not None:
+      return record
+    outside = workdir / "train_cost.json"  # trained outside this script (testbed_calibration.py writes it)
     costs = [common.read_json(outside)] if outside.exists() else []
   record = {
     "method": method,
@@ -254,6 +258,40 @@ def train_cell(args, method: str, seed: int) -> dict[str, Any]:
   }
   common.write_json(path, record)
   return record
+
+
+_TRAINED_KEYS = (  # what a checkpoint found in a cell's workdir must have been trained with (`_check_trained`)
+  "model", "seed", "train.sft_warmup_steps", "train.steps", "train.tasks_per_step", "train.group_size",
+  "train.init_from", "grpo.mode", "grpo.baseline_groups", "grpo.trained_roles", "grpo.learning_rate",
+  "grpo.sft_learning_rate", "rollout.env_mode",
+)  # fmt: skip
+
+
+def _check_trained(config, workdir: pathlib.Path, step: int) -> None:
+  """Stops when the checkpoint of ``step`` in ``workdir`` was trained with other settings than ``config`` (a
+  workdir reused with another budget: its step would be taken for this cell's).
+
+  Raises:
+    SystemExit: naming the first settings that differ.
+  """
+  from envace_jax import checkpoint as checkpoint_lib
+
+  with checkpoint_lib.Checkpointer(workdir, read_only=True) as ckpt:
+    saved = ckpt.read_config(step)
+
+  def flat(c, key: str) -> str:  # a key the saved config lacks (an older version's) reads as unset
+    node = c
+    for part in key.split("."):
+      node = node.get(part) if hasattr(node, "get") else None
+    return json.dumps(None if node in ("", None) else node, default=list)
+
+  differ = [
+    f"{k}: saved {flat(saved, k)}, now {flat(config, k)}" for k in _TRAINED_KEYS if flat(saved, k) != flat(config, k)
+  ]
+  if differ:
+    raise SystemExit(
+      f"{workdir} step {step} was trained with other settings ({'; '.join(differ)}); use a fresh --workdir"
+    )
 
 
 def _curve(workdir: pathlib.Path) -> list[dict[str, float]]:
@@ -332,6 +370,19 @@ def _test_time_phases(args, method: str) -> list[tuple[str, str, int]]:
   return [(f"testtime_{v}_n{n}", v, n) for v in TEST_TIME for n in args.ns]
 
 
+def _chunk_files(args, method: str, seed: int, split: str, phase: str, n: int) -> list[tuple[int, int, pathlib.Path]]:
+  """(lo, hi, path) of each chunk of ``n`` tasks of a (cell, split, phase), ``--chunk`` tasks a chunk."""
+  d = chunk_dir(args, method, seed) / split
+  return [(lo, hi, d / f"{phase}_{lo:04d}_{hi:04d}.json") for lo, hi in calibration._chunks(n, args.chunk)]
+
+
+def _read_chunks(args, method: str, seed: int, split: str, phase: str) -> list[dict]:
+  """The finished chunks of a (cell, split, phase) that this grid's chunking names (a file of another ``--chunk``
+  or task count beside them is not read)."""
+  files = _chunk_files(args, method, seed, split, phase, _phase_tasks(args, phase))
+  return [json.loads(path.read_text()) for _, _, path in files if path.exists()]
+
+
 def _phase_tasks(args, phase: str) -> int:
   if phase.startswith("testtime_"):
     return min(args.test_time_tasks, args.tasks)
@@ -360,8 +411,7 @@ def evaluate_cell(args, method: str, seed: int) -> None:
     for split in splits:
       config.env.eval_split = split
       n = min(_phase_tasks(args, phase), len(runtime.evaluation_tasks(config, -1)))
-      for c, (lo, hi) in enumerate(calibration._chunks(n, args.chunk)):
-        path = chunk_dir(args, method, seed) / split / f"{phase}_{lo:04d}_{hi:04d}.json"
+      for c, (lo, hi, path) in enumerate(_chunk_files(args, method, seed, split, phase, n)):
         if not path.exists():
           plan.append((split, phase, fn, stream, c, lo, hi, path))
   record = train_cell(args, method, seed)
@@ -369,6 +419,13 @@ def evaluate_cell(args, method: str, seed: int) -> None:
     return
   print(f"{method} seed {seed}: {len(plan)} chunks to evaluate", flush=True)
   step = record["checkpoint_step"]
+  unknown = [
+    p
+    for p in sorted(chunk_dir(args, method, seed).glob("*/*.json"))
+    if "params_sha256" not in json.loads(p.read_text())
+  ]
+  if unknown:
+    raise SystemExit(f"{unknown[0]} does not say which parameters it evaluated (no params_sha256); delete it")
   model, samplers, digest = calibration.load(config, cell_dir(args, method, seed), step)
   calibration.check_digest(chunk_dir(args, method, seed), digest, f"{method} seed {seed} step {step}")
   base_key = evaluate.eval_key(seed)
@@ -393,12 +450,18 @@ def evaluate_cell(args, method: str, seed: int) -> None:
 def item_values(chunks: Sequence[Mapping[str, Any]], metric: str) -> dict[str, float | None]:
   """One value per item of ``metric`` over a (cell, split)'s chunks of its phase: by task id, or by "task#message"
   for a gold call; None where it does not apply (an error agreement on a call both sides answered, an invalid
-  trajectory)."""
-  _, name, _ = METRICS[metric]
+  trajectory).
+
+  Raises:
+    ValueError: two rows of one item (a fidelity row without its call's ``message``, or overlapping chunks).
+  """
+  phase, name, _ = METRICS[metric]
   out = {}
   for chunk in chunks:
     for row in chunk["rows"]:
-      item = f"{row['task']}#{row['message']}" if "message" in row else row["task"]
+      item = f"{row['task']}#{row['message']}" if phase == "fidelity" else row["task"]
+      if item in out:
+        raise ValueError(f"{chunk.get('split')} {chunk.get('phase')}: item {item} twice; its chunks overlap")
       value = row.get(name)
       out[item] = None if value is None else float(value)
   return out
@@ -410,7 +473,7 @@ def _resampled_means(values: np.ndarray, resamples: int, rng: np.random.Generato
 
 def interval(per_seed: Sequence[Sequence[float]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
   """Mean over seeds of each seed's mean over its items, the IQM over seeds (25%-trimmed mean of the seeds' means:
-  rliable's ``aggregate_iqm``) and the stratified bootstrap's 95% percentile interval of the mean: seeds drawn with
+  see the module docstring) and the two-level bootstrap's 95% percentile interval of the mean: seeds drawn with
   replacement, then each drawn seed's items drawn with replacement.
 
   Args:
@@ -476,9 +539,8 @@ def gather(args) -> dict[str, Any]:
       record = common.read_json(d / CELL_FILE) if (d / CELL_FILE).exists() else {}
       splits = {}
       for split in args.splits:
-        per_phase = {p: calibration._read(d, split, p) for p in PHASES}
-        done = {p: sum(len(ch["rows"]) if p != "fidelity" else len(ch["tasks"]) for ch in chs)
-                for p, chs in per_phase.items()}  # fmt: skip
+        per_phase = {p: _read_chunks(args, method, seed, split, p) for p in PHASES}
+        done = {p: sum(len(ch["tasks"]) for ch in chs) for p, chs in per_phase.items()}
         wanted = {p: _phase_tasks(args, p) for p in PHASES}
         if any(done[p] < wanted[p] for p in PHASES):
           missing.append(f"{method}/seed{seed}/{split}: " + ", ".join(f"{p} {done[p]}/{wanted[p]}" for p in PHASES))
@@ -488,8 +550,8 @@ def gather(args) -> dict[str, Any]:
           "cpu_s": {p: sum(ch["cpu_s"] for ch in chs) for p, chs in per_phase.items()},
         }
         for name, _, _ in _test_time_phases(args, method) if split in args.test_time_splits else []:
-          chunks = calibration._read(d, split, name)
-          done_tasks, wanted_tasks = sum(len(ch["rows"]) for ch in chunks), _phase_tasks(args, name)
+          chunks = _read_chunks(args, method, seed, split, name)
+          done_tasks, wanted_tasks = sum(len(ch["tasks"]) for ch in chunks), _phase_tasks(args, name)
           if done_tasks < wanted_tasks:
             missing.append(f"{method}/seed{seed}/{split}: {name} {done_tasks}/{wanted_tasks}")
           splits[split].setdefault("test_time", {})[name] = {
@@ -522,6 +584,19 @@ def gather(args) -> dict[str, Any]:
   for method in (m for m in methods if m in args.test_time_methods):
     for split in args.test_time_splits:
       off = _test_time_by_seed(cells, method, [split], "off", 0)
+      off = {seed: dict(list(v.items())[: _phase_tasks(args, "testtime_")]) for seed, v in off.items()}
+      none = interval([])
+      test_time.append(
+        {
+          "method": method,
+          "split": split,
+          "variant": "off",
+          "N": 0,
+          "success": _interval_of(off),
+          "vs_off": none,
+          "tokens_per_task": 0.0,
+        }
+      )  # fmt: skip  N = 0: the success evaluation of the test-time tasks
       for variant in TEST_TIME:
         for n in args.ns:
           mine = _test_time_by_seed(cells, method, [split], variant, n)
@@ -529,7 +604,7 @@ def gather(args) -> dict[str, Any]:
           tokens = [t["generated_tokens"] / len(t["values"]) for t in tokens if t and t["values"]]
           test_time.append({
             "method": method, "split": split, "variant": variant, "N": n,
-            "success": interval([[v for v in values.values() if v is not None] for values in mine.values()]),
+            "success": _interval_of(mine),
             "vs_off": paired(mine, off),
             "tokens_per_task": float(np.mean(tokens)) if tokens else float("nan"),
           })  # fmt: skip
@@ -542,6 +617,11 @@ def gather(args) -> dict[str, Any]:
     names = {"a": f"{method} {va} N={na}", "b": f"{method} {vb} N={nb}"}
     diffs.append({"claim": claim, **names, "metric": "success", "split": "pooled", **d, "verdict": verdict(d)})
   return {"cells": cells, "rows": rows, "differences": diffs, "test_time": test_time, "missing": missing}
+
+
+def _interval_of(by_seed: Mapping[int, Mapping[str, float | None]]) -> dict:
+  """`interval` of seed -> item -> value (Nones left out)."""
+  return interval([[v for v in values.values() if v is not None] for values in by_seed.values()])
 
 
 def _test_time_part(cell: Mapping[str, Any], split: str, name: str) -> Mapping[str, Any] | None:
@@ -647,7 +727,10 @@ def claims_table(result: Mapping[str, Any]) -> str:
   head = ["claim", "metric", "A − B, pooled splits (points, 95% interval)", "seeds", "verdict"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for d in (d for d in result["differences"] if d["split"] == "pooled"):
-    lines.append(f"| {d['claim']} | {METRICS[d['metric']][2]} | {_ci(d)} | {d['seeds']} | {d['verdict']} |")
+    provisional = " (provisional: < 3 seeds)" if 0 < d["seeds"] < 3 else ""
+    lines.append(
+      f"| {d['claim']} | {METRICS[d['metric']][2]} | {_ci(d)} | {d['seeds']} | {d['verdict']}{provisional} |"
+    )
   return "\n".join(lines)
 
 
@@ -683,7 +766,7 @@ def results_section(result: Mapping[str, Any]) -> str:
     lines += [
       "",
       f"Test time (claim 4) on the first {p_tt} tasks of {', '.join(p['test_time_splits'])}: private rehearsal "
-      "(parallel, sequential) and its two controls at the same generation budget: `no_world_model` (the same "
+      "(parallel, sequential) and its two controls under the same generation cap: `no_world_model` (the same "
       "rehearsals, the imagined tool results withheld from the assessments and the memory) and `drafts` (N plans "
       "written without tool results, the best assessed one committed with); the same openings as the success "
       "evaluation, which is N = 0.",
@@ -693,7 +776,7 @@ def results_section(result: Mapping[str, Any]) -> str:
   else:
     lines += ["", "Claim 4 (test-time private rehearsal and its two controls): not run yet."]
   if result["missing"]:
-    lines += ["", f"Not finished: {len(result['missing'])} (cell, split) parts; evidence.json's `missing` lists them."]
+    lines += ["", f"Not finished: {len(result['missing'])} entries of evidence.json's `missing` (cell, split: phases)."]
   cpu = sum(c["cpu_minutes"] for c in result["cells"])
   lines += ["", f"CPU time of the finished parts: {cpu / 60:.1f} CPU-hours (per cell in evidence.json)."]
   lines += ["", *(f"![{name}](../experiments/results/{file})" for name, file in PNGS.items()), RESULTS_END]
@@ -745,10 +828,9 @@ def plot(result: Mapping[str, Any], out_dir: pathlib.Path) -> None:
   plt.close(fig)
 
   fig, ax = plt.subplots(figsize=(6.5, 3.8))
-  for (method, split, variant), rs in _grouped(result.get("test_time", [])).items():
-    off = next((r for r in result["rows"] if (r["method"], r["split"]) == (method, split)), None)
-    pts = ([(0, off["success"])] if off else []) + [(r["N"], r["success"]) for r in rs]
-    pts = [(n, x) for n, x in pts if x["seeds"]]
+  for (method, split, variant), rs in _grouped(r for r in result["test_time"] if r["variant"] != "off").items():
+    off = [r for r in result["test_time"] if (r["method"], r["split"], r["variant"]) == (method, split, "off")]
+    pts = [(r["N"], r["success"]) for r in off + rs if r["success"]["seeds"]]  # N = 0 on the same tasks
     if pts:
       ns, mean = [n for n, _ in pts], np.array([x["mean"] for _, x in pts]) * 100
       err = np.array([[x["mean"] - x["lo"], x["hi"] - x["mean"]] for _, x in pts]).T * 100

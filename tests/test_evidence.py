@@ -73,6 +73,12 @@ def test_item_values_key_calls_by_task_and_message():
   assert evidence.item_values(chunks, "exact_match") == {"a#3": 1.0, "a#5": 0.0}
   assert evidence.item_values(chunks, "error_agreement") == {"a#3": None, "a#5": 1.0}
   assert evidence.item_values([{"rows": [{"task": "b", "success": 1}]}], "success") == {"b": 1.0}
+  # A row that names no call (an old chunk format) or overlapping chunks: one item twice, an error, not a silent loss.
+  legacy = {"split": "iid", "phase": "fidelity", "rows": [{"task": "a", "exact_match": True}]}
+  with pytest.raises(KeyError):
+    evidence.item_values([legacy], "exact_match")
+  with pytest.raises(ValueError, match="item a#3 twice"):
+    evidence.item_values([chunks[0], chunks[0]], "exact_match")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -166,11 +172,12 @@ def test_smoke_grid_chunks_cells_resume_and_page(smoke, capsys):
   assert diff["mean"] == pytest.approx(np.mean(success) - np.mean(base)) and diff["metric"] == "success"
   # Test time (the EnvACE cell, N = 1, the first task): each variant generated before committing, and its difference
   # from rehearsal off is paired with the success chunk's value for that task.
-  assert [(r["method"], r["variant"], r["N"]) for r in result["test_time"]] == [
-    ("envace", v, 1) for v in evidence.TEST_TIME
-  ]
+  off, *rows = result["test_time"]
+  assert [(r["method"], r["variant"], r["N"]) for r in rows] == [("envace", v, 1) for v in evidence.TEST_TIME]
+  first = envace["splits"]["iid"]["values"]["success"][ids[0]]
+  assert (off["variant"], off["N"], off["success"]["mean"], off["success"]["items"]) == ("off", 0, first, [1])
   parts = envace["splits"]["iid"]["test_time"]
-  for r in result["test_time"]:
+  for r in rows:
     part = parts[f"testtime_{r['variant']}_n1"]
     assert list(part["values"]) == ids[:1] and part["generated_tokens"] > 0 and r["tokens_per_task"] > 0
     assert r["vs_off"]["mean"] == part["values"][ids[0]] - envace["splits"]["iid"]["values"]["success"][ids[0]]

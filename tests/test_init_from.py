@@ -10,6 +10,7 @@ checkpoint starts a per_role run with both trees equal to its parameters and a f
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
@@ -22,6 +23,7 @@ _RUN = {
   "train.sft_warmup_steps": 1,
   "grpo.sft_learning_rate": 1e-2,
   "grpo.learning_rate": 1e-3,
+  "grpo.fresh_optimizer_after_sft": False,  # the RL step goes on with the warm-up's AdamW state: restored or not
   "train.eval_tasks": 0,
 }
 
@@ -52,7 +54,8 @@ def test_a_run_started_from_a_warmup_equals_the_uninterrupted_run(tmp_path, data
   assert (started.start_step, started.init_from) == (1, (str(source / "checkpoints"), 1))
   started.run()
 
-  assert_same_state(started, whole)
+  assert_same_state(started, whole)  # AdamW's count and moments included: step 2 stepped from the warm-up's
+  assert _adam_counts(started.state.opt_state) == {2}
   rows = metrics.read_jsonl(tmp_path / "started")
   assert [r["step"] for r in rows] == [2]  # the warm-up's step is the source's, not logged again
   assert_same_rows(rows, metrics.read_jsonl(tmp_path / "whole")[1:])
@@ -81,7 +84,15 @@ def test_a_shared_checkpoint_starts_both_trees_of_a_per_role_run(tmp_path, data_
     train.Trainer(config, str(tmp_path / "shared"))
 
 
-def test_init_from_without_checkpoints_stops_before_loading(tmp_path, data_dir):
+def test_another_seed_gets_its_own_key_and_stream_and_a_missing_source_names_the_key(tmp_path, data_dir, warmup):
+  source, trainer = warmup
+  config = tiny_config(data_dir, **{**_RUN, "seed": 5, "train.init_from": str(source)})
+  started = train.Trainer(config, str(tmp_path / "seed5"))
+  assert started.start_step == 1
+  assert_same_trees(started.state.params, trainer.state.params, "params")
+  np.testing.assert_array_equal(jax.random.key_data(started.key), jax.random.key_data(jax.random.key(5)))
+  assert started.stream.state() == {**trainer.stream.state(), "seed": 5, "position": 0}  # a fresh stream of seed 5
   config = tiny_config(data_dir, **{"train.init_from": str(tmp_path / "nothing")})
-  with pytest.raises(config_check.ConfigError, match=r"train.init_from=.*holds no checkpoints/ folder"):
-    config_check.validate(config)
+  config_check.validate(config)  # a resumed run never reads it: only a fresh one checks (below)
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r"train.init_from=.*nothing.*no checkpoints/ folder"):
+    train.Trainer(config, str(tmp_path / "fresh"))

@@ -415,10 +415,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.rehearsal = "off,parallel,sequential"
   c.eval.rehearsal_n = 4  # N rehearsals per (task, trial). paper: N = 4
   c.eval.rehearsal_user = "policy"  # who imagines the user in rehearsals: "policy" (its own weights) or "reference"
-  # Test-time controls at the same generated-token budget (experiments/evidence.py, claim 4): "none" (private rehearsal
-  # itself), "no_world_model" (the same N rehearsals, assessments and memory, with every imagined tool result withheld
-  # from what the assessments and the memory see), "drafts" (N plans written without any tool result, each assessed,
-  # the best assessed one in the memory's place; rehearsal/private.py).
+  # Test-time controls under the same generation cap (experiments/evidence.py, claim 4, reports the tokens spent):
+  # "none" (private rehearsal itself), "no_world_model" (the same N rehearsals, assessments and memory, with every
+  # imagined tool result withheld from what the assessments and the memory see), "drafts" (N plans written without
+  # any tool result, each assessed, the best assessed one in the memory's place; rehearsal/private.py).
   c.eval.rehearsal_control = "none"
   c.eval.assessment_max_tokens = 96  # self-assessment after each rehearsal (tokens)
   c.eval.memory_max_tokens = 128  # bound on the rehearsal memory in the committed context (tokens)

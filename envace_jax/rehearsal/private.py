@@ -18,12 +18,13 @@ For each (task, trial):
 ``mode="off"`` skips 2-3: the committed execution starts from the same opening without a memory. Every phase's cost is
 recorded (`PhaseCost`).
 
-Two controls (``control``; experiments/evidence.py, claim 4) ask whether imagining the environment is what helps, at
-the same generated-token budget: ``"no_world_model"`` makes the same N rehearsals, assessments and memory but withholds
-every imagined tool result from what the assessments, a sequential rehearsal's account and the memory see
-(`transcript` with ``tool_results=False``); ``"drafts"`` writes N plans from the agent's own view with no tool result at
-all (``DRAFT_PROMPT``; each up to one rehearsal's generation budget, ACT's and REHEARSE's turns together), assesses
-each (``DRAFT_ASSESS_PROMPT``) and commits with the best assessed plan in the memory's place (``DRAFT_HEADER``).
+Two controls (``control``; experiments/evidence.py, claim 4) ask whether imagining the environment is what helps,
+under the same generation cap (what each spends is recorded: `PhaseCost`). ``"no_world_model"`` makes the same N
+rehearsals, assessments and memory but withholds every imagined tool result from what the assessments, a sequential
+rehearsal's account and the memory see (`transcript` with ``tool_results=False``; the agent's own later calls and
+replies, which may restate a result, stay). ``"drafts"`` writes N plans from the agent's own view with no tool result
+at all (``DRAFT_PROMPT``; each capped at one rehearsal's ``max_turns`` ACT and REHEARSE generations), assesses each
+(``DRAFT_ASSESS_PROMPT``) and commits with the best assessed plan in the memory's place (``DRAFT_HEADER``).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class PrivateRehearsalConfig:
   memory_max_tokens: int
   digest_max_tokens: int
   user: str
-  control: str = "none"
+  control: str
   sampling: SamplingParams = GREEDY
 
   @classmethod
