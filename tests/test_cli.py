@@ -3,6 +3,7 @@ run prints and writes, and a bad config value's one line and exit status 2."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from envace_jax import checkpoint as checkpoint_lib
-from envace_jax import config_check, metrics
+from envace_jax import config_check, metrics, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -116,7 +117,13 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   assert lines[3] == f"evaluating on {task} against the real tools..."
   final = metrics.format_eval_summary(held_out, 2).splitlines()
   change = metrics.format_eval_change(initial, held_out, 2).splitlines()
-  assert lines[4:] == final + change and len(final) == 7
+  # Last, what the whole run compiled (train.train_and_evaluate's record in compile.jsonl).
+  (record,) = [json.loads(line) for line in (workdir / train.COMPILE_LOG).read_text().splitlines()]
+  compiled = (
+    f"compiled {record['programs']} programs in {record['compile_s']:.0f} s of the run's {record['wall_s']:.0f} s "
+    f"(compilation cache: {record['cache'] or 'off'})"
+  )
+  assert lines[4:] == [*final, *change, compiled] and len(final) == 7
   assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 9  # every headline number
   assert change[2].split() == ["reward", f"{initial['eval/reward']:.3f}", "->", f"{held_out['eval/reward']:.3f}"]
   # Nothing else reached the terminal, not even what the bar's redraws hid: no log line of any library.
