@@ -24,6 +24,7 @@ import json
 import math
 import numbers
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -138,6 +139,21 @@ def print_line(text: str) -> None:
     sys.stdout.flush()
 
 
+BOOTSTRAP_RESAMPLES = 2000  # `interval95`'s resamples: the held-out tables' intervals (fixed seed: reproducible)
+
+
+def interval95(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float]:
+  """The percentile-bootstrap 95% interval of the mean of ``values`` (resampled with replacement, ``resamples``
+  times, generator seeded with ``seed``): (lo, hi); (NaN, NaN) for no value. The held-out tables' intervals over
+  tasks (pass^1) and over calls (fidelity); experiments/evidence.py adds the seeds' level."""
+  x = np.asarray(values, np.float64)
+  if x.size == 0:
+    return float("nan"), float("nan")
+  means = x[np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+  lo, hi = np.percentile(means, [2.5, 97.5])
+  return float(lo), float(hi)
+
+
 def _num(value: Any, spec: str) -> str:
   """``value`` formatted with ``spec``; "-" for a missing value or NaN (a metric undefined at that step)."""
   if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -207,7 +223,7 @@ def format_eval_summary(summary: Mapping[str, float], step: int) -> str:
   """
   g = summary.get
   tasks, trials = int(summary["eval/tasks"]), int(summary["eval/trials"])
-  passes = sorted((k for k in summary if k.startswith("eval/pass^")), key=lambda k: int(k.rsplit("^", 1)[1]))
+  passes = sorted((k for k in summary if re.fullmatch(r"eval/pass\^\d+", k)), key=lambda k: int(k.rsplit("^", 1)[1]))
   lines = [
     f"held-out evaluation after step {step}: {tasks} task{'s' * (tasks != 1)} x {trials} "
     f"trial{'s' * (trials != 1)} against the real tools, scored by the benchmark",
@@ -241,6 +257,7 @@ def format_eval_summary(summary: Mapping[str, float], step: int) -> str:
 
 _CHANGE_ROWS = (
   ("pass^1", "eval/pass^1", ".3f"),
+  ("fidelity on gold calls: exact match", "eval/fidelity_gold/exact_match", ".2f"),
   ("reward", "eval/reward", ".3f"),
   ("tool-call validity", "eval/tool_call_validity", ".2f"),
   ("tool calls per trial", "eval/tool_calls", ".2f"),
@@ -253,12 +270,21 @@ _CHANGE_ROWS = (
 
 def format_eval_change(initial: Mapping[str, float], final: Mapping[str, float], step: int) -> str:
   """The held-out evaluation of the initial weights (``train.eval_at_start``: step 0 of ``eval.jsonl``) beside the
-  one after step ``step``, one line per headline number both hold (`format_eval_summary`'s keys); "-" for NaN."""
+  one after step ``step``, one line per headline number both hold (`format_eval_summary`'s keys), with its 95%
+  interval ``[lo, hi]`` where the summary has one (``KEY/lo``, ``KEY/hi``: pass^1 over tasks, fidelity over calls;
+  `interval95`); "-" for NaN."""
   rows = [(name, key, fmt) for name, key, fmt in _CHANGE_ROWS if key in initial and key in final]
   width = max(len(name) for name, _, _ in rows) if rows else 0
   lines = [f"held-out, initial weights vs after step {step}:"]
+
+  def cell(summary, key, fmt):
+    value = _num(summary[key], fmt)
+    if f"{key}/lo" in summary and not math.isnan(summary[key]):
+      value += f" [{_num(summary[f'{key}/lo'], fmt)}, {_num(summary[f'{key}/hi'], fmt)}]"
+    return value
+
   for name, key, fmt in rows:
-    lines.append(f"  {name:<{width}}  {_num(initial[key], fmt):>6} -> {_num(final[key], fmt)}")
+    lines.append(f"  {name:<{width}}  {cell(initial, key, fmt):>6} -> {cell(final, key, fmt)}")
   return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from envace_jax import config_check
+from envace_jax import config_check, metrics
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, EnvError, RewardInfo, Task, ToolEnv
 from envace_jax.model import tool_format
@@ -353,4 +353,5 @@ def score_committed(
   }
   for k in range(1, num_trials + 1):
     summary[f"pass^{k}"] = pass_hat_k(successes, num_trials, k)
+  summary["pass^1/lo"], summary["pass^1/hi"] = metrics.interval95([c / num_trials for c in successes])
   return summary

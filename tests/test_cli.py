@@ -124,8 +124,10 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     f"(compilation cache: {record['cache'] or 'off'})"
   )
   assert lines[4:] == [*final, *change, compiled] and len(final) == 7
-  assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 9  # every headline number
-  assert change[2].split() == ["reward", f"{initial['eval/reward']:.3f}", "->", f"{held_out['eval/reward']:.3f}"]
+  assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 10  # every headline number
+  with_ci = lambda s, k: [f"{s[k]:.3f}", f"[{s[k + '/lo']:.3f},", f"{s[k + '/hi']:.3f}]"]  # one task: lo = hi = value
+  assert change[1].split() == ["pass^1", *with_ci(initial, "eval/pass^1"), "->", *with_ci(held_out, "eval/pass^1")]
+  assert change[3].split() == ["reward", f"{initial['eval/reward']:.3f}", "->", f"{held_out['eval/reward']:.3f}"]
   # Nothing else reached the terminal, not even what the bar's redraws hid: no log line of any library.
   assert not re.search(r"(^|[\r\n])[IDW]\d{4} \d\d:\d\d", out), out  # absl's "I1201 08:37:09.864 ..." lines
   assert "| DEBUG" not in out and "| INFO" not in out and "Generating" not in out and "Downloading" not in out

@@ -62,6 +62,9 @@ def test_score_committed_counts_invalid_trials_as_failures_and_0_999999_as_a_suc
     for b, row in enumerate(rewards)
   ]
   assert successes == [2, 2, 0]
+  # pass^1's 95% interval over tasks (2/3, 2/3, 0): a resample's mean is 0, 2/9, 4/9 or 2/3 with CDF 1/27, 7/27,
+  # 19/27, 1, so its 2.5th and 97.5th percentiles are 0 and 2/3.
+  assert (summary["pass^1/lo"], summary["pass^1/hi"]) == (0.0, pytest.approx(2 / 3))
   assert (
     [scoring.is_success(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]
     == [agent_metrics.is_successful(r) for r in (1.0, 0.999999, 0.9999989, 1.000001, 1.0000011)]

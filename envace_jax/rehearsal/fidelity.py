@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from envace_jax import metrics
 from envace_jax.envs import registry
 from envace_jax.envs.base import ChatMessage, Task, ToolCall, ToolEnv, json_layout
 from envace_jax.model import tool_format
@@ -119,11 +120,14 @@ def compare(predicted: str, real_text: str, real_is_error: bool, accept_error_te
 def summarize(pairs: Sequence[ResponseFidelity], prefix: str = "fidelity/") -> dict[str, float]:
   """Means over the pairs where each measure is defined, and the counts: ``{prefix}json_valid``, ``exact_match``,
   ``key_f1``, ``value_accuracy``, ``error_agreement`` (NaN when never defined), ``calls``, ``key_f1_calls``,
-  ``value_calls``."""
+  ``value_calls``; ``exact_match/lo``, ``/hi`` and ``key_f1/lo``, ``/hi``: 95% intervals over calls
+  (`metrics.interval95`)."""
   out = {f"{prefix}calls": float(len(pairs))}
   for name in ("json_valid", "exact_match", "key_f1", "value_accuracy", "error_agreement"):
     values = [float(getattr(p, name)) for p in pairs if getattr(p, name) is not None]
     out[f"{prefix}{name}"] = float(np.mean(values)) if values else float("nan")
+    if name in ("exact_match", "key_f1"):  # the headline measures: their 95% interval over calls
+      out[f"{prefix}{name}/lo"], out[f"{prefix}{name}/hi"] = metrics.interval95(values)
   out[f"{prefix}key_f1_calls"] = float(sum(p.key_f1 is not None for p in pairs))
   out[f"{prefix}value_calls"] = float(sum(p.value_accuracy is not None for p in pairs))
   return out

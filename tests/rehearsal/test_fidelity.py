@@ -77,7 +77,12 @@ def test_summarize_averages_where_defined():
   assert s["fidelity/key_f1"] == pytest.approx(1.8 / 3) and s["fidelity/key_f1_calls"] == 3
   assert s["fidelity/value_accuracy"] == pytest.approx(0.75) and s["fidelity/value_calls"] == 2
   assert s["fidelity/error_agreement"] == 0.75
-  assert math.isnan(fidelity.summarize([])["fidelity/key_f1"])
+  # The 95% interval of exact match (1 of 4 calls): a resample's mean is k/4 with k ~ Binomial(4, 1/4), whose CDF
+  # 0.32, 0.74, 0.95, 0.996 puts the 2.5th and 97.5th percentiles at 0 and 3/4.
+  assert (s["fidelity/exact_match/lo"], s["fidelity/exact_match/hi"]) == (0.0, 0.75)
+  assert math.isnan(fidelity.summarize([])["fidelity/key_f1"]) and math.isnan(
+    fidelity.summarize([])["fidelity/key_f1/lo"]
+  )
 
 
 def test_probes_rebuild_the_rehearse_view_with_real_results():
