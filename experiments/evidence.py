@@ -65,9 +65,10 @@ holds it).
 
 Budget (measured 2026-12-05 on 2 vCPUs, SmolLM2 float32): success ≈ 1 CPU-min per 8 tasks, fidelity ≈ 1.5 CPU-min
 per 8 tasks (≈ 15 calls), WM2Real ≈ 1.5-2.5 CPU-min per 8 tasks, the warm-up ≈ 28 CPU-min per seed; evidence.json's
-``cpu_minutes`` gives each cell's (training included). The default grid is 6 methods x 3 seeds x 3 splits, sized
-for about 15 CPU-hours with the test-time part; cuts, where the budget forces them, go methods first, then seeds
-below 5, then tasks.
+``cpu_minutes`` gives each cell's (training included). Host memory: a GRPO cell peaks near 17 GB (SmolLM2, B=4 x
+G=4, no remat), so on a 23 GB machine nothing heavy runs beside the grid. The default grid is 6 methods x 3 seeds x
+3 splits, sized for about 15 CPU-hours with the test-time part; cuts, where the budget forces them, go methods first,
+then seeds below 5, then tasks.
 """
 
 from __future__ import annotations
@@ -191,9 +192,12 @@ def cell_config(args, method: str, seed: int):
   c.train.eval_at_start = False
   c.train.sft_warmup_steps = 0 if method == "base" else args.sft_steps
   c.train.steps = c.train.sft_warmup_steps + (args.steps if method in RL_METHODS else 0)
-  c.train.checkpoint_every = 5  # a killed warm-up or GRPO run loses at most 4 steps
+  # A killed warm-up loses at most 4 of its steps, a killed GRPO run none (its steps are the slow ones).
+  c.train.checkpoint_every = 1 if method in RL_METHODS else 5
   c.train.keep_checkpoints = 1  # SmolLM2 with AdamW's state: 1.6 GB a checkpoint
-  c.grpo.remat = False  # 135M parameters fit without recomputing layers; faster on a CPU
+  # 135M parameters fit without recomputing layers, faster on a CPU; host memory peaks near 12 GB in the warm-up and
+  # 17 GB in a GRPO step (2026-12-05: a GRPO cell beside the main job and the tests was killed for memory on 23 GB).
+  c.grpo.remat = False
   if args.smoke:
     common.apply_overrides(c, SMOKE_SIZES)
   if method in RL_METHODS:
