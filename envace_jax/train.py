@@ -253,10 +253,12 @@ class Trainer:
     where = f"train.init_from={source!r}"
     path = os.path.expanduser(source)
     if not os.path.isdir(os.path.join(path, checkpoint_lib.CHECKPOINT_SUBDIR)):
+      self.ckpt.close()
       raise checkpoint_lib.CheckpointError(f"{where}: no checkpoints/ folder there; give the workdir of a run")
     with checkpoint_lib.Checkpointer(path, read_only=True) as src:
       step = src.latest_step()
       if step is None:
+        self.ckpt.close()
         raise checkpoint_lib.CheckpointError(f"{where}: no checkpoint in {src.directory}; give a run's workdir")
       try:
         split = any(name.startswith("params/act/") for name in src.saved_arrays(step))
