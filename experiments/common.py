@@ -26,14 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODELS = ("smollm2", "tiny")
 DEFAULT_DATA_DIR = str(pathlib.Path(tempfile.gettempdir()) / "envace_tfds")
-
-TINY_CAVEAT = (
-  "CAVEAT: --model=tiny is a randomly initialised 2-layer model on τ² mock (the only domain its 1024-token context "
-  "holds; mock has one 9-task split, so training and evaluation tasks overlap). These numbers test the pipeline "
-  "and say nothing about the method; use --model=smollm2 (CPU, slow)."
-)
 
 
 def config_file(name: str, arg: str | None = None):

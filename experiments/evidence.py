@@ -102,11 +102,11 @@ RESULTS_BEGIN, RESULTS_END = "<!-- evidence.py --results-page: begin -->", "<!--
 
 METHODS = ("base", "warmup", "envace", "grpo_real_env", "per_role", "role_agnostic")
 RL_METHODS = ("envace", "grpo_real_env", "per_role", "role_agnostic")
-TRAINING: dict[str, dict[str, Any]] = {  # config overrides of each RL method, after the shared warm-up
-  "envace": {"grpo.mode": "envace"},
-  "grpo_real_env": {"grpo.mode": "grpo_real_env", "rollout.env_mode": "real", "grpo.trained_roles": ("act",)},
-  "per_role": {"grpo.mode": "per_role"},
-  "role_agnostic": {"grpo.mode": "envace", "grpo.baseline_groups": "task"},
+# Config overrides of each RL method, after the shared warm-up: common.TRAINING_MODES' three, and the role-agnostic
+# baseline (EnvACE with one baseline per task over both roles' outputs).
+TRAINING: dict[str, dict[str, Any]] = {
+  **common.TRAINING_MODES,
+  "role_agnostic": {**common.TRAINING_MODES["envace"], "grpo.baseline_groups": "task"},
 }
 LABELS = {
   "base": "base",

@@ -346,13 +346,11 @@ def evaluate_cell(args, name: str, seed: int, workdir: pathlib.Path, step: int |
 
 def bootstrap(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
   """Mean of ``values`` with its percentile-bootstrap 95% interval (None entries left out); NaN when none."""
+  from envace_jax import metrics
+
   x = np.asarray([v for v in values if v is not None], np.float64)
-  if x.size == 0:
-    return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
-  rng = np.random.default_rng(seed)
-  means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
-  lo, hi = np.percentile(means, [2.5, 97.5])
-  return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "n": int(x.size)}
+  lo, hi = metrics.interval95(x, resamples, seed)
+  return {"mean": float(x.mean()) if x.size else float("nan"), "lo": lo, "hi": hi, "n": int(x.size)}
 
 
 def eval_dir(workdir: pathlib.Path, step: int | None) -> pathlib.Path:
