@@ -6,7 +6,7 @@
 # GPUs, the CUDA wheels from PyPI) or EXTRAS=tpu (libtpu); comma-separated for several. Without it JAX is the CPU
 # build. Each EXTRAS value has its own stamp, so adding one to an existing environment installs again.
 #
-#   make run                                  # --config=configs/tau2.py:mock_heldout --workdir=/tmp/envace_main
+#   make run                                  # --config=configs/testbed.py:main --workdir=/tmp/envace_main
 #   make run CONFIG=configs/tiny.py WORKDIR=/tmp/tiny ARGS="--config.train.steps=1 --verbosity=0"
 #   make test PYTEST_ARGS="-q tests/test_cli.py"
 #   make run EXTRAS=cuda12                    # on a GPU machine: jax[cuda12] at the tested jax version
@@ -20,7 +20,7 @@ ACTIVATE := . "$(VENV_DIR)/bin/activate"
 EXTRAS ?=
 ALL_EXTRAS := dev,tau2,bfcl$(if $(EXTRAS),$(comma)$(EXTRAS))
 STAMP := $(VENV_DIR)/.envace-jax-installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
-CONFIG ?= configs/tau2.py:mock_heldout
+CONFIG ?= configs/testbed.py:main
 WORKDIR ?= /tmp/envace_main
 ARGS ?=
 PYTEST_ARGS ?= -n auto --dist worksteal -q --durations=10

@@ -186,7 +186,8 @@ def release_host_memory(staging: bool = False) -> None:
   program's jaxpr and lowered module. `jax.clear_caches()` would drop the compiled programs too; after
   `_clear_staging_caches` a call with shapes seen before runs the program it has without tracing or compiling again
   (``tests/test_runtime.py``). Eager operations' small programs do compile again, so the caches are dropped only
-  when a program of ``_LARGE_COMPILE_S`` or more was compiled since they last were, or when ``staging`` is True.
+  when a program of ``_LARGE_COMPILE_S`` or more was compiled (or read from the persistent compilation cache) since
+  they last were, or when ``staging`` is True.
   Training and evaluation call this between phases, when no large program runs; the pages come back zeroed when
   next used.
   """
@@ -218,6 +219,8 @@ def host_memory_gib() -> dict[str, float]:
 
 _COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HITS = "/jax/compilation_cache/cache_hits"  # jax._src.compiler: a program read from the persistent cache
+_CACHE_MISSES = "/jax/compilation_cache/cache_misses"  # looked up, not there (compiled, then written)
 # An XLA compile this long is a real model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU, an update
 # 10-40 s), not an eager operation's (about 0.01 s) or the tiny test model's (1-3 s, whose caches are small: dropping
 # them after those made two resume tests 15% slower); each one leaves its jaxpr and lowered module in JAX's caches.
@@ -236,10 +239,27 @@ def _count_large_compile(event: str, start: float, end: float, **_) -> None:
 jax.monitoring.register_event_time_span_listener(_count_large_compile)  # for release_host_memory, from import on
 
 
+_COMPILE_TIME_SAVED = "/jax/compilation_cache/compile_time_saved_sec"  # a persistent-cache hit: its compile time less
+
+
+def _count_large_load(event: str, duration: float, **_) -> None:
+  """A large program read from the persistent cache counts as compiled: it traced and lowered as one that XLA
+  compiled does (without this a warm run never dropped the caches: the τ² main job's second run peaked at 11.5 GiB
+  against 8.5 GiB, experiments/results/2026-12-05_compile_cache.md)."""
+  global _large_compiles
+  if event == _COMPILE_TIME_SAVED and duration >= _LARGE_COMPILE_S:
+    _large_compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_large_load)
+
+
 class CompileClock:
   """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
   ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
-  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident).
+  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident), with
+  how many of them the cache held (``hits``) and how many it was asked for and lacked (``misses``). Tracing and
+  lowering happen on every run; the persistent cache saves only XLA's compile (``since(mark, backend_only=True)``).
 
       with CompileClock() as clock:
         mark = clock.mark()
@@ -253,7 +273,15 @@ class CompileClock:
     self._spans: list[tuple[float, float, bool, str]] = []  # (start, end, a backend compile, phase)
     self._phase = OUTSIDE_PHASES
     self._listening = True
+    self.hits = self.misses = 0
     jax.monitoring.register_event_time_span_listener(self._on_span)
+    jax.monitoring.register_event_listener(self._on_event)
+
+  def _on_event(self, event: str, **_) -> None:
+    if event == _CACHE_HITS:
+      self.hits += 1
+    elif event == _CACHE_MISSES:
+      self.misses += 1
 
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
     if event.startswith(_COMPILE_EVENTS):  # reported by the compiling thread, after the compile, inside its phase
@@ -271,10 +299,11 @@ class CompileClock:
   def mark(self) -> int:
     return len(self._spans)
 
-  def since(self, mark: int) -> float:
-    """Compile seconds recorded after ``mark`` (overlapping spans merged)."""
+  def since(self, mark: int, backend_only: bool = False) -> float:
+    """Compile seconds recorded after ``mark`` (overlapping spans merged); only XLA's backend compiles (or cache
+    reads) with ``backend_only``."""
     total, end = 0.0, -float("inf")
-    for s, e, *_ in sorted(self._spans[mark:]):
+    for s, e, *_ in sorted(span for span in self._spans[mark:] if span[2] or not backend_only):
       if e > end:
         total += e - max(s, end)
         end = e
@@ -293,6 +322,7 @@ class CompileClock:
     """Stops listening (the figures so far stay readable); a second call does nothing."""
     if self._listening:
       jax.monitoring.unregister_event_time_span_listener(self._on_span)
+      jax.monitoring.unregister_event_listener(self._on_event)
       self._listening = False
 
   def __enter__(self) -> CompileClock:

@@ -763,8 +763,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   What the whole run compiled, from the model's load to the last evaluation (`runtime.CompileClock`), is printed in
   one line and appended to ``workdir/compile.jsonl`` (process 0): programs compiled or loaded from JAX's persistent
-  cache, compile seconds, the run's wall seconds, the cache folder (None: off). A second run on the same machine
-  reads its programs from the cache (docs/performance.md).
+  cache, how many the cache held (``cache_hits``) and lacked (``cache_misses``), compile seconds (tracing, lowering
+  and XLA) and XLA's share of them (``backend_s``, what the cache saves), the run's wall seconds, the cache folder
+  (None: off). A second run on the same machine reads its programs from the cache (docs/performance.md).
 
   Returns:
     `Trainer.run`'s dict with ``"compile"``: that record.
@@ -777,7 +778,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     result = Trainer(config, workdir).run()
   record = {
     "programs": clock.programs_since(0),
+    "cache_hits": clock.hits,
+    "cache_misses": clock.misses,
     "compile_s": clock.since(0),
+    "backend_s": clock.since(0, backend_only=True),
     "wall_s": time.perf_counter() - start,
     "cache": jax.config.jax_compilation_cache_dir or None,
   }
@@ -786,6 +790,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       f.write(json.dumps(record) + "\n")
     metrics.print_line(
       f"compiled {record['programs']} programs in {record['compile_s']:.0f} s of the run's {record['wall_s']:.0f} s "
-      f"(compilation cache: {record['cache'] or 'off'})"
+      f"(compilation cache: {record['cache'] or 'off'}, {record['cache_hits']} read from it)"
     )
   return {**result, "compile": record}

@@ -121,7 +121,7 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   (record,) = [json.loads(line) for line in (workdir / train.COMPILE_LOG).read_text().splitlines()]
   compiled = (
     f"compiled {record['programs']} programs in {record['compile_s']:.0f} s of the run's {record['wall_s']:.0f} s "
-    f"(compilation cache: {record['cache'] or 'off'})"
+    f"(compilation cache: {record['cache'] or 'off'}, {record['cache_hits']} read from it)"
   )
   assert lines[4:] == [*final, *change, compiled] and len(final) == 7
   assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 10  # every headline number

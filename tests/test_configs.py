@@ -80,6 +80,7 @@ def qwen3_8b_dir(tmp_path):
     ("bfcl.py:multi_turn_long_context", "bfcl", "multi_turn_long_context", "test"),
     ("tiny.py", "tau2", "mock", "base"),
     ("testbed.py", "testbed", "cpu", "train"),
+    ("testbed.py:main", "testbed", "cpu", "train"),
     ("testbed.py:full", "testbed", "full", "train"),
   ],
 )
@@ -133,6 +134,29 @@ def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
   assert all(map(initialised, held_out)) and not any(map(initialised, trained))
   sizes = (c.train.sft_warmup_steps, c.train.steps, c.train.eval_at_start, c.grpo.dynamic_sampling)
   assert sizes == (4, 7, True, True) and c.rollout.grounding_max_tokens == 0
+
+
+def test_the_main_job_is_the_testbed_at_level_cpu_with_its_sizes():
+  """configs/testbed.py:main (the Makefile's CONFIG, the README's `make run`): level cpu with `MAIN`'s sizes, the
+  initial weights evaluated first on the iid split; every other key as configs/testbed.py:cpu."""
+  main, cpu = load("testbed.py:main"), load("testbed.py:cpu")
+  sizes = (main.train.sft_warmup_steps, main.train.steps, main.train.eval_tasks, main.train.eval_at_start)
+  assert sizes == (6, 7, 16, True) and main.env.eval_split == "iid"
+  assert (main.eval.reward_gap, main.eval.fidelity, main.eval.fidelity_gold) == (False, False, True)
+  differ = {k for k, v in _flat(main.to_dict()).items() if _flat(cpu.to_dict()).get(k) != v}
+  assert differ == {f"{k}" for k in MAIN_KEYS}, differ
+  assert "CONFIG ?= configs/testbed.py:main" in (ROOT / "Makefile").read_text()
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+MAIN_KEYS = ("train.sft_warmup_steps", "train.steps", "train.eval_tasks", "train.checkpoint_every", "eval.reward_gap",
+             "eval.fidelity")  # fmt: skip
 
 
 def test_checklist_needs_its_data_path():

@@ -13,6 +13,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -46,6 +47,11 @@ def test_a_checkpoint_from_before_these_settings_resumes_as_it_trained():
   assert old.grpo.loss_aggregation == "token_mean" and old.reward.empty_output_penalty == 0.0
   assert old.grpo.lone_member_advantage == "zero" and old.grpo.baseline_groups == "task_role"  # as before
   assert defaults.completed(defaults.get_config().to_dict()) == defaults.get_config()
+  # As Checkpointer.read_config returns it, a ConfigDict (not a Mapping): its sections were not merged, so a setting
+  # added since was missing and --mode=eval of an older checkpoint stopped ("train.init_from is missing").
+  old = defaults.completed(ml_collections.ConfigDict(c))
+  assert old.grpo.loss_aggregation == "token_mean" and old.reward.empty_output_penalty == 0.0
+  assert old.grpo.learning_rate == c["grpo"]["learning_rate"] and old.to_dict().keys() == c.keys()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -67,8 +67,9 @@ def test_release_host_memory_keeps_the_compiled_programs():
 
 
 def test_release_host_memory_drops_the_caches_only_after_a_large_compile(monkeypatch):
-  """The caches go only when a program that took ``_LARGE_COMPILE_S`` or more compiled since they last went (eager
-  operations' programs would compile again for nothing otherwise), or when asked."""
+  """The caches go only when a program that took ``_LARGE_COMPILE_S`` or more compiled (or was read from the
+  persistent cache) since they last went (eager operations' programs would compile again for nothing otherwise), or
+  when asked."""
   calls = []
   monkeypatch.setattr(runtime, "_clear_staging_caches", lambda: calls.append(1))
   runtime.release_host_memory()
@@ -84,6 +85,13 @@ def test_release_host_memory_drops_the_caches_only_after_a_large_compile(monkeyp
   assert calls == [1]  # once for the large compile
   runtime.release_host_memory(staging=True)
   assert calls == [1, 1]
+  # A program read from the persistent compilation cache: JAX reports the compile time it saved.
+  runtime._count_large_load(runtime._COMPILE_TIME_SAVED, runtime._LARGE_COMPILE_S / 2)
+  runtime.release_host_memory()
+  assert calls == [1, 1]
+  runtime._count_large_load(runtime._COMPILE_TIME_SAVED, runtime._LARGE_COMPILE_S)
+  runtime.release_host_memory()
+  assert calls == [1, 1, 1]
 
 
 def test_compile_clock_counts_each_new_program_once_and_its_seconds():

@@ -467,4 +467,6 @@ def test_a_run_records_what_it_compiled(tiny_run):
   steps = metrics.read_jsonl(workdir)
   assert record["programs"] >= sum(r["compile/programs"] for r in steps) > 0
   assert sum(r["time/compile_s"] for r in steps) <= record["compile_s"] <= record["wall_s"]
+  assert 0 < record["backend_s"] <= record["compile_s"]
+  assert record["cache_hits"] + record["cache_misses"] <= record["programs"]  # at most one lookup per program
   assert record["cache"] == jax.config.jax_compilation_cache_dir

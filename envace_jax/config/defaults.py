@@ -71,7 +71,10 @@ def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
   setting's default keeps the earlier behaviour), or, where the default changed that behaviour, the value in
-  `EARLIER_BEHAVIOUR`. Stored values win; a stored key no longer known is kept."""
+  `EARLIER_BEHAVIOUR`. Stored values win; a stored key no longer known is kept. ``stored`` is a mapping or the
+  ConfigDict ``read_config`` returns (not a Mapping: its sections are merged as dicts)."""
+  if isinstance(stored, ml_collections.ConfigDict):
+    stored = stored.to_dict()
 
   def merge(default: dict, saved: Mapping) -> dict:
     out = dict(default)
