@@ -1,9 +1,10 @@
 """The testbed (docs/testbed.md): python -m envace_jax.main --config=configs/testbed.py:cpu --workdir=DIR
 
-The argument is the level (envs/testbed.py `LEVELS`): "cpu" (default: SmolLM2-135M on a CPU, ≈0.75k-token ACT
-prompts, tasks of at most 4 ACT generations) or "full" (both tool classes' whole function lists, up to 3 turns: for
-Qwen3 on an accelerator). Training draws from the "train" split; evaluation runs on "iid" (seen templates, unseen
-entities), and `--config.env.eval_split=compositional` or `=rules` evaluates the other held-out splits:
+The argument is the level (envs/testbed.py `LEVELS`): "cpu" (default: SmolLM2-135M on a CPU, ≈0.75k-token ACT prompts,
+tasks of at most 4 ACT generations) or "full" (both tool classes' whole function lists, up to 3 turns: for Qwen3 on an
+accelerator); or "main", the README's main job (level cpu with `MAIN`'s sizes). Training draws from the "train" split;
+evaluation runs on "iid" (seen templates, unseen entities), and `--config.env.eval_split=compositional` or `=rules`
+evaluates the other held-out splits:
 
   for s in iid compositional rules; do
     python -m envace_jax.main --config=configs/testbed.py --mode=eval --workdir=DIR --config.env.eval_split=$s

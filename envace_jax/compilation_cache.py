@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache, on by default: a run loads the programs an earlier run compiled.
 
-The main job compiles about 60 programs over a second each (samplers per prompt chunk and cache capacity, the update
-per micro-batch shape); a second run on the same machine, an evaluation of a finished run, the next cell of an
-experiment and every test worker would compile the same programs again. JAX's own cache
+The main job compiles about 300 programs (samplers per prompt chunk and cache capacity, the update per micro-batch
+shape; 293 for the testbed's, 2026-12-05); a second run on the same machine, an evaluation of a finished run, the next
+cell of an experiment and every test worker would compile the same programs again. JAX's own cache
 (``jax_compilation_cache_dir``; it caches CPU executables too) keys each program by its HLO, the compile options, the
 backend and the jax/jaxlib versions, so a stale entry is never loaded.
 
@@ -25,7 +25,7 @@ ENV_VAR = "ENVACE_JAX_COMPILATION_CACHE"
 _OFF = ("off", "none", "0", "false")
 # Programs that compile faster than this are not written. Every program is: on a small testbed job, a threshold of
 # 0.2 s left 300 quick programs out of the cache, and the second run spent 17% of the first run's compile seconds
-# against 14% with none (entries of a few kB each; docs/performance.md).
+# against 14% with none (the τ² job's cache: 280 files, 37 MB; docs/performance.md).
 MIN_COMPILE_SECONDS = 0.0
 # `enable` deletes the least recently used files beyond this. JAX's own bound (jax_compilation_cache_max_size) is not
 # used: it keeps an "-atime" file per entry and, once one entry lacks it (written by a process with no bound: a

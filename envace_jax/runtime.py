@@ -220,7 +220,7 @@ def host_memory_gib() -> dict[str, float]:
 _COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HITS = "/jax/compilation_cache/cache_hits"  # jax._src.compiler: a program read from the persistent cache
-_CACHE_MISSES = "/jax/compilation_cache/cache_misses"  # looked up, not there (compiled, then written)
+_CACHE_MISSES = "/jax/compilation_cache/cache_misses"  # not there; counted where the new entry is written
 # An XLA compile this long is a real model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU, an update
 # 10-40 s), not an eager operation's (about 0.01 s) or the tiny test model's (1-3 s, whose caches are small: dropping
 # them after those made two resume tests 15% slower); each one leaves its jaxpr and lowered module in JAX's caches.
@@ -247,7 +247,7 @@ def _count_large_load(event: str, duration: float, **_) -> None:
   compiled does (without this a warm run never dropped the caches: the τ² main job's second run peaked at 11.5 GiB
   against 8.5 GiB, experiments/results/2026-12-05_compile_cache.md)."""
   global _large_compiles
-  if event == _COMPILE_TIME_SAVED and duration >= _LARGE_COMPILE_S:
+  if event == _COMPILE_TIME_SAVED and duration >= _LARGE_COMPILE_S:  # compile time less the read: close enough
     _large_compiles += 1
 
 
@@ -256,10 +256,11 @@ jax.monitoring.register_event_duration_secs_listener(_count_large_load)
 
 class CompileClock:
   """What JAX compiles while the clock listens: the seconds spent tracing, lowering and compiling (the time spans of
-  ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once)
-  and the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident), with
-  how many of them the cache held (``hits``) and how many it was asked for and lacked (``misses``). Tracing and
-  lowering happen on every run; the persistent cache saves only XLA's compile (``since(mark, backend_only=True)``).
+  ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once) and
+  the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident), with how
+  many of them the cache held (``hits``) and how many it lacked and then stored (``misses``: JAX counts a miss where it
+  writes the entry). Tracing and lowering happen on every run; the persistent cache saves only XLA's compile
+  (``since(mark, backend_only=True)``).
 
       with CompileClock() as clock:
         mark = clock.mark()

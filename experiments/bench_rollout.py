@@ -6,7 +6,7 @@ same tasks, keys and weights; a table.
     python experiments/bench_rollout.py --modes=dense,paged               # rollout.kv_page_size 0 against 64
     python experiments/bench_rollout.py --model=tiny --rounds=1           # smoke run, about a minute
 
-One `train.Trainer` (the main job's rollout: ACT and REHEARSE in the policy's cache, the frozen reference as the
+One `train.Trainer` (the τ² mock job's rollout: ACT and REHEARSE in the policy's cache, the frozen reference as the
 user) runs ``Trainer.rollout`` on its first step's B tasks, alternating ``rollout.continuous_batching``
 off (lockstep: every round of generations waits for its longest) and on (`sampler.Stream`: a row whose generation
 ends starts its trajectory's next one at once), ``--rounds`` times each after one warm-up rollout per mode (which

@@ -108,9 +108,9 @@ def test_the_recipes_are_their_committed_plans(name):
 
 
 def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
-  """configs/tau2.py:mock_heldout (the README's main job, experiments/evidence.py's protocol): training draws one task
-  of each template, evaluation the four that continue a logged conversation; no held-out gold call is a trained one
-  (the same tool, another task id), and only held-out tasks start from an initial state."""
+  """configs/tau2.py:mock_heldout (τ² mock with held-out tasks, the main job before the testbed's): training draws one
+  task of each template, evaluation the four that continue a logged conversation; no held-out gold call is a trained
+  one (the same tool, another task id), and only held-out tasks start from an initial state."""
   from envace_jax import runtime
   from envace_jax.envs import tau2 as tau2_env
 

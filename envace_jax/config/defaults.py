@@ -67,7 +67,7 @@ EARLIER_BEHAVIOUR: dict[str, Any] = {
 }
 
 
-def completed(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
+def completed(stored: Mapping[str, Any] | ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A config a checkpoint stored (``Checkpointer.read_config``), completed with today's defaults: a setting added
   after the checkpoint was written takes its default, which is what the run did before the setting existed (a new
   setting's default keeps the earlier behaviour), or, where the default changed that behaviour, the value in
