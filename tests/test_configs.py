@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from envace_jax import config_check
 from envace_jax.config import choices, defaults
+from envace_jax.config import doc as config_doc
 from envace_jax.config_check import ConfigError
 from envace_jax.model import config as model_config
 from envace_jax.model.roles import Role
@@ -143,16 +144,10 @@ def test_the_main_job_is_the_testbed_at_level_cpu_with_its_sizes():
   sizes = (main.train.sft_warmup_steps, main.train.steps, main.train.eval_tasks, main.train.eval_at_start)
   assert sizes == (6, 7, 16, True) and main.env.eval_split == "iid"
   assert (main.eval.reward_gap, main.eval.fidelity, main.eval.fidelity_gold) == (False, False, True)
-  differ = {k for k, v in _flat(main.to_dict()).items() if _flat(cpu.to_dict()).get(k) != v}
-  assert differ == {f"{k}" for k in MAIN_KEYS}, differ
+  main_flat, cpu_flat = config_doc._flat(main), config_doc._flat(cpu)
+  differ = {k for k, v in main_flat.items() if cpu_flat.get(k) != v}
+  assert differ == set(MAIN_KEYS), differ
   assert "CONFIG ?= configs/testbed.py:main" in (ROOT / "Makefile").read_text()
-
-
-def _flat(d, prefix=""):
-  out = {}
-  for k, v in d.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-  return out
 
 
 MAIN_KEYS = ("train.sft_warmup_steps", "train.steps", "train.eval_tasks", "train.checkpoint_every", "eval.reward_gap",
