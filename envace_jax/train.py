@@ -194,7 +194,11 @@ class Trainer:
       self._restore(self.ckpt, latest, fallback=config.train.checkpoint_fallback)
       logging.info("resumed from step %d in %s", self.start_step, self.ckpt.directory)
     elif config.train.init_from:
-      self._start_from(config.train.init_from)
+      try:
+        self._start_from(config.train.init_from)
+      except checkpoint_lib.CheckpointError:
+        self.ckpt.close()  # this run's own checkpointer: the error stops the run before it saves anything
+        raise
     rows = config.train.tasks_per_step * config.train.group_size // self.processes  # this process's share
     self.samplers = self._samplers(rows)
     self.judge = scoring.make_judge(config) if config.reward.kind == "judge" else None
@@ -253,12 +257,10 @@ class Trainer:
     where = f"train.init_from={source!r}"
     path = os.path.expanduser(source)
     if not os.path.isdir(os.path.join(path, checkpoint_lib.CHECKPOINT_SUBDIR)):
-      self.ckpt.close()
       raise checkpoint_lib.CheckpointError(f"{where}: no checkpoints/ folder there; give the workdir of a run")
     with checkpoint_lib.Checkpointer(path, read_only=True) as src:
       step = src.latest_step()
       if step is None:
-        self.ckpt.close()
         raise checkpoint_lib.CheckpointError(f"{where}: no checkpoint in {src.directory}; give a run's workdir")
       try:
         split = any(name.startswith("params/act/") for name in src.saved_arrays(step))
@@ -287,7 +289,6 @@ class Trainer:
           if restored.data_state is not None:
             self.stream = datasets.TaskStream.from_state(self.train_source, restored.data_state)
       except checkpoint_lib.CheckpointError as e:
-        self.ckpt.close()
         raise checkpoint_lib.CheckpointError(f"{where}: {e}") from e
     self.key = jax.random.key(self.config.seed)
     ours = {"seed": self.config.seed, "batch_size": self.config.train.tasks_per_step}
