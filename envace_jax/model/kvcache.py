@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from envace_jax.model.config import ModelConfig
@@ -69,6 +70,24 @@ class KVCache:
   def filled(self) -> jax.Array:
     """int32[B]: each row's whole history in tokens, its prefixes' included."""
     return self.offsets() + self.lengths
+
+  def host_filled(self) -> np.ndarray:
+    """`filled` computed on the host (int32[B], NumPy) from the levels' lengths: the rollout's bookkeeping reads it
+    between calls, where the device form would compile a program per batch and prefix shape."""
+    return self.host_offsets() + np.asarray(jax.device_get(self.lengths), np.int32)
+
+  def host_offsets(self) -> np.ndarray:
+    """`offsets` computed on the host (int32[B], NumPy; see `host_filled`)."""
+    b = self.lengths.shape[0]
+    total = np.zeros(b, np.int32)
+    for level in self.levels():
+      lengths = np.asarray(jax.device_get(level.lengths), np.int32)
+      total += np.repeat(lengths, b // lengths.shape[0])
+    return total
+
+  def host_row_capacity(self) -> np.ndarray:
+    """`row_capacity` on the host (int32[B], NumPy)."""
+    return np.full(self.lengths.shape, self.capacity, np.int32)
 
   def stored_slots(self) -> int:
     """Slots allocated for keys (one per token position per row, per layer), this cache's and its prefixes'."""
@@ -162,7 +181,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: Any = None
   else:
     zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   # k and v must be distinct buffers: the sampler donates both.
-  return KVCache(k=zeros(k_shape), v=zeros(v_shape), lengths=jnp.zeros((batch,), jnp.int32))
+  return KVCache(k=zeros(k_shape), v=zeros(v_shape), lengths=jax.device_put(np.zeros((batch,), np.int32)))
 
 
 def softmax_part(scores, visible, v, spec: str):

@@ -101,6 +101,12 @@ class PagedKVCache:
   def filled(self) -> jax.Array:
     return kvcache.KVCache.filled(self)
 
+  def host_offsets(self) -> np.ndarray:
+    return kvcache.KVCache.host_offsets(self)
+
+  def host_filled(self) -> np.ndarray:
+    return kvcache.KVCache.host_filled(self)
+
   @property
   def page_size(self) -> int:
     return self.pools[0].shape[1]
@@ -113,6 +119,11 @@ class PagedKVCache:
   def row_capacity(self) -> jax.Array:
     """int32[B]: the own slots each row holds pages for (its table entries below P, times Z)."""
     return jnp.sum(self.table < self.pools[0].shape[0], axis=1, dtype=jnp.int32) * self.page_size
+
+  def host_row_capacity(self) -> np.ndarray:
+    """`row_capacity` on the host (int32[B], NumPy)."""
+    table = np.asarray(jax.device_get(self.table))
+    return np.sum(table < self.pools[0].shape[0], axis=1, dtype=np.int32) * self.page_size
 
   def stored_slots(self) -> int:
     """Slots of the distinct pages the rows' tables name, and the prefix levels' slots (host-side count)."""
@@ -197,9 +208,9 @@ def init_cache(
     raise ValueError(f"init_cache: a pool of {pool.shards} shards for a cache over {shards}.")
   if shards is not None:
     zeros = jax.jit(zeros, out_shardings=jax.sharding.NamedSharding(shards.mesh, shards.spec))
-  lengths = jnp.asarray([pool.lengths.get(r, 0) for r in rows], jnp.int32)
+  lengths = jax.device_put(np.asarray([pool.lengths.get(r, 0) for r in rows], np.int32))
   pools = tuple(zeros() for _ in range(config.num_layers))
-  return PagedKVCache(pools, jnp.asarray(pool.table(rows, width)), lengths, shards=shards)
+  return PagedKVCache(pools, jax.device_put(np.asarray(pool.table(rows, width))), lengths, shards=shards)
 
 
 class PagesExhausted(RuntimeError):

@@ -342,7 +342,7 @@ class _Unfolder:
       return cache
     if not hasattr(cache, "offsets"):  # a test's stand-in cache (token lists)
       return cache.rewound(cuts)
-    offsets = np.asarray(jax.device_get(cache.offsets()))
+    offsets = cache.host_offsets()
     lengths = np.array(jax.device_get(cache.lengths))
     for row, keep in cuts.items():
       if keep < offsets[row]:
@@ -559,7 +559,7 @@ class _Unfolder:
     """Every view's bookkeeping must match its cache row's length (a rollout bug otherwise)."""
     for name, cache in self.caches.items():
       roles = self.policy_roles if name == "policy" else (Role.USER,)
-      lengths = np.asarray(jax.device_get(cache.filled()))
+      lengths = cache.host_filled()
       for ep in episodes:
         for slot, role in enumerate(roles):
           view = ep.views.get(role)

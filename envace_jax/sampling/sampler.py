@@ -575,7 +575,9 @@ class Sampler:
     merged = jax.tree.map(put, bare, part.replace(cache=None))
     return merged.replace(cache=state.cache.put(rows, part.cache)), steps
 
-  def _initial_state(self, cache: KVCache, num_new: int, stops: tuple[bytes, ...], place=jnp.asarray) -> _DecodeState:
+  def _initial_state(
+    self, cache: KVCache, num_new: int, stops: tuple[bytes, ...], place=jax.device_put
+  ) -> _DecodeState:
     """The decode state of a stream over ``cache`` before any admission: every row done, ``num_new`` token slots,
     a stop buffer as wide as ``stops`` need (0 without); each field built on the host and put on the device(s) by
     ``place``. Abstract with ``jax.eval_shape`` (the memory plan)."""
@@ -667,7 +669,7 @@ class Sampler:
       if ids_roles.dtype.kind not in "iu" or ids_roles.min() < 0 or ids_roles.max() >= num_roles:
         raise ValueError(f"row {row}: role ids must be integers in [0, {num_roles}) (roles.Role).")
     filled = np.asarray(jax.device_get(cache.lengths))
-    fitted = active & (filled + lengths <= np.asarray(jax.device_get(cache.row_capacity())))
+    fitted = active & (filled + lengths <= cache.host_row_capacity())
     lengths = np.where(fitted, lengths, 0)
     total = int(lengths.max(initial=0))
     last_logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
@@ -797,14 +799,15 @@ class Stream:
     self.sampler, self.num_new, self.sampling, self.stops = sampler, num_new, sampling, stops
     b = int(cache.lengths.shape[0])
     self._sampling = RowSampling.of([sampling] * b)  # each row's, host arrays; set on admission
-    place = jnp.asarray
+    place = jax.device_put
     if sampler.mesh is not None:  # every field split over the rows like the cache's, from the host
       place = lambda x: jax.device_put(x, sharding.batch_sharding(sampler.mesh, x.ndim, sampler.rules))  # noqa: E731
     self._state = sampler._initial_state(cache, num_new, stops, place)
     self.live = np.zeros(b, bool)
     self._max_new = np.ones(b, np.int32)
     self._roles = np.zeros(b, np.int32)
-    self._keys = jax.random.key_data(jax.random.split(jax.random.key(0), b))  # replaced row by row on admission
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # the PRNG implementation's key data
+    self._keys = np.zeros((b, *key.shape), key.dtype)  # replaced row by row on admission
     self.prefill_tokens = self.decode_steps = self.row_steps = self.generated_tokens = 0
 
   @property
@@ -919,14 +922,14 @@ class Stream:
       if compact:
         rows = np.concatenate([some, np.full(m - len(some), b)]).astype(np.int32)
         at = np.minimum(rows, b - 1)  # padding rows take row b-1's inputs and stay done
-        keys = jax.random.wrap_key_data(jnp.asarray(self._keys[at]))
+        keys = jax.random.wrap_key_data(jax.device_put(self._keys[at]))
         values = self._placed(jax.tree.map(lambda x: x[at], self._sampling))
         state, steps = sampler._jit("decode_rows", state.cache)(
           sampler.params, state, rows, self._max_new[at], keys, self._roles[at], np.int32(waiting), values, top_k,
           self.stops, attend, limit,
         )  # fmt: skip
       else:
-        keys = jax.random.wrap_key_data(jnp.asarray(self._keys))
+        keys = jax.random.wrap_key_data(jax.device_put(self._keys))
         state, steps = sampler._jit("decode", state.cache)(
           sampler.params, state, self._max_new, keys, self._roles, np.int32(waiting), self._placed(self._sampling),
           top_k, self.stops, attend, limit,

@@ -102,6 +102,9 @@ class FakeCache:
   def filled(self):
     return self.lengths
 
+  def host_filled(self):
+    return self.lengths
+
   def stored_slots(self):
     return len(self.tokens) * self.capacity
 
