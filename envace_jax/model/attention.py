@@ -208,6 +208,11 @@ def _patched(module, name: str, value) -> Iterator[None]:
     setattr(module, name, old)
 
 
+def is_recording() -> bool:
+  """Whether a `recording` block is open (the per-layer layout then traces every layer itself, so each records)."""
+  return bool(_recordings)
+
+
 def current_backend() -> str:
   """The backend selection reads: the innermost `backend` block's name, else ``jax.default_backend()``."""
   return _backends[-1] if _backends else jax.default_backend()

@@ -484,6 +484,24 @@ class DecoderLayer(nn.Module):
     return (x_btd, cache), None
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _decoder_layer(config, shards, backend, layer_params, carry, positions, write_slots, mask, prefixes, pages):
+  """One `DecoderLayer` of the per-layer layout as its own jitted function: the L calls of one forward share a single
+  trace and a single lowered function, so tracing and lowering a sampler program costs about one layer's, not L
+  layers' (SmolLM2's 30: a prefill program's trace 0.50 -> 0.15 s, experiments/results/2026-12-05_compile_cache.md);
+  XLA inlines the calls, so the compiled program and its outputs are the unrolled one's. ``backend``
+  (`attention.current_backend`, read at trace time) is part of the key, so a `attention.backend` block gets its own
+  trace; inside an `attention.recording` block the layers are traced one by one instead, so each records its call.
+
+  Returns:
+    (x dtype[B, T, D], the layer's cache after the write: its pool, or its (k, v)).
+  """
+  (x_btd, written), _ = DecoderLayer(config).apply(
+    {"params": layer_params}, carry, None, positions, write_slots, mask, prefixes, pages, shards
+  )
+  return x_btd, written
+
+
 class Transformer(nn.Module):
   """The decoder. ``__call__(tokens, roles, positions, cache, valid) -> (logits, cache)``; see the module doc."""
 
@@ -566,8 +584,14 @@ class Transformer(nn.Module):
         else:
           carry = (x_btd, None if cache is None else (layer_cache[0][i], layer_cache[1][i]))
         prefixes = tuple((c.k[i], c.v[i], visible) for c, visible in zip(levels, seen, strict=True))
-        layer = DecoderLayer(cfg, name=f"layers_{i}")
-        (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages, shards)
+        if self.is_initializing() or attention.is_recording():
+          layer = DecoderLayer(cfg, name=f"layers_{i}")
+          (x_btd, written), _ = layer(carry, None, positions, write_slots, mask, prefixes, pages, shards)
+        else:  # every layer runs one traced function (`_decoder_layer`)
+          layer_params = nn.meta.unbox(self.variables["params"][f"layers_{i}"])
+          x_btd, written = _decoder_layer(
+            cfg, shards, attention.current_backend(), layer_params, carry, positions, write_slots, mask, prefixes, pages
+          )
         per_layer.append(written)
       if pages is not None:
         layer_cache = tuple(per_layer), None
