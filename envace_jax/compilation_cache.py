@@ -1,10 +1,10 @@
 """JAX's persistent compilation cache, on by default: a run loads the programs an earlier run compiled.
 
-The main job compiles about 300 programs (samplers per prompt chunk and cache capacity, the update per micro-batch
-shape; 293 for the testbed's, 2026-12-05); a second run on the same machine, an evaluation of a finished run, the next
-cell of an experiment and every test worker would compile the same programs again. JAX's own cache
-(``jax_compilation_cache_dir``; it caches CPU executables too) keys each program by its HLO, the compile options, the
-backend and the jax/jaxlib versions, so a stale entry is never loaded.
+The main job compiles about 135 programs (samplers per prompt chunk and cache shape, the update per micro-batch shape,
+eager operations at new shapes: the testbed's, 2026-12-06); a second run on the same machine, an evaluation of a
+finished run, the next cell of an experiment and every test worker would compile the same programs again. JAX's own
+cache (``jax_compilation_cache_dir``; it caches CPU executables too) keys each program by its HLO, the compile options,
+the backend and the jax/jaxlib versions, so a stale entry is never loaded.
 
 Where: ``$ENVACE_JAX_COMPILATION_CACHE`` when set ("off" turns the cache off), else
 ``$XDG_CACHE_HOME/envace_jax/jax`` (``~/.cache/envace_jax/jax``). A ``JAX_COMPILATION_CACHE_DIR`` the user set for JAX
