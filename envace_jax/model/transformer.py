@@ -490,7 +490,7 @@ def _decoder_layer(config, shards, backend, layer_params, carry, positions, writ
   trace and a single lowered function, so tracing and lowering a sampler program costs about one layer's, not L
   layers' (SmolLM2's 30: a prefill program's trace 0.50 -> 0.15 s, experiments/results/2026-12-06_programs_per_run.md);
   XLA inlines the calls, so the compiled program and its outputs are the unrolled one's. ``backend``
-  (`attention.current_backend`, read at trace time) is part of the key, so a `attention.backend` block gets its own
+  (`attention.current_backend`, read at trace time) is part of the key, so an `attention.backend` block gets its own
   trace; inside an `attention.recording` block the layers are traced one by one instead, so each records its call.
 
   Returns:
