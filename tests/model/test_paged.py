@@ -275,6 +275,13 @@ def test_the_model_on_pages_gives_the_dense_caches_logits(with_prefix):
   same_rows(*caches)
   caches = call(caches, ["a", "b", "c"], [[True, True], [True, False], [True, True]])
   same_rows(*caches)
+  # The rollout's host-side bookkeeping (`host_filled` and the rest) reads what the device forms compute.
+  want = np.asarray([pool.lengths[r] for r in "abc"]) + (6 if with_prefix else 0)
+  for c in caches:
+    np.testing.assert_array_equal(c.host_filled(), want)
+    np.testing.assert_array_equal(c.host_filled(), np.asarray(c.filled()))
+    np.testing.assert_array_equal(c.host_offsets(), np.asarray(c.offsets()))
+    np.testing.assert_array_equal(c.host_row_capacity(), np.asarray(c.row_capacity()))
 
 
 def test_a_write_past_a_rows_pages_is_dropped():
