@@ -174,6 +174,10 @@ def test_unrolled_layers_equal_scanned(tiny_pair):
   first, cache = jit_apply(unrolled, per_layer, tokens[:, :13], cache=cache)
   second, cache = jit_apply(unrolled, per_layer, tokens[:, 13:], cache=cache)
   np.testing.assert_allclose(np.concatenate([first, second], axis=1), np.asarray(ref), atol=2e-5)
+  # The L layers are L calls of one traced function (`transformer._decoder_layer`): one trace per program.
+  step = lambda p, c: transformer.apply(unrolled, p, tokens[:, :1], cache=c)  # noqa: E731
+  layers = [e for e in jax.make_jaxpr(step)(per_layer, cache).eqns if e.params.get("name") == "_decoder_layer"]
+  assert len(layers) == config.num_layers and len({id(e.params["jaxpr"]) for e in layers}) == 1
 
 
 def test_blockwise_causal_attention_equals_dense(monkeypatch):
