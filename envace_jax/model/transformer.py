@@ -484,14 +484,22 @@ class DecoderLayer(nn.Module):
     return (x_btd, cache), None
 
 
+def _trace_settings() -> tuple:
+  """What a layer's trace reads besides its arguments: the attention backend (`attention.current_backend`), the
+  block sizes and the loops' kind (module globals that tests set). Part of `_decoder_layer`'s key, so a change of any
+  of them traces the layer anew."""
+  return attention.current_backend(), KEY_BLOCK, ATTENTION_BLOCK, _static_loops()
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _decoder_layer(config, shards, backend, layer_params, carry, positions, write_slots, mask, prefixes, pages):
+def _decoder_layer(config, shards, settings, layer_params, carry, positions, write_slots, mask, prefixes, pages):
   """One `DecoderLayer` of the per-layer layout as its own jitted function: the L calls of one forward share a single
   trace and a single lowered function, so tracing and lowering a sampler program costs about one layer's, not L
   layers' (SmolLM2's 30: a prefill program's trace 0.50 -> 0.15 s, experiments/results/2026-12-06_programs_per_run.md);
-  XLA inlines the calls, so the compiled program and its outputs are the unrolled one's. ``backend``
-  (`attention.current_backend`, read at trace time) is part of the key, so an `attention.backend` block gets its own
-  trace; inside an `attention.recording` block the layers are traced one by one instead, so each records its call.
+  XLA inlines the calls, so the compiled program and its outputs are the unrolled one's. ``settings``
+  (`_trace_settings`, read at trace time) is part of the key, so an `attention.backend` block or a changed block size
+  gets its own trace; inside an `attention.recording` block the layers are traced one by one instead, so each records
+  its call.
 
   Returns:
     (x dtype[B, T, D], the layer's cache after the write: its pool, or its (k, v)).
@@ -590,7 +598,7 @@ class Transformer(nn.Module):
         else:  # every layer runs one traced function (`_decoder_layer`)
           layer_params = nn.meta.unbox(self.variables["params"][f"layers_{i}"])
           x_btd, written = _decoder_layer(
-            cfg, shards, attention.current_backend(), layer_params, carry, positions, write_slots, mask, prefixes, pages
+            cfg, shards, _trace_settings(), layer_params, carry, positions, write_slots, mask, prefixes, pages
           )
         per_layer.append(written)
       if pages is not None:
