@@ -320,9 +320,9 @@ def test_prefill_over_a_shared_prefix_in_key_blocks_equals_one_matmul(monkeypatc
   tokens = _tokens((4, 12), config.vocab_size, seed=15)
   valid = np.arange(12)[None, :] < np.array([[12], [5], [12], [1]])
 
-  def run():  # a fresh jit: KEY_BLOCK and the loops' kind are read when tracing
+  def run():  # a new function object (JAX caches traces by function); KEY_BLOCK, the loops' kind: read when tracing
     cache = transformer.init_cache(config, batch=4, capacity=32).replace(prefix=prefix)
-    logits, cache = jax.jit(transformer.apply, static_argnames="config")(
+    logits, cache = jax.jit(functools.partial(transformer.apply), static_argnames="config")(
       config, params, tokens, cache=cache, valid=valid
     )
     return np.asarray(logits), cache
@@ -334,9 +334,10 @@ def test_prefill_over_a_shared_prefix_in_key_blocks_equals_one_matmul(monkeypatc
   monkeypatch.setattr(transformer, "_static_loops", lambda: True)  # a GPU's or TPU's loops, with the CPU's routing
   static, static_cache = run()
   np.testing.assert_allclose(blocked[valid], dense[valid], atol=2e-5, rtol=0)
+  assert np.abs(blocked[valid] - dense[valid]).max() > 0  # another program ran: the blocks' rounding differs
   np.testing.assert_allclose(static[valid], blocked[valid], atol=1e-6, rtol=0)
-  jax.tree.map(np.testing.assert_array_equal, blocked_cache, dense_cache)
-  jax.tree.map(np.testing.assert_array_equal, static_cache, dense_cache)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=0), blocked_cache, dense_cache)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=0), static_cache, dense_cache)
 
 
 def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
@@ -346,8 +347,8 @@ def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
   tokens = _tokens((2, 40), config.vocab_size, seed=9)
   valid = np.arange(40)[None, :] < np.array([[40], [23]])
 
-  def run():  # a fresh jit: KEY_BLOCK is read when tracing
-    apply = jax.jit(transformer.apply, static_argnames="config")
+  def run():  # a new function object: JAX caches traces by function, and KEY_BLOCK is read when tracing
+    apply = jax.jit(functools.partial(transformer.apply), static_argnames="config")
     cache = transformer.init_cache(config, batch=2, capacity=64)
     first, cache = apply(config, params, tokens[:, :9], cache=cache)
     second, cache = apply(config, params, tokens[:, 9:], cache=cache, valid=valid[:, 9:])
@@ -358,4 +359,5 @@ def test_prefill_over_key_blocks_equals_dense(tiny_pair, monkeypatch):
   monkeypatch.setattr(transformer, "KEY_BLOCK", 8)
   blocked, blocked_cache = run()
   np.testing.assert_allclose(blocked[valid], dense[valid], atol=2e-5, rtol=0)
-  jax.tree.map(np.testing.assert_array_equal, blocked_cache, dense_cache)
+  assert np.abs(blocked[valid] - dense[valid]).max() > 0  # another program ran: the blocks' rounding differs
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=0), blocked_cache, dense_cache)
