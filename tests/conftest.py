@@ -10,11 +10,18 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # tau2 imports li
 # Eight fake CPU devices so sharding tests can build a 2x2x2 mesh; must be set before jax is imported.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# XLA's CPU backend at LLVM optimisation level 0: the tests' programs are tiny and most run a few times, so LLVM's
-# passes cost more than they save (the quickstart notebook's kernel: 185 CPU-s at the default level, 145 at level 0,
-# measured on 2 busy cores). The HLO and its optimisations are the same; set the flag yourself for another level.
+# XLA's CPU backend at LLVM optimisation level 0, with its legacy fusion emitters: the tests' programs are tiny and most
+# run a few times, so compiling costs far more than running.
+# - Level 0: LLVM's passes cost more than they save (the quickstart notebook's kernel: 185 CPU-s at the default level,
+#   145 at level 0, measured on 2 busy cores).
+# - Legacy emitters (--xla_cpu_use_fusion_emitters=false): XLA's backend compile of the whole suite 728 -> 363 s and
+#   the suite 17:46 -> 15:06 on 2 idle cores (experiments/results/2026-12-06_suite_fusion_emitters.md). They round
+#   some sums differently, within float32 rounding.
+# The HLO and its optimisations are the same; set either flag yourself for another value.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import functools
 import time

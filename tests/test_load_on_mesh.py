@@ -157,8 +157,8 @@ def test_a_trainer_on_fsdp8_loads_each_tensor_onto_its_parts(tmp_path, data_dir,
 
 def test_random_init_onto_the_mesh_in_per_role_mode(tmp_path, data_dir):
   """configs/tiny.py (no weights, a random preset) on fsdp=8 in per_role mode: the random init runs as one program
-  whose outputs are the parameters' parts, bitwise the same program's values on one device (and within one float32
-  ulp of the eager init off the mesh, where XLA fuses each normal draw with its 0.02 scale); the ACT and REHEARSE trees
+  whose outputs are the parameters' parts, bitwise the same program's values on one device (and within two float32
+  ulps of the eager init off the mesh, where XLA fuses each normal draw with its 0.02 scale); the ACT and REHEARSE trees
   and the reference are three sets of buffers with those values; AdamW's moments are zeros laid out like their
   params."""
   config = tiny_config(data_dir, **_ON_FSDP8, **{"grpo.mode": "per_role", "grpo.trained_roles": ("act", "rehearse")})
@@ -171,7 +171,7 @@ def test_random_init_onto_the_mesh_in_per_role_mode(tmp_path, data_dir):
   for tree in (*trees.values(), trainer.ref_params):
     _assert_bitwise(tree, want)
   eager = init()
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1.2e-7, atol=0), trainer.ref_params, eager)
+  jax.tree.map(lambda x, y: np.testing.assert_array_max_ulp(x, y, maxulp=2), trainer.ref_params, eager)
   buffers = [_buffers(tree) for tree in (*trees.values(), trainer.ref_params)]
   assert sum(map(len, buffers)) == len(set().union(*buffers))  # no buffer shared between the three trees
   shardings = grpo.train_state_shardings(model_config, trainer.grpo_cfg, trainer.mesh)

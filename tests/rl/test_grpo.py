@@ -418,8 +418,10 @@ def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program
   and metrics are the single-program update_step's on the uncut [K, M, T] batch, and a later step whose micro-batches
   have lengths met before compiles nothing, however many micro-batches it has."""
   rng = np.random.default_rng(14)
-  # token_mean: AdamW's first step at 1e-3 turns summation-order noise on near-zero gradients into 1e-6 moves, and
-  # which gradients are near zero depends on the weighting (test_official_loss steps with generation_mean).
+  # token_mean: AdamW's first step at 1e-3 turns summation-order noise on near-zero gradients into moves of up to a
+  # few 1e-6 (1.3e-6 with XLA's legacy CPU fusion emitters, tests/conftest.py), and which gradients are near zero
+  # depends on the weighting (test_official_loss steps with generation_mean). A dropped or doubled micro-batch moves
+  # parameters by ~1e-3 (AdamW's step at this rate).
   cfg = grpo.GrpoConfig.from_config(
     micro_batch_size=2, learning_rate=1e-3, use_kl=True, kl_coef=0.1, loss_aggregation="token_mean"
   )
@@ -437,7 +439,7 @@ def test_the_step_runs_each_micro_batch_at_its_own_length_and_equals_one_program
   assert got["tokens"] == want["tokens"] == 7 + 6 + 40 + 4
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
-  assert tree_max_diff(state.params, want_state.params) <= 1e-6
+  assert tree_max_diff(state.params, want_state.params) <= 1e-5
   assert tree_max_diff(state.params, transformer.unstack_tree(params)) > 1e-4
   # The same micro-batches in another order and number (K = 5), on a state committed to the device (the first
   # step's was not: a trainer's state mixes both, e.g. after `fresh_optimizer_state`): no new program.
