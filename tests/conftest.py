@@ -15,7 +15,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # - Level 0: LLVM's passes cost more than they save (the quickstart notebook's kernel: 185 CPU-s at the default level,
 #   145 at level 0, measured on 2 busy cores).
 # - Legacy emitters (--xla_cpu_use_fusion_emitters=false): XLA's backend compile of the whole suite 728 -> 363 s and
-#   the suite 17:46 -> 15:06 on 2 idle cores (experiments/results/2026-12-06_suite_fusion_emitters.md). They round
+#   the suite 17:48 -> 15:08 on 2 idle cores (experiments/results/2026-12-06_suite_fusion_emitters.md). They round
 #   some sums differently, within float32 rounding.
 # The HLO and its optimisations are the same; set either flag yourself for another value.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
