@@ -15,9 +15,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # - Level 0: LLVM's passes cost more than they save (the quickstart notebook's kernel: 185 CPU-s at the default level,
 #   145 at level 0, measured on 2 busy cores).
 # - Legacy emitters (--xla_cpu_use_fusion_emitters=false): XLA's backend compile of the whole suite 728 -> 363 s and
-#   the suite 17:48 -> 15:08 on 2 idle cores (experiments/results/2026-12-06_suite_fusion_emitters.md). They round
-#   some sums differently, within float32 rounding.
-# The HLO and its optimisations are the same; set either flag yourself for another value.
+#   the suite 17:48 -> 15:08 on 2 cores (experiments/results/2026-12-06_suite_fusion_emitters.md). The flag also
+#   changes XLA's fusion decisions and scatter expansion, so the tests compile other HLO than `make run` (which keeps
+#   XLA's defaults: its SmolLM2 programs compile slower with these emitters) and round some sums differently, within
+#   float32 rounding. The notebooks' kernels drop it (tests/test_notebooks.py).
+# Set either flag yourself for another value.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:

@@ -51,13 +51,15 @@ def _kernel_env(tmp_dir: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
   pytest's tmp_path, which pytest prunes) and ``extra``, without the 8 fake CPU devices tests/conftest.py asks XLA
   for: the notebook sees the machine as a user's kernel would.
 
-  The kernel keeps XLA's backend optimisation level 0 and the shared compilation cache (tests/conftest.py), but
-  compiles with XLA's default fusion emitters: the quickstart compiles SmolLM2's 30-layer programs, which the legacy
-  emitters compile slower (the quickstart test: 145 s with them, 126 s without, 2026-12-06). No value a notebook
-  shows depends on these settings (the random model's text may differ)."""
+  The kernel keeps XLA's backend optimisation level 0 and the compilation cache's folder (tests/conftest.py), but
+  compiles with XLA's default fusion emitters (any ``--xla_cpu_use_fusion_emitters`` setting is dropped): the
+  quickstart compiles SmolLM2's 30-layer programs, which the legacy emitters compile slower (the quickstart test:
+  145 s with them, 126 s without, 2026-12-06). Its programs are therefore not the in-process tests' (XLA_FLAGS is
+  part of a program's cache key). No value a notebook shows depends on these settings (the random model's text may
+  differ)."""
   env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir), **extra)
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  env["XLA_FLAGS"] = " ".join(re.sub(r"--xla_cpu_use_fusion_emitters=\S+", "", flags).split())
+  env["XLA_FLAGS"] = " ".join(re.sub(r"(?<!\S)--xla_cpu_use_fusion_emitters(=\S*)?", "", flags).split())
   return env
 
 

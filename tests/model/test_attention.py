@@ -178,8 +178,9 @@ def test_model_routed_through_jax_nn_equals_reference(tiny):
   grads = [jax.jit(jax.grad(loss, argnums=1), static_argnums=0)(cfg, params) for cfg in (config, routed)]
   # To float32 rounding at each leaf's own scale (measured: at most 2.5e-6 of the leaf's largest entry; the leaves'
   # scales span 0.26 to 811, so one absolute tolerance would be loose for some and below rounding for others).
-  for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
-    np.testing.assert_allclose(a, b, atol=1e-5 * float(np.max(np.abs(b))), rtol=0)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+    scale = max(float(np.max(np.abs(a))), float(np.max(np.abs(b))))
+    np.testing.assert_allclose(b, a, atol=1e-5 * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
 # bfloat16 compute (float32 parameters cast at use, float32 logits) against float32 compute on the tiny model,
