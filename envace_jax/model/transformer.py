@@ -586,6 +586,7 @@ class Transformer(nn.Module):
     else:
       per_layer = []
       seen = [jnp.arange(c.capacity)[None, :] < c.lengths[:, None] for c in levels]  # [P, S] per prefix level
+      settings = _trace_settings()  # the same for every layer of this trace
       for i in range(cfg.num_layers):
         if pages is not None:
           carry = (x_btd, layer_cache[0][i])
@@ -598,7 +599,7 @@ class Transformer(nn.Module):
         else:  # every layer runs one traced function (`_decoder_layer`)
           layer_params = nn.meta.unbox(self.variables["params"][f"layers_{i}"])
           x_btd, written = _decoder_layer(
-            cfg, shards, _trace_settings(), layer_params, carry, positions, write_slots, mask, prefixes, pages
+            cfg, shards, settings, layer_params, carry, positions, write_slots, mask, prefixes, pages
           )
         per_layer.append(written)
       if pages is not None:
