@@ -2,9 +2,9 @@
 # Python environment: the active virtual environment ($VIRTUAL_ENV), else $(VENV) (default .venv in this directory,
 # created on first use), filled with README.md's install line; a stamp file in the environment makes that step
 # cheap until setup.py or this file changes. People who manage their own environments use the install line itself.
-# The line runs with --no-compile and compileall writes the bytecode afterwards on every core: pip compiles on one, 115
-# s of install became 83 s on 2 cores (compileall's rc is 1 for files written for newer Pythons, e.g. torch's py312
-# tests, which pip skips too).
+# The line runs with --no-compile and compileall writes the bytecode afterwards on every core (pip compiles on one):
+# alone on 2 cores the install took 115 s, then 83-101 s. compileall exits 1 on files written for newer Pythons (e.g.
+# torch's py312 test helper), whose errors pip ignores as well.
 # EXTRAS adds setup.py extras to the install line, e.g. the accelerator build of JAX: EXTRAS=cuda12 (or cuda13: NVIDIA
 # GPUs, the CUDA wheels from PyPI) or EXTRAS=tpu (libtpu); comma-separated for several. Without it JAX is the CPU
 # build. Each EXTRAS value has its own stamp, so adding one to an existing environment installs again.
