@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -111,7 +110,7 @@ def main() -> None:
   def save(**fields) -> None:  # after every step and chunk: a killed run keeps what it measured
     later = [s["wall_s"] for s in record["steps"][1:]]
     record.update(fields, step_s_after_first=float(np.mean(later)) if later else None)
-    record.update(peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, load_avg=os.getloadavg())
+    record.update(peak_rss_gib=runtime.host_memory_gib()["memory/host_peak_gib"], load_avg=os.getloadavg())
     if args.json:
       common.write_json(args.json, record)
 
