@@ -5,7 +5,8 @@ The rollout (`unfold`) keeps growing views; test-time rehearsal and the world-mo
 the rehearsing role's prediction of a real tool response. Their prompts mostly start with the same long system
 message (τ² airline's policy is ≈5k SmolLM2 tokens), so `complete` groups prompts by that first message, prefills it
 once per group and forks the KV cache over the group (the sampler's group prefix sharing), then generates every row in
-one batched call.
+one batched call. A group larger than most is cut into parts (`group_size`), and a row's own cache holds only what
+follows its head, so padding costs little.
 """
 
 from __future__ import annotations
@@ -91,32 +92,37 @@ def complete(
   groups: dict[tuple[int, ...], list[int]] = {}
   for i, prefix in enumerate(prefixes):
     groups.setdefault(prefix, []).append(i)
-  order = list(groups.items())
-  size = max(len(members) for _, members in order)
   mult = sampler.batch_multiple
+  size = group_size([(len(prefix), len(members)) for prefix, members in groups.items()], max_new_tokens, mult)
+  order = [(prefix, members[k : k + size]) for prefix, members in groups.items() for k in range(0, len(members), size)]
   n_groups = -(-len(order) // mult) * mult
   context = getattr(getattr(sampler, "config", None), "max_seq_len", None)
-  # Rounded up to a power of two: calls whose prompts differ in length (every fidelity chunk, every assessment)
-  # reuse the same compiled programs instead of compiling their own.
-  longest = next_pow2(max(len(ids) for ids, _ in rendered) + max_new_tokens)
-  capacity = min(longest, context) if context else longest
-  cache = sampler.init_cache(batch=n_groups, capacity=capacity)
+
+  def bucket(n: int) -> int:
+    # Rounded up to a power of two: calls whose prompts differ in length (every fidelity chunk, every assessment)
+    # reuse the same compiled programs instead of compiling their own.
+    return min(next_pow2(n), context) if context else next_pow2(n)
+
   heads = [list(prefix) for prefix, _ in order] + [[]] * (n_groups - len(order))
   head_roles = [list(rendered[members[0]][1][: len(prefix)]) for prefix, members in order]
   head_roles += [[]] * (n_groups - len(order))
   if any(heads):
+    cache = sampler.init_cache(batch=n_groups, capacity=bucket(max(map(len, heads))))
     cache, _, fitted, count = sampler.prefill(cache, heads, head_roles)
     stats["prefill_tokens"] += count
     fitted = np.asarray(fitted)
   else:
+    cache = sampler.init_cache(batch=n_groups, capacity=bucket(getattr(sampler, "min_bucket", 1)))  # holds nothing
     fitted = np.zeros(n_groups, bool)
-  cache = sampler.fork(cache, size)
+  skips = [len(prefix) if fitted[g] else 0 for g, (prefix, _) in enumerate(order)]
+  # A row's own slots hold its prompt after the shared head, then its generation (the head is the fork's prefix).
+  own = max(len(rendered[i][0]) - skip for skip, (_, members) in zip(skips, order, strict=True) for i in members)
+  cache = sampler.fork(cache, size, capacity=bucket(own + max_new_tokens))
   rows = n_groups * size
   row_prompts, row_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
   active, placed = np.zeros(rows, bool), {}
-  for g, (prefix, members) in enumerate(order):
-    skip = len(prefix) if fitted[g] else 0  # a prefix that did not fit was not prefilled: the row fails below
-    for j, i in enumerate(members):
+  for g, (skip, (_, members)) in enumerate(zip(skips, order, strict=True)):
+    for j, i in enumerate(members):  # a head that did not fit was not prefilled (skip 0): the row fails below
       ids, roles = rendered[i]
       row = g * size + j
       row_prompts[row], row_roles[row], active[row] = ids[skip:], roles[skip:], True
@@ -145,3 +151,29 @@ def complete(
     )
   stats["seconds"] = time.perf_counter() - start
   return results, stats
+
+
+def group_size(groups: Sequence[tuple[int, int]], max_new_tokens: int, batch_multiple: int = 1) -> int:
+  """The rows per shared head that `complete` uses: its groups (prompts with one first message) are cut into parts
+  of at most this many, each part a head prefilled once and forked over that many rows.
+
+  One fork serves every head with the same number of rows, so a few large groups among small ones pad every head
+  with idle rows (the world-model fidelity probe of the main job's evaluation: 28 probes under 14 heads, one of them
+  holding 4, made 56 rows). The size chosen is the one that runs the fewest tokens through the model: the heads'
+  prefill plus ``max_new_tokens`` per row, padded rows and heads included (ties: the larger size, sharing more).
+
+  Args:
+    groups: (head length in tokens, prompts under that head) per group; a head of 0 tokens shares nothing.
+    max_new_tokens: the generation budget per row (tokens).
+    batch_multiple: heads are padded to a multiple of this (the sampler's batch shards).
+  Returns:
+    a size in 1 .. the largest group (1 when ``groups`` is empty).
+  """
+  best, best_cost = 1, None
+  for size in range(max((n for _, n in groups), default=1), 0, -1):
+    parts = [(head, -(-n // size)) for head, n in groups]
+    heads = -(-sum(k for _, k in parts) // batch_multiple) * batch_multiple
+    cost = sum(head * k for head, k in parts) + heads * size * max_new_tokens
+    if best_cost is None or cost < best_cost:
+      best, best_cost = size, cost
+  return best

@@ -12,6 +12,7 @@ from envace_jax.model import transformer
 from envace_jax.model.config import get_model_config
 from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message
+from envace_jax.rehearsal import completion
 from envace_jax.rehearsal.completion import complete
 from envace_jax.sampling.sampler import Sampler
 from tests.conftest import jit_apply
@@ -56,3 +57,34 @@ def test_completions_are_greedy_and_prompts_of_other_lengths_compile_nothing(tin
   assert len(set(lengths)) == 4  # four prompt lengths: one capacity bucket, one prefill-chunk bucket
   complete(sampler, tokenizer, other, key=jax.random.key(0), max_new_tokens=n, role=Role.REHEARSE)
   assert sampler.compile_counts == traced
+
+
+def test_a_large_group_is_cut_into_parts_and_each_prompt_gets_its_own_greedy_tokens(tiny, smollm2_tokenizer):
+  _, _, sampler = tiny
+  tokenizer, n = smollm2_tokenizer, 5
+  short, other = Message("system", "Be brief."), Message("system", "Be kind.")
+  asks = ["List the files.", "Open the door.", "Lock the car.", "Hi.", "Read the logs."]
+  prompts = [[short, Message("user", a)] for a in asks[:4]] + [[other, Message("user", asks[4])]]
+  head = [len(tokenizer.render([m])[0]) for m in (short, other)]
+  # 4 prompts under one head, 1 under another: two 4-row forks would idle 3 rows; parts of 2 run fewer tokens.
+  assert completion.group_size([(head[0], 4), (head[1], 1)], n) == 2
+  done, stats = complete(sampler, tokenizer, prompts, key=jax.random.key(0), max_new_tokens=n, role=Role.REHEARSE)
+  total = sum(len(tokenizer.render(p, add_generation_prompt=True, generation_role=Role.REHEARSE)[0]) for p in prompts)
+  # Prefilled: the short head twice (two parts), the other once, and every prompt's own tokens after its head.
+  assert stats["prefill_tokens"] == 2 * head[0] + head[1] + total - 4 * head[0] - head[1]
+  for chat, c in zip(prompts, done, strict=True):
+    (alone,), _ = complete(sampler, tokenizer, [chat], key=jax.random.key(0), max_new_tokens=n, role=Role.REHEARSE)
+    assert c.ids == alone.ids and c.text == alone.text
+
+
+def test_group_size_runs_the_fewest_tokens():
+  # The main job's gold-call fidelity probe (configs/testbed.py:main, 2026-12-06): 28 probes under 14 heads.
+  heads = [761, 851, 687, 832, 947, 728, 556, 620, 658, 798, 825, 754, 722, 610]
+  sizes = [4, 2, 2, 2, 2, 2, 1, 2, 1, 2, 2, 2, 2, 2]
+  assert completion.group_size(list(zip(heads, sizes, strict=True)), 128) == 2  # 15 heads x 2 rows, not 14 x 4
+  assert completion.group_size([(5000, 8)], 128) == 8  # one long head: shared by all
+  assert completion.group_size([(40, 3), (40, 1)], 128) == 1  # short heads: a fork's idle rows cost more
+  # Padding the heads to the batch shards counts: 2 heads x 2 rows alone, but padded to 4 heads, 4 x 1 is cheaper.
+  assert completion.group_size([(300, 2), (300, 1)], 128) == 2
+  assert completion.group_size([(300, 2), (300, 1)], 128, batch_multiple=4) == 1
+  assert completion.group_size([], 128) == 1
