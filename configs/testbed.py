@@ -29,10 +29,10 @@ _spec.loader.exec_module(base)
 
 
 # "main" is the README's main job (`make run`): level cpu, 16 held-out iid tasks before and after training, sized for
-# about 20 minutes on 2 CPU cores (20:39 with a cold compilation cache, 19:29 warm): 6 warm-up steps (the calibrated
-# 10 took 33 minutes), one GRPO step, and the evaluations' success and gold-call fidelity only (the reward gap and the
-# committed calls' fidelity took 190 s and 127 s of each 16-task evaluation, 2026-12-05). docs/getting-started.md
-# shows what it prints.
+# about 20 minutes on 2 CPU cores (18:02 with a cold compilation cache, 19:36 with a fresh clone's install, 2026-12-06):
+# 6 warm-up steps (the calibrated 10 took 33 minutes), one GRPO step, and the evaluations' success and gold-call
+# fidelity only (the reward gap and the committed calls' fidelity took 190 s and 127 s of each 16-task evaluation,
+# 2026-12-05). docs/getting-started.md shows what it prints.
 MAIN = {
   "train.sft_warmup_steps": 6,
   "train.steps": 7,
