@@ -61,7 +61,8 @@ def complete(
     sampler: a `Sampler` (``init_cache`` / ``prefill`` / ``fork`` / ``generate``).
     tokenizer: renders the chats (its chat template) and decodes the generations.
     prompts: chats, each ending where the generated message starts.
-    key: a ``jax.random.key`` (unused by greedy sampling).
+    key: a ``jax.random.key``; prompt i samples with ``fold_in(key, i)`` whatever the grouping (unused by greedy
+      sampling).
     max_new_tokens: the generation budget per prompt (tokens).
     role: the role id of the generated tokens (and of the generation header and ``answer_prefix``).
     sampling: `SamplingParams` (default greedy).
@@ -121,11 +122,14 @@ def complete(
   rows = n_groups * size
   row_prompts, row_roles = [[] for _ in range(rows)], [[] for _ in range(rows)]
   active, placed = np.zeros(rows, bool), {}
+  # A row's random keys follow its prompt (its index in ``prompts``), not the layout: a sampled completion does not
+  # depend on how the prompts were grouped (the mesh's batch_multiple, max_new_tokens).
+  row_ids = np.arange(len(prompts), len(prompts) + rows)
   for g, (skip, (_, members)) in enumerate(zip(skips, order, strict=True)):
     for j, i in enumerate(members):  # a head that did not fit was not prefilled (skip 0): the row fails below
       ids, roles = rendered[i]
       row = g * size + j
-      row_prompts[row], row_roles[row], active[row] = ids[skip:], roles[skip:], True
+      row_prompts[row], row_roles[row], active[row], row_ids[row] = ids[skip:], roles[skip:], True, i
       placed[i] = row
   out, _ = sampler.generate(
     cache,
@@ -137,6 +141,7 @@ def complete(
     sampling=sampling,
     stop_strings=tuple(stop_strings),
     active=active,
+    row_ids=row_ids,
   )
   stats["prefill_tokens"] += out.prefill_tokens
   eos = set(tokenizer.eos_ids)

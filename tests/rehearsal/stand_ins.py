@@ -148,8 +148,10 @@ class ScriptedSampler(_Recorder):
         fitted[b], count = True, count + len(p)
     return cache, None, fitted, count
 
-  def generate(self, cache, prompts, prompt_roles, *, role, key, max_new_tokens, sampling, stop_strings, active):
-    del key, sampling
+  def generate(
+    self, cache, prompts, prompt_roles, *, role, key, max_new_tokens, sampling, stop_strings, active, row_ids=None
+  ):
+    del key, sampling, row_ids
     role, active = np.asarray(role), np.asarray(active)
     max_new = np.broadcast_to(np.asarray(max_new_tokens), active.shape)
     cache, _, fitted, count = self.prefill(cache, prompts, prompt_roles, active)

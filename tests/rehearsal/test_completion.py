@@ -14,7 +14,7 @@ from envace_jax.model.roles import Role
 from envace_jax.model.tokenizer import Message
 from envace_jax.rehearsal import completion
 from envace_jax.rehearsal.completion import complete
-from envace_jax.sampling.sampler import Sampler
+from envace_jax.sampling.sampler import Sampler, SamplingParams, next_pow2
 from tests.conftest import jit_apply
 
 SYSTEM = Message("system", "You are a careful tool-using assistant. Answer briefly and in JSON when asked.")
@@ -75,6 +75,32 @@ def test_a_large_group_is_cut_into_parts_and_each_prompt_gets_its_own_greedy_tok
   for chat, c in zip(prompts, done, strict=True):
     (alone,), _ = complete(sampler, tokenizer, [chat], key=jax.random.key(0), max_new_tokens=n, role=Role.REHEARSE)
     assert c.ids == alone.ids and c.text == alone.text
+
+
+def test_rows_hold_only_what_follows_their_head_and_samples_follow_the_prompt_not_the_layout(
+  tiny, smollm2_tokenizer, monkeypatch
+):
+  _, _, sampler = tiny
+  tokenizer, n = smollm2_tokenizer, 4
+  policy, other = Message("system", "Answer in JSON. " * 40), Message("system", "Answer in prose. " * 40)
+  asks = ["List the files.", "Hi.", "Read the logs.", "Open the door."]
+  prompts = [[policy, Message("user", a)] for a in asks[:3]] + [[other, Message("user", asks[3])]]
+  heads = [len(tokenizer.render([m])[0]) for m in (policy, other)]
+  own = max(len(tokenizer.render(p, add_generation_prompt=True)[0]) - len(tokenizer.render(p[:1])[0]) for p in prompts)
+  capacities = []
+  fork = sampler.fork
+  monkeypatch.setattr(
+    sampler, "fork", lambda cache, g, capacity=None: capacities.append(capacity) or fork(cache, g, capacity)
+  )
+  kw = dict(key=jax.random.key(4), max_new_tokens=n, role=Role.REHEARSE, sampling=SamplingParams(temperature=1.0))
+  assert completion.group_size([(heads[0], 3), (heads[1], 1)], n) == 3  # long heads: 2 heads x 3 rows
+  shared, _ = complete(sampler, tokenizer, prompts, **kw)
+  # The heads are the fork's prefix: a row's own slots are its question and its answer, rounded up to a power of two.
+  assert capacities == [next_pow2(own + n)] and next_pow2(own + n) < next_pow2(heads[0] + own + n)
+  # Another layout (parts of 2: the last prompt moves from row 3 to row 4) samples each prompt the same tokens.
+  monkeypatch.setattr(completion, "group_size", lambda *a, **k: 2)
+  apart, _ = complete(sampler, tokenizer, prompts, **kw)
+  assert [c.ids for c in apart] == [c.ids for c in shared]
 
 
 def test_group_size_runs_the_fewest_tokens():
