@@ -448,8 +448,7 @@ def plan(
   persistent = sum(p.bytes for p in parts if p.phase == "persistent")
   totals = {ph: sum(p.bytes for p in parts if p.phase == ph) for ph in PHASES if any(p.phase == ph for p in parts)}
   peak = persistent + max(totals.values())
-  limit, limit_source = usable_memory(device_memory_gb, backend)
-  return {
+  result = {
     "model": config.model if source is None else source,
     "devices": f"{mesh.size} × {backend}",
     "backend": backend,
@@ -463,11 +462,18 @@ def plan(
     "phases": totals,
     "persistent_bytes": persistent,
     "peak_bytes": peak,
-    "device_bytes": limit,
-    "device_source": limit_source,
-    "fits": None if limit is None else peak <= limit,
     "attention": calls,
   }
+  return with_memory(result, device_memory_gb)
+
+
+def with_memory(result: Mapping[str, Any], device_memory_gb: float) -> dict[str, Any]:
+  """`plan`'s ``result`` judged against a device of ``device_memory_gb`` GB (0: the limit JAX reports; `usable_memory`
+  for ``result["backend"]``): a copy with "device_bytes", "device_source" and "fits" set. Nothing is compiled again.
+  """
+  limit, limit_source = usable_memory(device_memory_gb, result["backend"])
+  fits = None if limit is None else result["peak_bytes"] <= limit
+  return {**result, "device_bytes": limit, "device_source": limit_source, "fits": fits}
 
 
 def format_plan(result: Mapping[str, Any]) -> str:

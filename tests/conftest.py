@@ -44,8 +44,17 @@ FIRST = (
 )
 
 
+# Then the tests that compare with transformers' SmolLM2 (the session fixture `hf_smollm2`, ≈17 s to load), one
+# after the other: a session fixture is loaded once per xdist worker, and these two ran on both (2026-12-06).
+TOGETHER = (
+  "tests/model/test_weights.py::test_logits_match_transformers_gguf_loader",
+  "tests/sampling/test_sampler.py::test_greedy_equals_transformers_generate_smollm2",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: FIRST.index(item.nodeid) if item.nodeid in FIRST else len(FIRST))  # stable
+  order = FIRST + TOGETHER
+  items.sort(key=lambda item: order.index(item.nodeid) if item.nodeid in order else len(order))  # stable
 
 
 # ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end nodeid" (Unix seconds), to see how the

@@ -33,10 +33,11 @@ def shaped_rewards(monkeypatch):
   monkeypatch.setattr(train.Trainer, "rollout", shaped_rollout(train.Trainer.rollout))
 
 
-@pytest.fixture
-def warmup(tmp_path, data_dir):
-  """The workdir of a one-step warm-up (step 1 saved), and its Trainer."""
-  workdir = tmp_path / "warmup"
+@pytest.fixture(scope="module")
+def warmup(tmp_path_factory, data_dir):
+  """The workdir of a one-step warm-up (step 1 saved), and its Trainer: trained once for this module's tests, which
+  only read them."""
+  workdir = tmp_path_factory.mktemp("init_from") / "warmup"
   trainer = train.Trainer(tiny_config(data_dir, **{**_RUN, "train.steps": 1}), str(workdir))
   trainer.run()
   return workdir, trainer
