@@ -292,7 +292,9 @@ def cpu_seconds() -> float:
 
 
 def sampler_compiles(trainer) -> int:
-  return sum(sum(s.compile_counts.values()) for s in trainer.samplers.values())
+  """Traces of the trainer's samplers' programs; samplers that share their programs share one count (`Sampler`)."""
+  counts = {id(s.compile_counts): s.compile_counts for s in trainer.samplers.values()}
+  return sum(sum(c.values()) for c in counts.values())
 
 
 class PhaseTimer:

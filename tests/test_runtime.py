@@ -54,7 +54,7 @@ def test_release_host_memory_keeps_the_compiled_programs():
   from envace_jax.sampling.sampler import Sampler, SamplingParams
 
   config = PRESETS["tiny"]
-  sampler = Sampler(config, transformer.init_params(config, jax.random.key(0)))
+  sampler = Sampler(config, transformer.init_params(config, jax.random.key(0)), share_programs=False)
   kw = dict(role=1, key=jax.random.key(0), max_new_tokens=5, sampling=SamplingParams(temperature=0.7))
   run = lambda: sampler.generate(sampler.init_cache(batch=2, capacity=64), [[3, 4, 5], [6, 7]], 0, **kw)[0]  # noqa: E731
   first = run()

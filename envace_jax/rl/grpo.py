@@ -25,6 +25,7 @@ around their shared opening (``GrpoConfig.pack_shared_prefix``; see rl/batch.py)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -776,6 +777,54 @@ def _check_step_batch(batch: TrainBatch, cfg: GrpoConfig, shards: int) -> None:
       raise ValueError("per_role mode needs single-role micro-batches; use split_micro_batches(..., by_role=True).")
 
 
+# make_update_step's arguments -> its jitted programs, so that a second Trainer (or a test's second step) with the same
+# model, GRPO settings and mesh traces, lowers and loads nothing again; the least recently made are dropped beyond
+# _SHARED_SIGNATURES (a step keeps the programs it holds).
+_SHARED_UPDATES: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_SHARED_SIGNATURES = 4
+
+
+def _micro_batch_shardings(mesh: Mesh, rules: sharding.Rules):
+  """One micro-batch's shardings: `train_batch_shardings` without the leading K axis."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), train_batch_shardings(mesh, rules))
+
+
+def _update_programs(config: ModelConfig, cfg: GrpoConfig, mesh, rules, donate: bool) -> tuple:
+  """make_update_step's jitted (micro, add, finish, take)."""
+
+  def micro(params, mb):
+    grads, sums = micro_batch_grads(config, cfg, transformer.stack_tree(params), mb)
+    return transformer.unstack_tree(grads), sums
+
+  def finish(state, grads, sums):
+    grads, metrics = normalize(cfg, grads, sums)
+    return apply_gradients(cfg, state, grads, metrics)
+
+  add = lambda acc, new: jax.tree.map(jnp.add, acc, new)  # noqa: E731
+  take = lambda batch, k: jax.tree.map(lambda x: x[k], batch)  # noqa: E731
+  donated = ("state",) if donate else ()
+  if mesh is None:
+    # Pinned to the default device: a program's cache key includes whether each argument is committed to a device,
+    # and the state mixes fresh (uncommitted) leaves with earlier outputs (committed) from step to step.
+    one = SingleDeviceSharding(jax.devices()[0])
+    micro_jit = jax.jit(micro, in_shardings=one, out_shardings=one)
+    add_jit = jax.jit(add, in_shardings=one, out_shardings=one, donate_argnames="acc")
+    finish_jit = jax.jit(finish, in_shardings=one, out_shardings=one, donate_argnames=donated)
+    take_jit = jax.jit(take, in_shardings=one, out_shardings=one)
+  else:
+    state_sh = train_state_shardings(config, cfg, mesh, rules)
+    rep = sharding.replicated(mesh)
+    batch_sh, mb_sh = train_batch_shardings(mesh, rules), _micro_batch_shardings(mesh, rules)
+    acc_sh = (state_sh.params, rep)
+    micro_jit = jax.jit(micro, in_shardings=(state_sh.params, mb_sh), out_shardings=acc_sh)
+    add_jit = jax.jit(add, in_shardings=(acc_sh, acc_sh), out_shardings=acc_sh, donate_argnames="acc")
+    finish_jit = jax.jit(
+      finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnames=donated
+    )
+    take_jit = jax.jit(take, in_shardings=(batch_sh, rep), out_shardings=mb_sh)
+  return micro_jit, add_jit, finish_jit, take_jit
+
+
 def make_update_step(
   config: ModelConfig,
   cfg: GrpoConfig,
@@ -811,39 +860,21 @@ def make_update_step(
       mix roles.
   """
 
-  def micro(params, mb):
-    grads, sums = micro_batch_grads(config, cfg, transformer.stack_tree(params), mb)
-    return transformer.unstack_tree(grads), sums
-
-  def finish(state, grads, sums):
-    grads, metrics = normalize(cfg, grads, sums)
-    return apply_gradients(cfg, state, grads, metrics)
-
-  add = lambda acc, new: jax.tree.map(jnp.add, acc, new)  # noqa: E731
-  take = lambda batch, k: jax.tree.map(lambda x: x[k], batch)  # noqa: E731
-  donated = ("state",) if donate else ()
-  if mesh is None:
-    # Pinned to the default device: a program's cache key includes whether each argument is committed to a device,
-    # and the state mixes fresh (uncommitted) leaves with earlier outputs (committed) from step to step.
-    one = SingleDeviceSharding(jax.devices()[0])
-    micro_jit = jax.jit(micro, in_shardings=one, out_shardings=one)
-    add_jit = jax.jit(add, in_shardings=one, out_shardings=one, donate_argnames="acc")
-    finish_jit = jax.jit(finish, in_shardings=one, out_shardings=one, donate_argnames=donated)
-    take_jit = jax.jit(take, in_shardings=one, out_shardings=one)
-    shards = 1
+  try:  # the programs of an earlier call with the same arguments, when they hash (`_SHARED_UPDATES`)
+    signature = (config, cfg, mesh, rules, donate)
+    shared = _SHARED_UPDATES.get(signature)
+  except TypeError:
+    signature, shared = None, None
+  if shared is None:
+    shared = _update_programs(config, cfg, mesh, rules, donate)
+    if signature is not None:
+      _SHARED_UPDATES[signature] = shared
+      while len(_SHARED_UPDATES) > _SHARED_SIGNATURES:
+        _SHARED_UPDATES.popitem(last=False)
   else:
-    state_sh = train_state_shardings(config, cfg, mesh, rules)
-    rep = sharding.replicated(mesh)
-    batch_sh = train_batch_shardings(mesh, rules)
-    mb_sh = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), batch_sh)
-    acc_sh = (state_sh.params, rep)
-    micro_jit = jax.jit(micro, in_shardings=(state_sh.params, mb_sh), out_shardings=acc_sh)
-    add_jit = jax.jit(add, in_shardings=(acc_sh, acc_sh), out_shardings=acc_sh, donate_argnames="acc")
-    finish_jit = jax.jit(
-      finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnames=donated
-    )
-    take_jit = jax.jit(take, in_shardings=(batch_sh, rep), out_shardings=mb_sh)
-    shards = sharding.batch_size_multiple(mesh, rules)
+    _SHARED_UPDATES.move_to_end(signature)
+  micro_jit, add_jit, finish_jit, take_jit = shared
+  shards = 1 if mesh is None else sharding.batch_size_multiple(mesh, rules)
   shapes: set[tuple[int, int, int]] = set()
 
   def micro_batches(batch: TrainBatch):
@@ -854,7 +885,7 @@ def make_update_step(
     mbs = [trimmed(jax.tree.map(lambda x, i=i: x[i], batch), cfg.length_bucket) for i in range(k)]
     kept = [mb for mb in mbs if mb.target_mask.any()] or mbs[:1]  # none: one still gives the gradient's structure
     if mesh is not None and jax.process_count() > 1:  # every process holds the batch; each places its devices' rows
-      kept = [distributed.place(mb, mb_sh) for mb in kept]
+      kept = [distributed.place(mb, _micro_batch_shardings(mesh, rules)) for mb in kept]
     return kept
 
   programs = {"micro": micro_jit, "add": add_jit, "finish": finish_jit}

@@ -34,12 +34,16 @@ Invariants:
   * Compilations are bounded: prompt chunks are bucketed to powers of two up to ``prefill_chunk``, new-token counts
     and gathered rows to powers of two, the slots a dense cache attends over too (a paged cache needs no such
     bucket: one program serves every history length); ``compile_counts`` reports how many traces each jitted
-    function took (prefill, decode, and a stream's admit).
+    function took (prefill, decode, and a stream's admit). Samplers of the same settings in one process share their
+    programs (``share_programs``), so a second one traces and compiles nothing it has seen.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -259,8 +263,25 @@ def _placing(jitted, in_shardings):
   return call
 
 
+@dataclasses.dataclass
+class _Programs:
+  """The jitted functions of one set of sampler settings: bound to ``holder`` (a sampler without parameters), with
+  their trace counts."""
+
+  holder: Sampler
+  counts: dict[str, int]
+  jitted: dict
+
+
+# Sampler settings -> their programs, for `Sampler(share_programs=True)`; the least recently built settings are
+# dropped beyond _SHARED_SIGNATURES (a sampler keeps the programs it holds). Without it every new Sampler traced,
+# lowered and loaded (from the persistent compilation cache) or compiled its programs again.
+_SHARED: collections.OrderedDict[tuple, _Programs] = collections.OrderedDict()
+_SHARED_SIGNATURES = 4
+
+
 class Sampler:
-  """Prefill and decode for one model; holds its jitted functions and their compile counts.
+  """Prefill and decode for one model; holds its jitted functions (shared, by default) and their compile counts.
 
   Args:
     params: the parameter tree (assign ``sampler.params`` to use new weights; no recompilation), or None for a
@@ -273,6 +294,10 @@ class Sampler:
     mesh: optional ``jax.sharding.Mesh`` (see sharding.make_mesh): params are placed by ``rules``, caches and the
       batch split over the batch axes, and every jitted function gets explicit in/out shardings.
     rules: logical-axis rules (default ``sharding.LOGICAL_RULES``).
+    share_programs: use the jitted programs of the process's other samplers with the same model config, mesh,
+      rules, eos ids, pad id and token bytes (`_SHARED`): a Trainer's policy and reference-user samplers, a second
+      Trainer, an evaluation after training trace, lower and load each program once per process. Their
+      ``compile_counts`` is then one dict, counting the traces of them all. False: programs and counts of its own.
   """
 
   def __init__(
@@ -287,6 +312,7 @@ class Sampler:
     min_bucket: int = 16,
     mesh: jax.sharding.Mesh | None = None,
     rules=sharding.LOGICAL_RULES,
+    share_programs: bool = True,
   ):
     if prefill_chunk & (prefill_chunk - 1) or min_bucket & (min_bucket - 1):
       raise ValueError(f"prefill_chunk={prefill_chunk} and min_bucket={min_bucket} must be powers of two.")
@@ -301,12 +327,28 @@ class Sampler:
     self.pad_id = pad_id
     self.prefill_chunk = prefill_chunk
     self.min_bucket = min(min_bucket, prefill_chunk)
-    self._byte_table = None
+    self._byte_table, table_digest = None, None
     if token_bytes is not None:
       table, lengths = stopping.token_byte_table(token_bytes)
       self._byte_table = (jnp.asarray(table), jnp.asarray(lengths))
-    self.compile_counts = {"prefill": 0, "decode": 0, "admit": 0}
-    self._jitted = {}
+      table_digest = hashlib.sha256(table.tobytes() + lengths.tobytes()).hexdigest()
+    # What the jitted functions read from ``self`` besides their arguments (the byte table by its digest).
+    signature = (self.config, mesh, rules, tuple(np.asarray(self.eos_ids).tolist()), pad_id, table_digest)
+    programs = _SHARED.get(signature) if share_programs else None
+    if programs is None:
+      # The jitted functions are bound to a copy without parameters: a shared program keeps no weights alive.
+      holder = copy.copy(self)
+      holder.__dict__.pop("_params", None)
+      holder.compile_counts, holder._jitted = {"prefill": 0, "decode": 0, "admit": 0}, {}
+      programs = _Programs(holder, holder.compile_counts, holder._jitted)
+      if share_programs:
+        _SHARED[signature] = programs
+        while len(_SHARED) > _SHARED_SIGNATURES:
+          _SHARED.popitem(last=False)
+    else:
+      _SHARED.move_to_end(signature)
+    self._programs = programs
+    self.compile_counts, self._jitted = programs.counts, programs.jitted
 
   @property
   def batch_multiple(self) -> int:
@@ -343,12 +385,13 @@ class Sampler:
     key = (kind, shapes if self.mesh is not None and kind != "admit" else None)
     if key in self._jitted:
       return self._jitted[key]
+    holder = self._programs.holder
     fn, static, donate = {
-      "prefill": (self._prefill_chunk, ("attend",), ("cache",)),
-      "prefill_rows": (self._prefill_rows, ("attend",), ("cache",)),  # when the batch is not split (batch_multiple 1)
-      "decode": (self._decode_loop, ("top_k", "stop_strings", "attend"), ("state",)),
-      "decode_rows": (self._decode_rows, ("top_k", "stop_strings", "attend"), ("state",)),  # likewise
-      "admit": (self._admit_rows, (), ("state",)),
+      "prefill": (holder._prefill_chunk, ("attend",), ("cache",)),
+      "prefill_rows": (holder._prefill_rows, ("attend",), ("cache",)),  # when the batch is not split (batch_multiple 1)
+      "decode": (holder._decode_loop, ("top_k", "stop_strings", "attend"), ("state",)),
+      "decode_rows": (holder._decode_rows, ("top_k", "stop_strings", "attend"), ("state",)),  # likewise
+      "admit": (holder._admit_rows, (), ("state",)),
     }[kind]
     kwargs = {}
     if self.mesh is not None:

@@ -236,7 +236,7 @@ def test_nested_shared_prefixes_equal_the_dense_path(tiny_with_roles):
 
 def test_prompt_buckets_bound_compilations(tiny_with_roles):
   config, params = tiny_with_roles
-  sampler = Sampler(config, params, prefill_chunk=32, min_bucket=8)
+  sampler = Sampler(config, params, prefill_chunk=32, min_bucket=8, share_programs=False)
   for length in (3, 5, 8, 9, 14, 16, 20, 31, 32, 33, 50, 64, 70):
     cache = sampler.init_cache(batch=2, capacity=128)
     prompts = [list(range(1, length + 1)), [7]]
@@ -484,7 +484,8 @@ def test_continuous_batching_equals_each_generation_alone(tiny_with_roles):
   another, the loop ran exactly as many iterations as the busiest row needed (its generations back to back, plus
   one for a context_exhausted check)."""
   config, params = tiny_with_roles
-  sampler = Sampler(config, params, eos_ids=range(config.vocab_size // 32))  # ~1 in 32 tokens ends one
+  ends = range(config.vocab_size // 32)  # ~1 in 32 tokens ends one
+  sampler = Sampler(config, params, eos_ids=ends, share_programs=False)
   sampling = SamplingParams(temperature=1.0)
   own = 24
 
@@ -550,8 +551,9 @@ def test_a_chunk_that_writes_few_rows_runs_on_those_rows_alone(tiny_with_roles):
   if len(jax.devices()) < 2:
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
   config, params = tiny_with_roles
-  gathered = Sampler(config, params, mesh=sharding.make_mesh(data=1, devices=jax.devices()[:1]))
-  full = Sampler(config, params, mesh=sharding.make_mesh(data=2, devices=jax.devices()[:2]))
+  one, two = (sharding.make_mesh(data=n, devices=jax.devices()[:n]) for n in (1, 2))
+  gathered = Sampler(config, params, mesh=one, share_programs=False)  # its own programs: `_jitted` says which ran
+  full = Sampler(config, params, mesh=two, share_programs=False)
   prompts = [[], [4, 5, 6], [], [], [], [], [7] * 20, []]
   got, want = [], []
   for sampler, out in ((gathered, got), (full, want)):
@@ -620,7 +622,7 @@ def test_paged_rows_work_gathered_and_with_pages_of_their_own(tiny_with_roles):
   from envace_jax.model import paged
 
   config, params = tiny_with_roles
-  sampler = Sampler(config, params)
+  sampler = Sampler(config, params, share_programs=False)
   pool = paged.PagePool(num_pages=32, page_size=4)
   room = [24, 24, 12, 24]  # row 2 holds 3 pages
   for r, n in enumerate(room):
@@ -658,7 +660,8 @@ def test_paged_rows_compile_one_program_for_every_history_length(tiny_with_roles
   from envace_jax.model import paged
 
   config, params = tiny_with_roles
-  dense_sampler, paged_sampler = (Sampler(config, params, prefill_chunk=8, min_bucket=8) for _ in range(2))
+  kw = dict(prefill_chunk=8, min_bucket=8, share_programs=False)  # each its own programs and counts
+  dense_sampler, paged_sampler = (Sampler(config, params, **kw) for _ in range(2))
   pool = paged.PagePool(num_pages=32, page_size=4)
   for r in range(2):
     pool.grow(r, 64)
@@ -797,7 +800,7 @@ def test_rows_of_one_stream_sample_with_their_own_values_and_compile_once(tiny_w
   """A stream whose rows each have their own temperature and top_p (`Stream.admit`'s ``sampling``) gives each row
   the tokens of a run of its setting alone, and no setting compiles the decode loop again."""
   config, params = tiny_with_roles
-  sampler = Sampler(config, params)
+  sampler = Sampler(config, params, share_programs=False)
   prompts = PROMPTS + [PROMPTS[0]]
   settings = [GREEDY, SamplingParams(1.0), SamplingParams(0.7, 0.9), SamplingParams(1.4, 0.6)]
   keys = jax.random.split(jax.random.key(3), len(prompts))
