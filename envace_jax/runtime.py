@@ -177,6 +177,17 @@ def _malloc_trim():
   return trim
 
 
+def forget_shared_programs() -> None:
+  """Drops this process's shared sampler and update programs (`Sampler`'s ``share_programs``,
+  `grpo.make_update_step`): the next sampler or update step made traces and compiles (or reads from the persistent
+  cache) programs of its own, as in a new process. Samplers and steps made before keep theirs. For a measurement
+  that must see a run's first compiles (experiments/throughput.py's test)."""
+  from envace_jax.sampling import sampler as sampler_lib
+
+  sampler_lib._SHARED.clear()
+  grpo._SHARED_UPDATES.clear()
+
+
 def release_host_memory(staging: bool = False) -> None:
   """Drops JAX's tracing and lowering caches, keeping the compiled programs, and hands the C heap's free pages back
   to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).

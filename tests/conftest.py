@@ -104,11 +104,12 @@ def data_dir(tmp_path_factory):
 def tiny_run(tmp_path_factory, data_dir):
   """(workdir, config) of ``train.train_and_evaluate`` on configs/tiny.py: 2 steps, a checkpoint after each, no
   held-out evaluation (notebooks/inspect_checkpoint.ipynb's own run). Read it; do not write to it."""
-  from envace_jax import train
+  from envace_jax import runtime, train
   from tests.test_train import tiny_config
 
   config = tiny_config(data_dir, **{"train.eval_tasks": 0})
   workdir = tmp_path_factory.mktemp("tiny_run") / "run"
+  runtime.forget_shared_programs()  # it compiles as a new process does (test_train's compile record), wherever it runs
   train.train_and_evaluate(config, str(workdir))
   return workdir, config
 

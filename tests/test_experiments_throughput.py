@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from envace_jax import runtime
 from envace_jax.model.roles import Role
 from experiments import throughput
 
@@ -52,6 +53,7 @@ def test_config_overrides_keep_types():
 @pytest.mark.slow
 def test_tiny_run_counts_what_the_rollout_generated(tmp_path):
   out, out_json = tmp_path / "throughput.png", tmp_path / "throughput.json"
+  runtime.forget_shared_programs()  # step 1 compiles, as in a new process, whatever this worker built before
   report = throughput.main(
     [
       "--model=tiny",
