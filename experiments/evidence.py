@@ -3,6 +3,8 @@
     python experiments/evidence.py                              # the default grid, run (or resumed) in full
     python experiments/evidence.py --methods=envace --seeds=1   # a share of it (a session's, a second machine's)
     python experiments/evidence.py --methods=                   # run nothing: gather the finished chunks
+    python experiments/evidence.py --methods=warmup --seeds=7 --workdir=DIR --chunks=experiments/results/evidence_unheld
+                                     # a seed the grid does not hold: judged against the grid's interval (--replication)
     python experiments/evidence.py --smoke --workdir=DIR --chunks=DIR2 --out-dir=DIR3   # pipeline check, tiny model
     python experiments/evidence.py --results-page               # docs/results.md's section, from the committed JSON
     python experiments/evidence.py --update-results-page        # ... written between docs/results.md's markers
@@ -160,11 +162,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     model="smollm2-135m", level="cpu", methods=",".join(METHODS), seeds="0,1,2", splits="iid,compositional,rules",
     sft_steps=10, steps=5, tasks=32, fidelity_tasks=16, gap_tasks=16, chunk=8,
     test_time_methods="base,envace", test_time_splits="iid", test_time_tasks=16, ns="2,4",
+    replication=str(RESULTS_DIR / "evidence_unheld"),
   ),
   "smoke": dict(
     model="tiny", level="cpu", methods="base,warmup,envace", seeds="0", splits="iid,rules",
     sft_steps=1, steps=1, tasks=2, fidelity_tasks=1, gap_tasks=1, chunk=2,
-    test_time_methods="envace", test_time_splits="iid", test_time_tasks=1, ns="1",
+    test_time_methods="envace", test_time_splits="iid", test_time_tasks=1, ns="1", replication="",
   ),
 }  # fmt: skip
 _BUDGET_KEYS = ("model", "level", "sft_steps", "steps", "overrides")
@@ -211,8 +214,8 @@ def cell_dir(args, method: str, seed: int) -> pathlib.Path:
   return pathlib.Path(args.workdir) / method / f"seed{seed}"
 
 
-def chunk_dir(args, method: str, seed: int) -> pathlib.Path:
-  return pathlib.Path(args.chunks) / method / f"seed{seed}"
+def chunk_dir(args, method: str, seed: int, root: str | None = None) -> pathlib.Path:
+  return pathlib.Path(root or args.chunks) / method / f"seed{seed}"
 
 
 def budget(args) -> dict[str, Any]:
@@ -374,16 +377,19 @@ def _test_time_phases(args, method: str) -> list[tuple[str, str, int]]:
   return [(f"testtime_{v}_n{n}", v, n) for v in TEST_TIME for n in args.ns]
 
 
-def _chunk_files(args, method: str, seed: int, split: str, phase: str, n: int) -> list[tuple[int, int, pathlib.Path]]:
-  """(lo, hi, path) of each chunk of ``n`` tasks of a (cell, split, phase), ``--chunk`` tasks a chunk."""
-  d = chunk_dir(args, method, seed) / split
+def _chunk_files(
+  args, method: str, seed: int, split: str, phase: str, n: int, root: str | None = None
+) -> list[tuple[int, int, pathlib.Path]]:
+  """(lo, hi, path) of each chunk of ``n`` tasks of a (cell, split, phase), ``--chunk`` tasks a chunk, under
+  ``root`` (default ``--chunks``)."""
+  d = chunk_dir(args, method, seed, root) / split
   return [(lo, hi, d / f"{phase}_{lo:04d}_{hi:04d}.json") for lo, hi in calibration._chunks(n, args.chunk)]
 
 
-def _read_chunks(args, method: str, seed: int, split: str, phase: str) -> list[dict]:
+def _read_chunks(args, method: str, seed: int, split: str, phase: str, root: str | None = None) -> list[dict]:
   """The finished chunks of a (cell, split, phase) that this grid's chunking names (a file of another ``--chunk``
-  or task count beside them is not read)."""
-  files = _chunk_files(args, method, seed, split, phase, _phase_tasks(args, phase))
+  or task count beside them is not read), under ``root`` (default ``--chunks``)."""
+  files = _chunk_files(args, method, seed, split, phase, _phase_tasks(args, phase), root)
   return [json.loads(path.read_text()) for _, _, path in files if path.exists()]
 
 
@@ -621,7 +627,44 @@ def gather(args) -> dict[str, Any]:
     d = paired(a, b)
     names = {"a": f"{method} {va} N={na}", "b": f"{method} {vb} N={nb}"}
     diffs.append({"claim": claim, **names, "metric": "success", "split": "pooled", **d, "verdict": verdict(d)})
-  return {"cells": cells, "rows": rows, "differences": diffs, "test_time": test_time, "missing": missing}
+  return {
+    "cells": cells,
+    "rows": rows,
+    "differences": diffs,
+    "test_time": test_time,
+    "replication": replication(args, methods, seeds, rows),
+    "missing": missing,
+  }
+
+
+def replication(args, methods, seeds, rows) -> list[dict[str, Any]]:
+  """Issue 44's check that the grid's intervals predict a new run: each cell under ``--replication`` (a folder of
+  chunks laid out as ``--chunks``, of a method of the grid run with a seed it does not hold, in a workdir of its own:
+  ``--seeds=S --chunks=DIR --workdir=ANOTHER``), per split and metric with finished chunks: its mean over items
+  (the same chunks, tasks and keys' scheme as the grid's cells), the grid's interval for that method, and whether
+  the mean lies inside it."""
+  if not args.replication:
+    return []
+  out = []
+  grid_rows = {(r["method"], r["split"]): r for r in rows}
+  for d in sorted(pathlib.Path(args.replication).glob("*/seed*")):
+    method, seed = d.parent.name, int(d.name.removeprefix("seed"))
+    if method not in methods or seed in seeds:
+      continue
+    for split in args.splits:
+      for metric, (phase, _, _) in METRICS.items():
+        values = item_values(_read_chunks(args, method, seed, split, phase, args.replication), metric)
+        items = [v for v in values.values() if v is not None]
+        if not items:
+          continue
+        ref = grid_rows[(method, split)][metric]
+        value = float(np.mean(items))
+        out.append({
+          "method": method, "seed": seed, "split": split, "metric": metric, "value": value, "items": len(items),
+          "grid": {k: ref[k] for k in ("mean", "lo", "hi", "seeds")},
+          "inside": bool(ref["seeds"]) and ref["lo"] <= value <= ref["hi"],
+        })  # fmt: skip
+  return out
 
 
 def _interval_of(by_seed: Mapping[int, Mapping[str, float | None]]) -> dict:
@@ -751,6 +794,16 @@ def test_time_table(result: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def replication_table(result: Mapping[str, Any]) -> str:
+  head = ["method", "seed", "split", "metric", "items", "this seed", "the grid (seeds)", "inside"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in result.get("replication", []):
+    grid_ci = f"{_ci(r['grid'])} ({r['grid']['seeds']})"
+    cells = [LABELS[r["method"]], str(r["seed"]), r["split"], METRICS[r["metric"]][2], str(r["items"])]
+    lines.append("| " + " | ".join([*cells, f"{100 * r['value']:.1f}", grid_ci, "yes" if r["inside"] else "no"]) + " |")
+  return "\n".join(lines)
+
+
 def results_section(result: Mapping[str, Any]) -> str:
   """docs/results.md's results section (between the markers), from evidence.json's content."""
   p = result["protocol"]
@@ -780,6 +833,14 @@ def results_section(result: Mapping[str, Any]) -> str:
     ]
   else:
     lines += ["", "Claim 4 (test-time private rehearsal and its two controls): not run yet."]
+  if result.get("replication"):
+    lines += [
+      "",
+      "A seed the grid does not hold, run as one more cell in a folder of its own (`--replication`): its mean per "
+      "split against the grid's interval for that method, in %.",
+      "",
+      replication_table(result),
+    ]
   if result["missing"]:
     lines += ["", f"Not finished: {len(result['missing'])} entries of evidence.json's `missing` (cell, split: phases)."]
   cpu = sum(c["cpu_minutes"] for c in result["cells"])

@@ -210,6 +210,31 @@ def test_smoke_grid_chunks_cells_resume_and_page(smoke, capsys):
     _run(tmp, "--steps=2")
 
 
+def test_a_seed_the_grid_does_not_hold_is_judged_against_the_grids_interval(smoke):
+  """``--replication``: a cell of a seed outside the grid (here seed 0's EnvACE chunks copied as seed 5) gives, per
+  split and metric, its mean over items, the grid's interval for that method and whether the mean is inside; a cell
+  of a seed the grid holds is not a replication."""
+  import shutil
+
+  tmp, result = smoke
+  unheld = tmp / "unheld"
+  for seed in (5, 0):
+    shutil.copytree(tmp / "chunks" / "envace" / "seed0", unheld / "envace" / f"seed{seed}", dirs_exist_ok=True)
+  out = _run(tmp, "--methods=", f"--replication={unheld}", f"--out-dir={tmp / 'out_replication'}")
+  rows = out["replication"]
+  assert {(r["method"], r["seed"], r["split"]) for r in rows} == {("envace", 5, "iid")}
+  assert {r["metric"] for r in rows} == set(evidence.METRICS)  # success, fidelity and WM2Real all finished
+  values = next(c for c in result["cells"] if c["method"] == "envace")["splits"]["iid"]["values"]
+  grid = {r["split"]: r for r in result["rows"] if r["method"] == "envace"}
+  for r in rows:
+    items = [v for v in values[r["metric"]].values() if v is not None]
+    assert r["value"] == pytest.approx(np.mean(items)) and r["items"] == len(items)
+    ref = grid["iid"][r["metric"]]
+    assert r["grid"] == {k: ref[k] for k in ("mean", "lo", "hi", "seeds")}
+    assert r["inside"] == (ref["lo"] <= r["value"] <= ref["hi"])
+  assert evidence.replication_table(out) in evidence.results_section(out)
+
+
 def test_results_page_section_is_the_committed_json():
   """docs/results.md's results section is exactly what ``evidence.py --results-page`` prints from the committed
   JSON, its PNGs are committed, and the held-out ids of every split are disjoint from one another."""
