@@ -49,7 +49,7 @@ from envace_jax.config.choices import (
   WEIGHTINGS,
 )
 from envace_jax.config.choices import GRPO_MODES as MODES
-from envace_jax.model import transformer
+from envace_jax.model import attention, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.model.roles import NUM_ROLES, Role
 from envace_jax.rehearsal.trajectory import Trajectory
@@ -860,9 +860,11 @@ def make_update_step(
       mix roles.
   """
 
-  try:  # the programs of an earlier call with the same arguments, when they hash (`_SHARED_UPDATES`)
-    signature = (config, cfg, mesh, rules, donate)
-    shared = _SHARED_UPDATES.get(signature)
+  # The programs of an earlier call with the same arguments and attention backend (`_SHARED_UPDATES`), when they hash
+  # and no `attention.recording` block would miss their traces.
+  signature = None if attention.is_recording() else (config, cfg, mesh, rules, donate, attention.current_backend())
+  try:
+    shared = None if signature is None else _SHARED_UPDATES.get(signature)
   except TypeError:
     signature, shared = None, None
   if shared is None:

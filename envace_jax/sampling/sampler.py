@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from envace_jax.model import paged, transformer
+from envace_jax.model import attention, paged, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.sampling import sharding, stopping
 from envace_jax.sampling.stopping import FinishReason
@@ -295,9 +295,10 @@ class Sampler:
       batch split over the batch axes, and every jitted function gets explicit in/out shardings.
     rules: logical-axis rules (default ``sharding.LOGICAL_RULES``).
     share_programs: use the jitted programs of the process's other samplers with the same model config, mesh,
-      rules, eos ids, pad id and token bytes (`_SHARED`): a Trainer's policy and reference-user samplers, a second
-      Trainer, an evaluation after training trace, lower and load each program once per process. Their
-      ``compile_counts`` is then one dict, counting the traces of them all. False: programs and counts of its own.
+      rules, eos ids, pad id, token bytes and attention backend (`_SHARED`): a Trainer's policy and reference-user
+      samplers, a second Trainer, an evaluation after training trace, lower and load each program once per process.
+      Their ``compile_counts`` is then one dict, counting the traces of them all. False (and inside an
+      `attention.recording` block): programs and counts of its own.
   """
 
   def __init__(
@@ -332,9 +333,18 @@ class Sampler:
       table, lengths = stopping.token_byte_table(token_bytes)
       self._byte_table = (jnp.asarray(table), jnp.asarray(lengths))
       table_digest = hashlib.sha256(table.tobytes() + lengths.tobytes()).hexdigest()
-    # What the jitted functions read from ``self`` besides their arguments (the byte table by its digest).
-    signature = (self.config, mesh, rules, tuple(np.asarray(self.eos_ids).tolist()), pad_id, table_digest)
-    programs = _SHARED.get(signature) if share_programs else None
+    # What the jitted functions read when traced besides their arguments: ``self``'s settings (the byte table by its
+    # digest) and the attention backend selection reads (`attention.backend`). A sampler made inside an
+    # `attention.recording` block traces its own programs, so that the block records them.
+    signature = (
+      type(self), self.config, mesh, rules, tuple(np.asarray(self.eos_ids).tolist()), pad_id, table_digest,
+      attention.current_backend(),
+    )  # fmt: skip
+    share_programs = share_programs and not attention.is_recording()
+    try:
+      programs = _SHARED.get(signature) if share_programs else None
+    except TypeError:  # settings that do not hash (rules given as lists): programs of its own
+      share_programs, programs = False, None
     if programs is None:
       # The jitted functions are bound to a copy without parameters: a shared program keeps no weights alive.
       holder = copy.copy(self)

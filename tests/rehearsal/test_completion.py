@@ -36,7 +36,8 @@ def _greedy(config, params, ids, roles, n: int, role: Role) -> list[int]:
 def tiny(smollm2_tokenizer):
   config = get_model_config("tiny", vocab_size=smollm2_tokenizer.vocab_size, max_seq_len=1024)
   params = transformer.init_params(config, jax.random.key(3))
-  sampler = Sampler(config, params, pad_id=smollm2_tokenizer.pad_id)  # no eos: every row generates max_new_tokens
+  # No eos: every row generates max_new_tokens. Programs of its own: the tests count its traces.
+  sampler = Sampler(config, params, pad_id=smollm2_tokenizer.pad_id, share_programs=False)
   return config, params, sampler
 
 

@@ -234,6 +234,36 @@ def test_nested_shared_prefixes_equal_the_dense_path(tiny_with_roles):
     np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b), atol=1e-4)
 
 
+def test_samplers_of_the_same_settings_share_their_programs(tiny_with_roles):
+  """``share_programs`` (the default): a second sampler with the same settings and other weights traces nothing and
+  samples what a sampler with programs of its own samples; other eos ids, or a sampler made inside an
+  `attention.recording` block, get programs of their own; a shared program keeps no weights alive."""
+  from envace_jax import runtime
+  from envace_jax.model import attention
+
+  config, params = tiny_with_roles
+  runtime.forget_shared_programs()  # what this process's earlier tests built is not what this test counts
+  other = jax.tree.map(lambda x: x * 1.5, params)
+  kw = dict(role=Role.ACT, key=jax.random.key(5), max_new_tokens=6, sampling=SamplingParams(temperature=1.0))
+  run = lambda s, p: s.generate(s.init_cache(2, 32), [PROMPTS[0], PROMPTS[1]], Role.USER, **kw)[0].tokens  # noqa: E731
+  first = Sampler(config, params)
+  run(first, params)
+  traced = dict(first.compile_counts)
+  assert traced == {"prefill": 1, "decode": 1, "admit": 1}
+  second = Sampler(config, other)
+  got = run(second, other)
+  assert second.compile_counts is first.compile_counts and second.compile_counts == traced  # nothing traced again
+  alone = Sampler(config, other, share_programs=False)
+  np.testing.assert_array_equal(got, run(alone, other))
+  assert alone.compile_counts == traced and alone._jitted is not first._jitted
+  assert not np.array_equal(got, run(first, params))  # the weights are the second sampler's own
+  assert Sampler(config, params, eos_ids=(3,))._jitted is not first._jitted
+  with attention.recording() as calls:
+    run(Sampler(config, params), params)
+  assert calls  # its own programs, traced inside the block
+  assert "_params" not in vars(first._programs.holder)
+
+
 def test_prompt_buckets_bound_compilations(tiny_with_roles):
   config, params = tiny_with_roles
   sampler = Sampler(config, params, prefill_chunk=32, min_bucket=8, share_programs=False)
@@ -427,7 +457,9 @@ def test_paged_rows_on_a_mesh_equal_one_device(tiny_with_roles, route):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   turns = [([[o[-1]] for o in openings for _ in range(g)], 10), ([[5], [6, 7], [8], [9], [], [3, 4], [2], [1]], 6)]
   runs, calls = {}, []
-  for name, sampler in (("one", Sampler(config, params)), ("mesh", Sampler(mesh_config, params, mesh=mesh))):
+  mine = dict(share_programs=False)  # programs traced in this test, so that `recording` sees their calls
+  samplers = (("one", Sampler(config, params, **mine)), ("mesh", Sampler(mesh_config, params, mesh=mesh, **mine)))
+  for name, sampler in samplers:
     tasks, _, _, _ = sampler.prefill(sampler.init_cache(4, 64), [o[:-1] for o in openings], Role.USER)
     pool = paged.PagePool(8, z, shards=sampler.batch_multiple, rows=8)
     cache = sampler.fork(tasks, g, capacity=own, pages=pool)
