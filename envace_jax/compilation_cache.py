@@ -17,7 +17,10 @@ from a cold cache (``.ci/run`` sets ``XDG_CACHE_HOME`` to an empty folder). Used
 
 from __future__ import annotations
 
+import collections
 import os
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 
@@ -101,3 +104,39 @@ def prune(folder: str, max_bytes: int = MAX_SIZE_BYTES) -> int:
       continue
     freed += size
   return freed
+
+
+class SharedPrograms:
+  """Jitted programs shared within a process, keyed by everything their traces read besides their arguments (a
+  sampler's settings, an update step's): a second sampler or update step with the same signature traces, lowers and
+  loads nothing again. Least recently made signatures beyond ``size`` are dropped (whoever holds their programs keeps
+  them). Used by `sampling.sampler.Sampler` and `rl.grpo.make_update_step`; `forget_all` empties every registry."""
+
+  _registries: list[SharedPrograms] = []
+
+  def __init__(self, size: int = 4):
+    self.size = size
+    self._items: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+    SharedPrograms._registries.append(self)
+
+  def get(self, signature: Hashable | None, make: Callable[[], Any]) -> Any:
+    """The programs made for ``signature`` before, else ``make()`` kept for it; with ``signature`` None or one that
+    does not hash (e.g. rules given as lists), ``make()`` unshared."""
+    if signature is None:
+      return make()
+    try:
+      found = self._items.get(signature)
+    except TypeError:
+      return make()
+    if found is None:
+      found = self._items[signature] = make()
+      while len(self._items) > self.size:
+        self._items.popitem(last=False)
+    else:
+      self._items.move_to_end(signature)
+    return found
+
+  @classmethod
+  def forget_all(cls) -> None:
+    for registry in cls._registries:
+      registry._items.clear()

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from envace_jax import config_check, distributed
+from envace_jax import compilation_cache, config_check, distributed
 from envace_jax.envs import datasets, registry
 from envace_jax.envs.base import Task
 from envace_jax.model import config as config_lib
@@ -182,10 +182,7 @@ def forget_shared_programs() -> None:
   `grpo.make_update_step`): the next sampler or update step made traces and compiles (or reads from the persistent
   cache) programs of its own, as in a new process. Samplers and steps made before keep theirs. For a measurement
   that must see a run's first compiles (experiments/throughput.py's test)."""
-  from envace_jax.sampling import sampler as sampler_lib
-
-  sampler_lib._SHARED.clear()
-  grpo._SHARED_UPDATES.clear()
+  compilation_cache.SharedPrograms.forget_all()
 
 
 def release_host_memory(staging: bool = False) -> None:

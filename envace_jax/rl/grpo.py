@@ -25,7 +25,6 @@ around their shared opening (``GrpoConfig.pack_shared_prefix``; see rl/batch.py)
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -38,7 +37,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from envace_jax import distributed
+from envace_jax import compilation_cache, distributed
 from envace_jax.config import choices, defaults
 from envace_jax.config.choices import (
   BASELINE_GROUPS,
@@ -778,10 +777,8 @@ def _check_step_batch(batch: TrainBatch, cfg: GrpoConfig, shards: int) -> None:
 
 
 # make_update_step's arguments -> its jitted programs, so that a second Trainer (or a test's second step) with the same
-# model, GRPO settings and mesh traces, lowers and loads nothing again; the least recently made are dropped beyond
-# _SHARED_SIGNATURES (a step keeps the programs it holds).
-_SHARED_UPDATES: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-_SHARED_SIGNATURES = 4
+# model, GRPO settings and mesh traces, lowers and loads nothing again.
+_SHARED_UPDATES = compilation_cache.SharedPrograms()
 
 
 def _micro_batch_shardings(mesh: Mesh, rules: sharding.Rules):
@@ -863,18 +860,7 @@ def make_update_step(
   # The programs of an earlier call with the same arguments and attention backend (`_SHARED_UPDATES`), when they hash
   # and no `attention.recording` block would miss their traces.
   signature = None if attention.is_recording() else (config, cfg, mesh, rules, donate, attention.current_backend())
-  try:
-    shared = None if signature is None else _SHARED_UPDATES.get(signature)
-  except TypeError:
-    signature, shared = None, None
-  if shared is None:
-    shared = _update_programs(config, cfg, mesh, rules, donate)
-    if signature is not None:
-      _SHARED_UPDATES[signature] = shared
-      while len(_SHARED_UPDATES) > _SHARED_SIGNATURES:
-        _SHARED_UPDATES.popitem(last=False)
-  else:
-    _SHARED_UPDATES.move_to_end(signature)
+  shared = _SHARED_UPDATES.get(signature, lambda: _update_programs(config, cfg, mesh, rules, donate))
   micro_jit, add_jit, finish_jit, take_jit = shared
   shards = 1 if mesh is None else sharding.batch_size_multiple(mesh, rules)
   shapes: set[tuple[int, int, int]] = set()

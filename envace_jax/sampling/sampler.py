@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import hashlib
@@ -51,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envace_jax import compilation_cache
 from envace_jax.model import attention, paged, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.sampling import sharding, stopping
@@ -273,11 +273,8 @@ class _Programs:
   jitted: dict
 
 
-# Sampler settings -> their programs, for `Sampler(share_programs=True)`; the least recently built settings are
-# dropped beyond _SHARED_SIGNATURES (a sampler keeps the programs it holds). Without it every new Sampler traced,
-# lowered and loaded (from the persistent compilation cache) or compiled its programs again.
-_SHARED: collections.OrderedDict[tuple, _Programs] = collections.OrderedDict()
-_SHARED_SIGNATURES = 4
+# Sampler settings -> their programs, for `Sampler(share_programs=True)`.
+_SHARED = compilation_cache.SharedPrograms()
 
 
 class Sampler:
@@ -340,25 +337,17 @@ class Sampler:
       type(self), self.config, mesh, rules, tuple(np.asarray(self.eos_ids).tolist()), pad_id, table_digest,
       attention.current_backend(),
     )  # fmt: skip
-    share_programs = share_programs and not attention.is_recording()
-    try:
-      programs = _SHARED.get(signature) if share_programs else None
-    except TypeError:  # settings that do not hash (rules given as lists): programs of its own
-      share_programs, programs = False, None
-    if programs is None:
-      # The jitted functions are bound to a copy without parameters: a shared program keeps no weights alive.
-      holder = copy.copy(self)
-      holder.__dict__.pop("_params", None)
-      holder.compile_counts, holder._jitted = {"prefill": 0, "decode": 0, "admit": 0}, {}
-      programs = _Programs(holder, holder.compile_counts, holder._jitted)
-      if share_programs:
-        _SHARED[signature] = programs
-        while len(_SHARED) > _SHARED_SIGNATURES:
-          _SHARED.popitem(last=False)
-    else:
-      _SHARED.move_to_end(signature)
-    self._programs = programs
-    self.compile_counts, self._jitted = programs.counts, programs.jitted
+    share = share_programs and not attention.is_recording()
+    self._programs = _SHARED.get(signature if share else None, self._holder_programs)
+    self.compile_counts, self._jitted = self._programs.counts, self._programs.jitted
+
+  def _holder_programs(self) -> _Programs:
+    """A new set of programs, bound to a copy of this sampler without parameters: a shared program keeps no
+    weights alive."""
+    holder = copy.copy(self)
+    holder.__dict__.pop("_params", None)
+    holder.compile_counts, holder._jitted = {"prefill": 0, "decode": 0, "admit": 0}, {}
+    return _Programs(holder, holder.compile_counts, holder._jitted)
 
   @property
   def batch_multiple(self) -> int:
