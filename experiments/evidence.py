@@ -68,7 +68,9 @@ holds it).
 Budget (measured 2026-12-05 on 2 vCPUs, SmolLM2 float32): success ≈ 1 CPU-min per 8 tasks, fidelity ≈ 1.5 CPU-min
 per 8 tasks (≈ 15 calls), WM2Real ≈ 1.5-2.5 CPU-min per 8 tasks, the warm-up ≈ 28 CPU-min per seed; evidence.json's
 ``cpu_minutes`` gives each cell's (training included). Host memory: a GRPO cell peaks near 17 GB (SmolLM2, B=4 x
-G=4, no remat), so on a 23 GB machine nothing heavy runs beside the grid. The default grid is 6 methods x 3 seeds x
+G=4, no remat), so on a 23 GB machine nothing heavy runs beside the grid, and each method runs in a process of its
+own (``--methods=envace``, then ``--methods=grpo_real_env``, ...): one process running the EnvACE cell, its
+evaluation, then the GRPO-real cell held 21.2 GB (2026-12-06). The default grid is 6 methods x 3 seeds x
 3 splits, sized for about 15 CPU-hours with the test-time part; cuts, where the budget forces them, go methods first,
 then seeds below 5, then tasks.
 """
