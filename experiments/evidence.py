@@ -216,8 +216,8 @@ def cell_dir(args, method: str, seed: int) -> pathlib.Path:
   return pathlib.Path(args.workdir) / method / f"seed{seed}"
 
 
-def chunk_dir(args, method: str, seed: int, root: str | None = None) -> pathlib.Path:
-  return pathlib.Path(root or args.chunks) / method / f"seed{seed}"
+def chunk_dir(args, method: str, seed: int) -> pathlib.Path:
+  return pathlib.Path(args.chunks) / method / f"seed{seed}"
 
 
 def budget(args) -> dict[str, Any]:
@@ -379,19 +379,16 @@ def _test_time_phases(args, method: str) -> list[tuple[str, str, int]]:
   return [(f"testtime_{v}_n{n}", v, n) for v in TEST_TIME for n in args.ns]
 
 
-def _chunk_files(
-  args, method: str, seed: int, split: str, phase: str, n: int, root: str | None = None
-) -> list[tuple[int, int, pathlib.Path]]:
-  """(lo, hi, path) of each chunk of ``n`` tasks of a (cell, split, phase), ``--chunk`` tasks a chunk, under
-  ``root`` (default ``--chunks``)."""
-  d = chunk_dir(args, method, seed, root) / split
+def _chunk_files(args, method: str, seed: int, split: str, phase: str, n: int) -> list[tuple[int, int, pathlib.Path]]:
+  """(lo, hi, path) of each chunk of ``n`` tasks of a (cell, split, phase), ``--chunk`` tasks a chunk."""
+  d = chunk_dir(args, method, seed) / split
   return [(lo, hi, d / f"{phase}_{lo:04d}_{hi:04d}.json") for lo, hi in calibration._chunks(n, args.chunk)]
 
 
-def _read_chunks(args, method: str, seed: int, split: str, phase: str, root: str | None = None) -> list[dict]:
+def _read_chunks(args, method: str, seed: int, split: str, phase: str) -> list[dict]:
   """The finished chunks of a (cell, split, phase) that this grid's chunking names (a file of another ``--chunk``
-  or task count beside them is not read), under ``root`` (default ``--chunks``)."""
-  files = _chunk_files(args, method, seed, split, phase, _phase_tasks(args, phase), root)
+  or task count beside them is not read)."""
+  files = _chunk_files(args, method, seed, split, phase, _phase_tasks(args, phase))
   return [json.loads(path.read_text()) for _, _, path in files if path.exists()]
 
 
@@ -649,13 +646,15 @@ def replication(args, methods, seeds, rows) -> list[dict[str, Any]]:
     return []
   out = []
   grid_rows = {(r["method"], r["split"]): r for r in rows}
+  unheld = copy.copy(args)  # the same grid, its chunks read from --replication
+  unheld.chunks = args.replication
   for d in sorted(pathlib.Path(args.replication).glob("*/seed*")):
     method, seed = d.parent.name, int(d.name.removeprefix("seed"))
     if method not in methods or seed in seeds:
       continue
     for split in args.splits:
       for metric, (phase, _, _) in METRICS.items():
-        values = item_values(_read_chunks(args, method, seed, split, phase, args.replication), metric)
+        values = item_values(_read_chunks(unheld, method, seed, split, phase), metric)
         items = [v for v in values.values() if v is not None]
         if not items:
           continue
