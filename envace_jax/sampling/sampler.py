@@ -674,6 +674,20 @@ class Sampler:
     hold, not the cache's capacity, with O(log capacity) compiled variants."""
     return next_pow2(n, self.prefill_chunk)
 
+  def chunk_sizes(self, total: int) -> list[int]:
+    """The prompt-chunk sizes `prefill` runs to write ``total`` tokens (the longest row's), in order: whole
+    ``prefill_chunk`` chunks, then the rest rounded up to a multiple of ``min_bucket`` as powers of two, largest
+    first. A chunk computes every row it runs on for all its tokens, so a rest of 138 tokens runs as 128 + 16 rather
+    than 256: the padding is under ``min_bucket`` tokens per row, with no chunk size outside the power-of-two buckets
+    (a rollout's prefill computed 3.3 token-rows per prompt token with one rounded-up chunk,
+    experiments/results/2026-12-06_grpo_step_profile.md)."""
+    sizes = [self.prefill_chunk] * (total // self.prefill_chunk)
+    rest = -(-(total % self.prefill_chunk) // self.min_bucket) * self.min_bucket
+    while rest:
+      sizes.append(1 << (rest.bit_length() - 1))
+      rest -= sizes[-1]
+    return sizes
+
   def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], prompt_roles, active=None):
     """Appends each row's new prompt tokens to its cache, in bucketed chunks.
 
@@ -715,8 +729,8 @@ class Sampler:
     lengths = np.where(fitted, lengths, 0)
     total = int(lengths.max(initial=0))
     last_logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
-    for start in range(0, total, self.prefill_chunk):
-      size = next_pow2(min(self.prefill_chunk, total - start), self.min_bucket)
+    starts = np.cumsum([0, *self.chunk_sizes(total)])
+    for start, size in zip(starts[:-1].tolist(), np.diff(starts).tolist(), strict=True):
       writing = lengths > start
       attend = self.attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
       # A chunk that writes few rows runs on those rows alone when `_gathers` allows (module docstring, invariants).
