@@ -132,7 +132,10 @@ def test_readme_install_line_is_the_makefiles():
   make = (ROOT / "Makefile").read_text(encoding="utf-8")
   recipe = re.search(r"\$\(ACTIVATE\) && (pip install --no-compile --no-deps .*)", make).group(1)
   assert recipe.count("pip install --no-compile ") == 2
-  assert re.findall(r"\$\(ACTIVATE\) && PYTHONDONTWRITEBYTECODE= python -m (\S+)", make) == ["envace_jax.main", "pytest"]
+  assert re.findall(r"\$\(ACTIVATE\) && PYTHONDONTWRITEBYTECODE= python -m (\S+)", make) == [
+    "envace_jax.main",
+    "pytest",
+  ]
   line = recipe.replace("$(ALL_EXTRAS)", "dev,tau2,bfcl").replace("pip install --no-compile ", "pip install ")
   assert "ALL_EXTRAS := dev,tau2,bfcl$(" in make and f"\n{line}\n" in readme
   assert re.search(r"\nTest:\n```bash\nmake test\n", readme)
