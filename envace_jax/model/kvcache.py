@@ -130,15 +130,17 @@ class KVCache:
     kv = lambda x: take(x, 1 if stacked else 0)  # noqa: E731
     return KVCache(k=jax.tree.map(kv, self.k), v=jax.tree.map(kv, self.v), lengths=take(self.lengths, 0))
 
-  def gather(self, rows: jax.Array, capacity: int) -> KVCache:
+  def gather(self, rows: jax.Array, capacity: int, grouped: bool = False) -> KVCache:
     """A cache of B' = len(rows) rows holding the histories of rows ``rows`` (int32[B']; B or more: an empty row):
     their first ``capacity`` own slots, and a copy of each prefix level's row for each, so that row i continues level
-    row i. For work on a few rows of a large batch (`Sampler.prefill`, `Stream.advance`); `put` writes the own slots
-    back. Per-layer layout only (ValueError otherwise)."""
+    row i. With ``grouped`` (``rows`` whole groups of rows that share a root-level row, see `gather_levels`) each
+    level's row is copied once per group instead. For work on a few rows of a large batch (`Sampler.prefill`,
+    `Stream.advance`); `put` writes the own slots back. Per-layer layout only (ValueError otherwise)."""
     if not isinstance(self.k, tuple):
       raise ValueError("gather: a cache laid out per layer (scan_layers=False).")
     rows = jnp.asarray(rows, jnp.int32)
-    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=gather_levels(self, rows))
+    levels = gather_levels(self, rows, grouped)
+    return self.replace(prefix=None).take(rows).trimmed(capacity).replace(prefix=levels)
 
   def put(self, rows: jax.Array, part: KVCache) -> KVCache:
     """This cache with the own slots and lengths of ``part`` (from ``gather(rows, capacity)``, then written) in rows
@@ -157,13 +159,21 @@ class KVCache:
     return self.replace(k=k, v=v)
 
 
-def gather_levels(cache, rows: jax.Array) -> KVCache | None:
+def gather_levels(cache, rows: jax.Array, grouped: bool = False) -> KVCache | None:
   """The prefix chain of a cache (a `KVCache` or `paged.PagedKVCache`) for B' = len(rows) rows that continue its rows
-  ``rows`` (int32[B']): each level's row for each, copied, nested as in the cache; None without a prefix."""
+  ``rows`` (int32[B']), nested as in the cache; None without a prefix.
+
+  Each level's row for each of the B' rows, copied; or with ``grouped``, once per group: when ``rows`` lists whole
+  groups of the rows that share every level's row (runs of R = B / L consecutive rows starting at a multiple of R, L
+  the most rows any level has; padding runs of B or more), every gathered level has B' / R rows, row j the one its
+  j-th group continues, so R times fewer slots are copied (`Sampler.prefill`)."""
   b = cache.lengths.shape[0]
+  levels = cache.levels()
+  group = b // max((level.lengths.shape[0] for level in levels), default=1)
   prefix = None
-  for level in reversed(cache.levels()):  # root first: each level becomes the prefix of the one below it
-    index = rows // (b // level.lengths.shape[0])
+  for level in reversed(levels):  # root first: each level becomes the prefix of the one below it
+    ratio = b // level.lengths.shape[0]
+    index = rows[::group] // ratio if grouped else rows // ratio
     prefix = level.replace(prefix=None).take(index).replace(prefix=prefix)
   return prefix
 

@@ -135,15 +135,15 @@ class PagedKVCache:
     """The first ceil(capacity / Z) table entries of every row (a call that reads no slot past ``capacity``)."""
     return self.replace(table=self.table[:, : -(-capacity // self.page_size)])
 
-  def gather(self, rows: jax.Array, capacity: int) -> PagedKVCache:
+  def gather(self, rows: jax.Array, capacity: int, grouped: bool = False) -> PagedKVCache:
     """`kvcache.KVCache.gather` for pages: rows ``rows`` (int32[B']; B or more: an empty row), their first
-    ceil(capacity / Z) pages and a copy of each prefix level's row for each. The pools are shared, not copied: `put`
-    takes the written pools back."""
+    ceil(capacity / Z) pages and a copy of each prefix level's row for each (once per group with ``grouped``:
+    `kvcache.gather_levels`). The pools are shared, not copied: `put` takes the written pools back."""
     rows = jnp.asarray(rows, jnp.int32)
     none = self.pools[0].shape[0]
     table = jnp.take(self.trimmed(capacity).table, rows, axis=0, mode="fill", fill_value=none)
     lengths = jnp.take(self.lengths, rows, mode="fill", fill_value=0)
-    return self.replace(table=table, lengths=lengths, prefix=kvcache.gather_levels(self, rows))
+    return self.replace(table=table, lengths=lengths, prefix=kvcache.gather_levels(self, rows, grouped))
 
   def allocated_slots(self) -> int:
     """Slots the pools allocate (P * Z, held or free) and the prefix levels' slots: the cache's memory per layer."""

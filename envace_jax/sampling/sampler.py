@@ -27,7 +27,9 @@ Invariants:
     stream, and an identical key gives identical output.
   * Work follows the live rows: unless the batch is split over devices, a prefill chunk or a decode loop that
     touches few rows of a large cache runs on a power-of-two bucket of them, gathered and put back, when the prefix
-    copies that takes are no longer than the rows' own attended slots (a long shared opening stays shared).
+    copies that takes are no longer than the rows' own attended slots (a long shared opening stays shared); else a
+    prefill chunk runs on the whole groups of rows that share their openings, when those are fewer than the batch,
+    copying each group's prefix rows once.
   * Sampling values are data: temperature and top_p are each row's inputs of the decode program (`RowSampling`), so
     a new value compiles nothing and rows of one stream may differ; a row samples the tokens a program compiled
     for its own values would (greedy rows the argmax, sampled rows bit for bit).
@@ -387,7 +389,7 @@ class Sampler:
     holder = self._programs.holder
     fn, static, donate = {
       "prefill": (holder._prefill_chunk, ("attend",), ("cache",)),
-      "prefill_rows": (holder._prefill_rows, ("attend",), ("cache",)),  # when the batch is not split (batch_multiple 1)
+      "prefill_rows": (holder._prefill_rows, ("attend", "grouped"), ("cache",)),  # batch_multiple 1: not split
       "decode": (holder._decode_loop, ("top_k", "stop_strings", "attend"), ("state",)),
       "decode_rows": (holder._decode_rows, ("top_k", "stop_strings", "attend"), ("state",)),  # likewise
       "admit": (holder._admit_rows, (), ("state",)),
@@ -516,11 +518,14 @@ class Sampler:
     )
     return cache, jnp.where(is_last[:, None], logits[:, 0], last_logits)
 
-  def _prefill_rows(self, params, cache, last_logits, rows, tokens, roles, valid, last_index, is_last, attend):
+  def _prefill_rows(
+    self, params, cache, last_logits, rows, tokens, roles, valid, last_index, is_last, attend, grouped=False
+  ):
     """`_prefill_chunk` on B' rows of the cache (rows: int32[B'], B or more for padding; the chunk's arrays have B'
-    rows): their histories are gathered (`KVCache.gather`, the first ``attend`` own slots), written, and put back."""
+    rows): their histories are gathered (`KVCache.gather`, the first ``attend`` own slots; static ``grouped``: whole
+    groups, their prefix levels copied once per group), written, and put back."""
     self.compile_counts["prefill"] += 1  # runs once per trace
-    part = cache.gather(rows, attend)
+    part = cache.gather(rows, attend, grouped)
     logits, part = transformer.apply(
       self.config, params, tokens, roles, cache=part, valid=valid, logits_index=last_index[:, None], attend_len=attend
     )
@@ -661,6 +666,24 @@ class Sampler:
     prefix = sum(level.capacity for level in cache.levels())
     return self.batch_multiple == 1 and next_pow2(n, 1) < int(cache.lengths.shape[0]) and prefix <= attend
 
+  def _groups(self, cache: KVCache, some: np.ndarray) -> np.ndarray | None:
+    """The rows of the whole groups that hold rows ``some`` (int[n]), in order, where the rows of one group share a
+    row of every prefix level (R = B / the most rows a level has, consecutive rows; `kvcache.gather_levels` with
+    ``grouped``), if a chunk on them gathers: the batch is not split over devices, R is a power of two, and the
+    groups' bucket is smaller than the batch. None otherwise. A prefill chunk costs its rows times its tokens, so
+    a rollout whose later turns write one view of each trajectory (half the rows of the policy's stream) runs them
+    alone, at the cost of one copy of each of their groups' prefix rows
+    (experiments/results/2026-12-06_grpo_step_profile.md)."""
+    levels = cache.levels()
+    b = int(cache.lengths.shape[0])
+    if not levels or self.batch_multiple != 1:
+      return None
+    size = b // max(int(level.lengths.shape[0]) for level in levels)
+    rows = (np.unique(some // size)[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+    if size & (size - 1) or next_pow2(len(rows), 1) >= b:
+      return None
+    return rows
+
   @staticmethod
   def _attended(cache, attend: int) -> int:
     """The static ``attend`` a call compiles for: ``attend`` on a dense cache; a paged cache's whole table, since
@@ -733,9 +756,12 @@ class Sampler:
     for start, size in zip(starts[:-1].tolist(), np.diff(starts).tolist(), strict=True):
       writing = lengths > start
       attend = self.attend_bucket(int(np.max(filled + np.minimum(lengths, start + size), where=writing, initial=1)))
-      # A chunk that writes few rows runs on those rows alone when `_gathers` allows (module docstring, invariants).
+      # A chunk that writes few rows runs on those rows alone when `_gathers` allows (module docstring, invariants),
+      # else on the whole groups of rows that hold them (`_groups`) when those are fewer than the batch.
       some = np.flatnonzero(writing)
       compact = self._gathers(cache, len(some), min(attend, cache.capacity))
+      grouped = not compact and (some := self._groups(cache, some)) is not None
+      compact = compact or grouped
       rows = np.concatenate([some, np.full(next_pow2(len(some), 1) - len(some), b)]) if compact else np.arange(b)
       n = np.where(rows < b, lengths[np.minimum(rows, b - 1)], 0)  # prompt tokens of each computed row
       tokens = np.full((len(rows), size), self.pad_id, np.int32)
@@ -751,7 +777,7 @@ class Sampler:
       chunk = (tokens, roles, valid, clipped, is_last, self._attended(cache, min(attend, cache.capacity)))
       if compact:
         cache, last_logits = self._jit("prefill_rows", cache)(
-          self.params, cache, last_logits, rows.astype(np.int32), *chunk
+          self.params, cache, last_logits, rows.astype(np.int32), *chunk, grouped
         )
       else:
         cache, last_logits = self._jit("prefill", cache)(self.params, cache, last_logits, *chunk)

@@ -622,6 +622,62 @@ def test_a_chunk_that_writes_few_rows_runs_on_those_rows_alone(tiny_with_roles):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
+def test_a_chunk_that_writes_one_group_runs_on_its_rows_with_their_prefix_once(tiny_with_roles):
+  """Two openings (40 and 30 tokens) forked into 2 tasks each (their own prompts), each task into 2 rows: two prefix
+  levels, the openings' 64 slots longer than the chunks' attended slots (prefill_chunk 16), so gathering rows one by
+  one (a prefix copy per row) is refused. A prefill that writes one row of the first task and one of the third runs
+  on those tasks' 4 rows alone, with one copy of each task's prefix rows; the logits after each prompt, the histories
+  and a greedy continuation equal the full-batch path's (a data axis of 2 devices, which never gathers). Rows of all
+  four tasks make the whole batch: that chunk runs on all 8 rows."""
+  from envace_jax.model import kvcache
+  from envace_jax.sampling import sharding
+
+  if len(jax.devices()) < 2:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
+  config, params = tiny_with_roles
+  one, two = (sharding.make_mesh(data=n, devices=jax.devices()[:n]) for n in (1, 2))
+  kw = dict(prefill_chunk=16, min_bucket=8, share_programs=False)
+  gathered, full = Sampler(config, params, mesh=one, **kw), Sampler(config, params, mesh=two, **kw)
+  first = [[], [4, 5, 6], [], [], [], [7] * 11, [], []]  # rows 1 and 5: tasks 0 and 2 (rows 0-1 and 4-5)
+  every = [[8, 9], [], [10] * 5, [], [11], [], [12, 13], []]  # rows 0, 2, 4 and 6: every task
+
+  def forked(sampler):
+    openings, _, _, _ = sampler.prefill(sampler.init_cache(2, 64), [PROMPTS[2], PROMPTS[2][:30]], Role.USER)
+    tasks = sampler.fork(openings, 2, capacity=16)
+    tasks, _, _, _ = sampler.prefill(tasks, [PROMPTS[0], PROMPTS[1], [11, 12], [13]], Role.USER)
+    return sampler.fork(tasks, 2, capacity=32)
+
+  got, want = [], []
+  for sampler, out in ((gathered, got), (full, want)):
+    cache = forked(sampler)
+    assert [level.lengths.shape[0] for level in cache.levels()] == [4, 2] and cache.prefix.prefix.capacity == 64
+    if sampler is gathered:
+      assert not sampler._gathers(cache, 2, 16) and sampler._groups(cache, np.array([1, 5])).tolist() == [0, 1, 4, 5]
+      assert sampler._groups(cache, np.array([0, 2, 4, 6])) is None
+    cache, logits, _, count = sampler.prefill(cache, first, Role.OBSERVATION)
+    kinds_first = {k[0] for k in sampler._jitted}
+    cache, logits2, _, count2 = sampler.prefill(cache, every, Role.OBSERVATION)
+    gen, cache = sampler.generate(cache, [[3]] * 8, Role.OBSERVATION, role=Role.ACT, key=jax.random.key(0),
+                                  max_new_tokens=5)  # fmt: skip
+    out += [np.asarray(logits)[[1, 5]], np.asarray(logits2)[[0, 2, 4, 6]], (count, count2), gen.tokens]
+    out += [cache.flatten(), kinds_first]
+  assert "prefill_rows" in got[5] and "prefill_rows" not in want[5]
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+  assert got[2] == want[2] == (14, 10)
+  np.testing.assert_array_equal(got[3], want[3])
+  np.testing.assert_array_equal(got[4].lengths, want[4].lengths)
+  for a, b in zip((*got[4].k, *got[4].v), (*want[4].k, *want[4].v), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)  # float rounding: 1 device against 2
+  # Grouped, the third task's 2 rows take each level's row once (one by one: 2 copies of each).
+  cache = forked(gathered)
+  rows = jnp.array([4, 5], jnp.int32)
+  grouped, one_by_one = kvcache.gather_levels(cache, rows, True), kvcache.gather_levels(cache, rows)
+  for a, b, n in ((grouped, one_by_one, 2), (grouped.prefix, one_by_one.prefix, 30)):
+    assert a.lengths.shape == (1,) and b.lengths.shape == (2,) and int(a.lengths[0]) == n
+    np.testing.assert_array_equal(np.asarray(a.k[0][0]), np.asarray(b.k[0][1]))
+
+
 def test_a_raw_uint32_key_is_one_key_not_one_per_row(tiny_with_roles):
   """``jax.random.PRNGKey(0)`` (uint32[2]) is the typed ``jax.random.key(0)``: each row still folds in its row id,
   so two rows with the same prompt sample differently, and exactly as with the typed key."""
