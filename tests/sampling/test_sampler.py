@@ -720,6 +720,37 @@ def test_paged_own_slots_equal_the_dense_path(tiny_with_roles):
   np.testing.assert_array_equal(pages.lengths, dense.lengths)
 
 
+def test_paged_rows_of_one_group_prefill_grouped_as_the_dense_rows_do(tiny_with_roles):
+  """Pages under two shared prefix levels, G = 2: a turn that writes one row runs its prefill on that row's group
+  alone (`Sampler._groups`: the levels' 72 slots refuse gathering row by row), on pages as on dense rows, and both
+  give the same tokens, logprobs and finish reasons as each other over three turns (the dense grouped path against
+  the full batch: `test_a_chunk_that_writes_one_group_runs_on_its_rows_with_their_prefix_once`)."""
+  from envace_jax.model import paged
+
+  config, params = tiny_with_roles
+  sampler = Sampler(config, params, share_programs=False)
+  common, rests, g, own, page = PROMPTS[2], [[5, 6, 7], [9, 10, 11]], 2, 20, 4
+  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [common], Role.USER)
+  tasks = sampler.fork(small, len(rests), capacity=8)
+  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in rests], Role.USER)
+  dense = sampler.fork(tasks, g, capacity=own)
+  pool = paged.PagePool(num_pages=20, page_size=page)
+  rows = list(range(len(rests) * g))
+  for r in rows:
+    pool.grow(r, own)
+  levels = jax.tree.map(jnp.copy, dense.prefix)  # generate donates a cache, its prefix levels too
+  pages = paged.init_cache(config.replace(scan_layers=False), pool, rows, width=own // page).replace(prefix=levels)
+  pages = pages.replace(lengths=jnp.zeros(len(rows), jnp.int32))
+  for cache in (dense, pages):
+    assert not sampler._gathers(cache, 1, 32) and sampler._groups(cache, np.array([1])).tolist() == [0, 1]
+    assert sampler._groups(cache, np.array([1, 3])) is None  # both groups: the whole batch
+  turns = [([r[-1:] for r in rests for _ in range(g)], 6), ([[2, 3], [], [], []], 4), ([[], [9], [], [5]], 16)]
+  got, dense, pages = _same_turns(sampler, dense, pages, turns)
+  assert "prefill_rows" in {k[0] for k in sampler._jitted}  # the second turn's prefill ran on the group alone
+  assert FinishReason.CONTEXT_EXHAUSTED in got.finish_reasons
+  np.testing.assert_array_equal(pages.lengths, dense.lengths)
+
+
 def test_paged_rows_work_gathered_and_with_pages_of_their_own(tiny_with_roles):
   """Rows with different numbers of pages: a row stops (context_exhausted) at its own pages, as a dense row of that
   many slots does; a turn on 2 of 4 rows runs on those rows alone (their table rows gathered, no KV copied) and
