@@ -690,27 +690,38 @@ def test_a_raw_uint32_key_is_one_key_not_one_per_row(tiny_with_roles):
   assert raw.row(0) != raw.row(1)
 
 
+_RESTS = [[5, 6, 7], [9, 10, 11]]  # two tasks' own prompts after PROMPTS[2]
+
+
+def _dense_and_paged_forks(sampler, g: int, own: int, num_pages: int, page: int = 4):
+  """PROMPTS[2] prefilled once, forked into the two tasks of `_RESTS` (all but their last token prefilled), each
+  forked into G rows of ``own`` slots: dense rows, and the same rows in pages (each row's room reserved up front)
+  under copies of the same prefix levels. Returns (dense, pages, pool)."""
+  from envace_jax.model import paged
+
+  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [PROMPTS[2]], Role.USER)
+  tasks = sampler.fork(small, len(_RESTS), capacity=8)
+  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in _RESTS], Role.USER)
+  dense = sampler.fork(tasks, g, capacity=own)
+  pool = paged.PagePool(num_pages=num_pages, page_size=page)
+  rows = list(range(len(_RESTS) * g))
+  for r in rows:
+    pool.grow(r, own)
+  levels = jax.tree.map(jnp.copy, dense.prefix)  # generate donates a cache, its prefix levels too
+  config = sampler.config.replace(scan_layers=False)
+  pages = paged.init_cache(config, pool, rows, width=own // page).replace(prefix=levels)
+  return dense, pages.replace(lengths=jnp.zeros(len(rows), jnp.int32)), pool
+
+
 def test_paged_own_slots_equal_the_dense_path(tiny_with_roles):
   """Each fork's own slots in pages (`paged.PagedKVCache`, pages reserved before the turns) after the same shared
   prefix levels as `test_nested_shared_prefixes_equal_the_dense_path`: three turns of greedy decoding with ragged
   prompts give the dense path's tokens, logprobs (<= 1e-4) and finish reasons, context_exhausted when a row's pages
   are full."""
-  from envace_jax.model import paged
-
   config, params = tiny_with_roles
   sampler = Sampler(config, params)
-  common, rests, g, own, page = PROMPTS[2], [[5, 6, 7], [9, 10, 11]], 3, 20, 4
-  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [common], Role.USER)
-  tasks = sampler.fork(small, len(rests), capacity=8)
-  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in rests], Role.USER)
-  dense = sampler.fork(tasks, g, capacity=own)
-  pool = paged.PagePool(num_pages=40, page_size=page)
-  rows = list(range(len(rests) * g))
-  for r in rows:
-    pool.grow(r, own)  # each row's room, reserved up front
-  levels = jax.tree.map(jnp.copy, dense.prefix)  # generate donates a cache, its prefix levels too
-  pages = paged.init_cache(config.replace(scan_layers=False), pool, rows, width=own // page).replace(prefix=levels)
-  pages = pages.replace(lengths=jnp.zeros(len(rows), jnp.int32))
+  rests, g, own = _RESTS, 3, 20
+  dense, pages, pool = _dense_and_paged_forks(sampler, g, own, num_pages=40)
   assert pool.allocated() == 6 * 5 and pages.capacity == own
   assert pages.stored_slots() == dense.stored_slots() == 6 * own + 2 * 8 + 64  # own pages, then the two levels
   turns = [([r[-1:] for r in rests for _ in range(g)], 8), ([[2, 3], [4], [2, 3, 4], [5], [6, 7], [8]], 12)]
@@ -725,22 +736,10 @@ def test_paged_rows_of_one_group_prefill_grouped_as_the_dense_rows_do(tiny_with_
   alone (`Sampler._groups`: the levels' 72 slots refuse gathering row by row), on pages as on dense rows, and both
   give the same tokens, logprobs and finish reasons as each other over three turns (the dense grouped path against
   the full batch: `test_a_chunk_that_writes_one_group_runs_on_its_rows_with_their_prefix_once`)."""
-  from envace_jax.model import paged
-
   config, params = tiny_with_roles
   sampler = Sampler(config, params, share_programs=False)
-  common, rests, g, own, page = PROMPTS[2], [[5, 6, 7], [9, 10, 11]], 2, 20, 4
-  small, _, _, _ = sampler.prefill(sampler.init_cache(1, 64), [common], Role.USER)
-  tasks = sampler.fork(small, len(rests), capacity=8)
-  tasks, _, _, _ = sampler.prefill(tasks, [r[:-1] for r in rests], Role.USER)
-  dense = sampler.fork(tasks, g, capacity=own)
-  pool = paged.PagePool(num_pages=20, page_size=page)
-  rows = list(range(len(rests) * g))
-  for r in rows:
-    pool.grow(r, own)
-  levels = jax.tree.map(jnp.copy, dense.prefix)  # generate donates a cache, its prefix levels too
-  pages = paged.init_cache(config.replace(scan_layers=False), pool, rows, width=own // page).replace(prefix=levels)
-  pages = pages.replace(lengths=jnp.zeros(len(rows), jnp.int32))
+  rests, g = _RESTS, 2
+  dense, pages, _ = _dense_and_paged_forks(sampler, g, own=20, num_pages=20)
   for cache in (dense, pages):
     assert not sampler._gathers(cache, 1, 32) and sampler._groups(cache, np.array([1])).tolist() == [0, 1]
     assert sampler._groups(cache, np.array([1, 3])) is None  # both groups: the whole batch
