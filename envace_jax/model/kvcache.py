@@ -159,6 +159,12 @@ class KVCache:
     return self.replace(k=k, v=v)
 
 
+def finest_group(cache) -> int:
+  """R: how many consecutive rows of a cache (a `KVCache` or `paged.PagedKVCache`) share every prefix level's row,
+  B / the most rows any level has (B without a prefix)."""
+  return cache.lengths.shape[0] // max((level.lengths.shape[0] for level in cache.levels()), default=1)
+
+
 def gather_levels(cache, rows: jax.Array, grouped: bool = False) -> KVCache | None:
   """The prefix chain of a cache (a `KVCache` or `paged.PagedKVCache`) for B' = len(rows) rows that continue its rows
   ``rows`` (int32[B']), nested as in the cache; None without a prefix.
@@ -169,7 +175,7 @@ def gather_levels(cache, rows: jax.Array, grouped: bool = False) -> KVCache | No
   j-th group continues, so R times fewer slots are copied (`Sampler.prefill`)."""
   b = cache.lengths.shape[0]
   levels = cache.levels()
-  group = b // max((level.lengths.shape[0] for level in levels), default=1)
+  group = finest_group(cache)
   prefix = None
   for level in reversed(levels):  # root first: each level becomes the prefix of the one below it
     ratio = b // level.lengths.shape[0]

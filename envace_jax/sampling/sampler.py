@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 
 from envace_jax import compilation_cache
-from envace_jax.model import attention, paged, transformer
+from envace_jax.model import attention, kvcache, paged, transformer
 from envace_jax.model.config import ModelConfig
 from envace_jax.sampling import sharding, stopping
 from envace_jax.sampling.stopping import FinishReason
@@ -674,11 +674,10 @@ class Sampler:
     a rollout whose later turns write one view of each trajectory (half the rows of the policy's stream) runs them
     alone, at the cost of one copy of each of their groups' prefix rows
     (experiments/results/2026-12-06_grpo_step_profile.md)."""
-    levels = cache.levels()
     b = int(cache.lengths.shape[0])
-    if not levels or self.batch_multiple != 1:
+    if not cache.levels() or self.batch_multiple != 1:
       return None
-    size = b // max(int(level.lengths.shape[0]) for level in levels)
+    size = int(kvcache.finest_group(cache))
     rows = (np.unique(some // size)[:, None] * size + np.arange(size)[None, :]).reshape(-1)
     if size & (size - 1) or next_pow2(len(rows), 1) >= b:
       return None
@@ -760,8 +759,10 @@ class Sampler:
       # else on the whole groups of rows that hold them (`_groups`) when those are fewer than the batch.
       some = np.flatnonzero(writing)
       compact = self._gathers(cache, len(some), min(attend, cache.capacity))
-      grouped = not compact and (some := self._groups(cache, some)) is not None
-      compact = compact or grouped
+      groups = None if compact else self._groups(cache, some)
+      grouped = groups is not None
+      if grouped:
+        some, compact = groups, True
       rows = np.concatenate([some, np.full(next_pow2(len(some), 1) - len(some), b)]) if compact else np.arange(b)
       n = np.where(rows < b, lengths[np.minimum(rows, b - 1)], 0)  # prompt tokens of each computed row
       tokens = np.full((len(rows), size), self.pad_id, np.int32)
