@@ -57,21 +57,34 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: order.index(item.nodeid) if item.nodeid in order else len(order))  # stable
 
 
-# ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end nodeid" (Unix seconds), to see how the
-# workers' time was spent (e.g. which test ran last while another worker idled).
+# ENVACE_TEST_TIMELINE=FILE appends one line per test, "worker start end compile_s programs nodeid" (Unix seconds;
+# XLA's compiles in the test's own process, persistent-cache reads included: not its subprocesses'), to see how the
+# workers' time was spent (e.g. which test ran last while another worker idled, which compiled most).
 _TIMELINE = os.environ.get("ENVACE_TEST_TIMELINE")
+_compiles = [0.0, 0]  # XLA backend compile seconds and programs, this process
+
+
+def _count_compile(event: str, start: float, end: float, **_) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":  # envace_jax/runtime.py's _BACKEND_COMPILE
+    _compiles[0] += end - start
+    _compiles[1] += 1
+
+
+if _TIMELINE:
+  jax.monitoring.register_event_time_span_listener(_count_compile)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # runs where the test runs (an xdist worker), not in the controller
-  start = time.time()
+  start, (seconds, programs) = time.time(), _compiles
   try:
     return (yield)
   finally:
     if _TIMELINE:
       worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+      compiled = f"{_compiles[0] - seconds:.3f} {_compiles[1] - programs}"
       with open(_TIMELINE, "a", encoding="utf-8") as f:
-        f.write(f"{worker} {start:.3f} {time.time():.3f} {item.nodeid}\n")
+        f.write(f"{worker} {start:.3f} {time.time():.3f} {compiled} {item.nodeid}\n")
 
 
 # JAX's persistent compilation cache (envace_jax/compilation_cache.py): the user's folder, shared by pytest-xdist's
