@@ -45,7 +45,8 @@ the same parameters, `testbed_calibration.check_digest`):
             ``no_world_model``, the same rehearsals with the imagined tool results withheld from the assessments and
             the memory; ``drafts``, N plans written with no tool result, the best assessed one in the memory's place.
             Each with the success chunk's key: the same openings, so N = 0 is the success evaluation of the same
-            tasks.
+            tasks. A method runs the variants its claims compare (`test_time_variants`): the base policy parallel
+            rehearsal alone.
 Chunk keys are `testbed_calibration`'s (``fold_in(fold_in(eval_key(seed), phase), chunk)``), so the calibration's
 chunks of the same weights are this grid's.
 
@@ -372,11 +373,20 @@ def test_time_chunk(config, tasks, samplers, tokenizer, key, variant: str, n: in
   }
 
 
+def test_time_variants(method: str) -> list[str]:
+  """The `TEST_TIME` variants a test-time method runs: those its `TEST_TIME_CLAIMS` compare (the trained policy: all
+  four; the base policy: parallel rehearsal only, 4 of its 16 chunks at the defaults, about 6 CPU-hours fewer over 3
+  seeds), in `TEST_TIME`'s order."""
+  named = {v for claim in TEST_TIME_CLAIMS if claim[1] == method for v in (claim[2], claim[4])}
+  return [v for v in TEST_TIME if v in named]
+
+
 def _test_time_phases(args, method: str) -> list[tuple[str, str, int]]:
-  """(phase name, variant, N) of the cell's test-time chunks (none unless ``method`` is a test-time method)."""
+  """(phase name, variant, N) of the cell's test-time chunks (none unless ``method`` is a test-time method): its
+  `test_time_variants`, each at every N of ``--ns``."""
   if method not in args.test_time_methods:
     return []
-  return [(f"testtime_{v}_n{n}", v, n) for v in TEST_TIME for n in args.ns]
+  return [(f"testtime_{v}_n{n}", v, n) for v in test_time_variants(method) for n in args.ns]
 
 
 def _chunk_files(args, method: str, seed: int, split: str, phase: str, n: int) -> list[tuple[int, int, pathlib.Path]]:
@@ -607,7 +617,7 @@ def gather(args) -> dict[str, Any]:
           "tokens_per_task": 0.0,
         }
       )  # fmt: skip  N = 0: the success evaluation of the test-time tasks
-      for variant in TEST_TIME:
+      for variant in test_time_variants(method):
         for n in args.ns:
           mine = _test_time_by_seed(cells, method, [split], variant, n)
           tokens = [_test_time_part(c, split, f"testtime_{variant}_n{n}") for c in cells if c["method"] == method]

@@ -118,6 +118,17 @@ def test_every_method_is_one_config():
     assert (c.rollout.grounding_max_tokens, c.train.eval_tasks) == (0, 0)
 
 
+def test_each_test_time_method_runs_the_variants_its_claims_compare():
+  """The trained policy runs every variant (claim 4 compares all four); the base policy parallel rehearsal alone
+  (its one claim: parallel rehearsal against none), at each N of --ns: 4 chunks of 8 tasks, not 16."""
+  assert evidence.test_time_variants("envace") == ["parallel", "sequential", "no_world_model", "drafts"]
+  assert evidence.test_time_variants("base") == ["parallel"] and evidence.test_time_variants("per_role") == []
+  args = evidence.parse_args([])
+  assert evidence._test_time_phases(args, "base") == [("testtime_parallel_n2", "parallel", 2),
+                                                      ("testtime_parallel_n4", "parallel", 4)]  # fmt: skip
+  assert len(evidence._test_time_phases(args, "envace")) == 8 and evidence._test_time_phases(args, "warmup") == []
+
+
 def test_bad_arguments_stop_with_the_reason(capsys):
   for argv, message in (
     (["--methods=envace,ppo"], "--methods: unknown ['ppo']"),
