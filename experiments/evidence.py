@@ -72,8 +72,11 @@ per 8 tasks (≈ 15 calls), WM2Real ≈ 1.5-2.5 CPU-min per 8 tasks, the warm-up
 G=4, no remat), so on a 23 GB machine nothing heavy runs beside the grid, and each method runs in a process of its
 own (``--methods=envace``, then ``--methods=grpo_real_env``, ...): one process running the EnvACE cell, its
 evaluation, then the GRPO-real cell held 21.2 GB (2026-12-06). The default grid is 6 methods x 3 seeds x
-3 splits, sized for about 15 CPU-hours with the test-time part; cuts, where the budget forces them, go methods first,
-then seeds below 5, then tasks.
+3 splits plus the test-time part. Planned for 15 CPU-hours, it costs about twice that (2026-12-06): the 14 cells
+finished by then took 15.3 CPU-hours (base ≈ 0.6 a seed, warm-up ≈ 1.0, an RL cell 1.0-1.6, in evidence.json), and
+the test-time part, at about 8 CPU-min per 8-task chunk at N = 2 (one chunk measured) and about twice that at N = 4,
+adds some 12 for EnvACE's 48 chunks and base's 12. Every method and seed is an acceptance item of the issue, so the
+grid keeps them; a further cut would go methods first, then seeds below 5, then tasks.
 """
 
 from __future__ import annotations
