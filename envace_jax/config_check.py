@@ -626,7 +626,10 @@ def validate(config, *, weights: bool = True) -> None:
       ck.add(f"presets: unknown preset {name!r} ({where}); known: {known}")
   context = _check_model(ck, weights)
   _check_mesh(ck)
-  ck.integer("sampler.prefill_chunk", 1)
+  for key in ("sampler.prefill_chunk", "sampler.min_bucket"):  # `Sampler` refuses other values
+    value = ck.integer(key, 1)
+    if value is not _MISSING and not _power_of_two(value):
+      ck.add(f"{key}={value} must be a power of 2")
   benchmark = _check_env(ck)
   _check_train(ck, benchmark)
   env_mode, user_mode = _check_rollout(ck, context)

@@ -367,6 +367,7 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
     token_bytes=tok.token_bytes() if tok else None,
     pad_id=(tok.pad_id or 0) if tok else 0,
     prefill_chunk=config.sampler.prefill_chunk,
+    min_bucket=config.sampler.min_bucket,
     mesh=use_mesh,
   )
 

@@ -278,6 +278,8 @@ def test_accelerator_model_from_a_local_directory(qwen3_8b_dir, tmp_path):
     (["--config.grpo.baseline_groups=agent"], "grpo.baseline_groups='agent' is not valid; choose one of 'task_role'"),
     (["--config.grpo.lone_member_advantage=one"], "grpo.lone_member_advantage='one' is not valid; choose one of"),
     (["--config.grpo.length_bucket=500"], "grpo.length_bucket=500 must be a power of 2"),
+    (["--config.sampler.prefill_chunk=500"], "sampler.prefill_chunk=500 must be a power of 2"),
+    (["--config.sampler.min_bucket=24"], "sampler.min_bucket=24 must be a power of 2"),
     (["--config.rollout.user_mode=human"], "rollout.user_mode='human' is not valid; choose one of 'reference'"),
     (["--config.rollout.env_mode=mock"], "rollout.env_mode='mock' is not valid; choose one of 'rehearse', 'real'"),
     (["--config.rollout.on_malformed=raise"], "rollout.on_malformed='raise' is not valid; choose one of 'continue'"),

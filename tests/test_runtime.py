@@ -144,7 +144,8 @@ def test_compile_clock_attributes_programs_to_the_innermost_phase():
 
 def test_a_sampler_off_the_mesh_warns_naming_the_values(caplog):
   """B x G rows that do not split over the mesh's batch shards (data x fsdp) put the sampler on one device, with a
-  WARNING naming the rows, the shards and the mesh sizes; rows that split sample on the mesh, without one."""
+  WARNING naming the rows, the shards and the mesh sizes; rows that split sample on the mesh, without one, with
+  ``config.sampler``'s prompt-chunk sizes."""
   import logging
 
   import jax
@@ -155,7 +156,7 @@ def test_a_sampler_off_the_mesh_warns_naming_the_values(caplog):
 
   if len(jax.devices()) != 8:
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by tests/conftest.py)")
-  config = ml_collections.ConfigDict({"sampler": {"prefill_chunk": 16}})
+  config = ml_collections.ConfigDict({"sampler": {"prefill_chunk": 16, "min_bucket": 8}})
   model = runtime.Model(config=get_model_config("tiny"), params=None, tokenizer=None, source="abstract")
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   caplog.set_level(logging.INFO)
@@ -167,5 +168,6 @@ def test_a_sampler_off_the_mesh_warns_naming_the_values(caplog):
     "shards (mesh.data=2 x mesh.fsdp=2); make the rows a multiple of 4 to sample on the whole mesh"
   )
   caplog.clear()
-  assert runtime.make_sampler(config, model, None, mesh, rows=8).mesh is mesh
+  sampler = runtime.make_sampler(config, model, None, mesh, rows=8)
+  assert sampler.mesh is mesh and (sampler.prefill_chunk, sampler.min_bucket) == (16, 8)  # config.sampler's sizes
   assert not [r for r in caplog.records if "sampler on one device" in r.getMessage()]

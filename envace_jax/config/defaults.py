@@ -136,6 +136,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler = ml_collections.ConfigDict()
   c.sampler.capacity = 2048  # demo: KV-cache slots per sequence
   c.sampler.prefill_chunk = 512  # prompt tokens per prefill call (demo and rollouts)
+  # The smallest prompt chunk (`Sampler.chunk_sizes`): a prompt's rest is rounded up to a multiple of it. Larger: fewer
+  # prefill programs per run (each compiled and, on a warm cache, read back), more padded tokens per chunk.
+  c.sampler.min_bucket = 16
   c.sampler.max_new_tokens = 96  # demo
   c.sampler.temperature = 0.0  # demo; 0: greedy
   c.sampler.top_p = 1.0  # demo
