@@ -61,28 +61,21 @@ def pytest_collection_modifyitems(config, items):
 # XLA's compiles in the test's own process, persistent-cache reads included: not its subprocesses'), to see how the
 # workers' time was spent (e.g. which test ran last while another worker idled, which compiled most).
 _TIMELINE = os.environ.get("ENVACE_TEST_TIMELINE")
-_compiles = [0.0, 0]  # XLA backend compile seconds and programs, this process
-
-
-def _count_compile(event: str, start: float, end: float, **_) -> None:
-  if event == "/jax/core/compile/backend_compile_duration":  # envace_jax/runtime.py's _BACKEND_COMPILE
-    _compiles[0] += end - start
-    _compiles[1] += 1
-
-
 if _TIMELINE:
-  jax.monitoring.register_event_time_span_listener(_count_compile)
+  from envace_jax import runtime as _runtime
+
+  _CLOCK = _runtime.CompileClock()  # this process's XLA compiles, from here on
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # runs where the test runs (an xdist worker), not in the controller
-  start, (seconds, programs) = time.time(), _compiles
+  start, mark = time.time(), _CLOCK.mark() if _TIMELINE else 0
   try:
     return (yield)
   finally:
     if _TIMELINE:
       worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-      compiled = f"{_compiles[0] - seconds:.3f} {_compiles[1] - programs}"
+      compiled = f"{_CLOCK.since(mark, backend_only=True):.3f} {_CLOCK.programs_since(mark)}"
       with open(_TIMELINE, "a", encoding="utf-8") as f:
         f.write(f"{worker} {start:.3f} {time.time():.3f} {compiled} {item.nodeid}\n")
 
