@@ -677,7 +677,7 @@ class Sampler:
     b = int(cache.lengths.shape[0])
     if not cache.levels() or self.batch_multiple != 1:
       return None
-    size = int(kvcache.finest_group(cache))
+    size = kvcache.finest_group(cache)
     rows = (np.unique(some // size)[:, None] * size + np.arange(size)[None, :]).reshape(-1)
     if size & (size - 1) or next_pow2(len(rows), 1) >= b:
       return None
