@@ -44,9 +44,8 @@ def run(cfg, workdir: str | None = None) -> list[dict]:
     eos_ids=tokenizer.eos_ids if tokenizer else (),
     token_bytes=tokenizer.token_bytes() if tokenizer else None,
     pad_id=tokenizer.pad_id if tokenizer else 0,
-    prefill_chunk=cfg.sampler.prefill_chunk,
-    min_bucket=cfg.sampler.min_bucket,
     mesh=mesh,
+    **runtime.sampler_options(cfg),
   )
   tools = json.loads(cfg.demo.tools_json)
   if tokenizer:

@@ -383,9 +383,8 @@ def plan(
                       f"{compute}, the sampler's weights ({why}), refreshed after each update"))  # fmt: skip
 
   # Stop strings are matched against a stand-in byte table (16 bytes per token; a few MB at most): no tokenizer loads.
-  sampler = Sampler(sample_cfg, None, token_bytes=[b"\0" * 16] * sample_cfg.vocab_size,
-                    prefill_chunk=config.sampler.prefill_chunk, min_bucket=config.sampler.min_bucket,
-                    mesh=on_mesh)  # fmt: skip
+  sampler = Sampler(sample_cfg, None, token_bytes=[b"\0" * 16] * sample_cfg.vocab_size, mesh=on_mesh,
+                    **runtime.sampler_options(config))  # fmt: skip
   params_abstract = _abstract(sample_shapes, sample_sh, dtype=compute)
 
   # The rollout: the caches and the sampler's programs.

@@ -346,6 +346,12 @@ def make_mesh(config) -> jax.sharding.Mesh:
   return sharding.mesh_from_config(config.mesh)
 
 
+def sampler_options(config) -> dict[str, int]:
+  """The `Sampler` keyword arguments ``config.sampler`` sets (the prompt-chunk sizes: ``prefill_chunk``,
+  ``min_bucket``), for every Sampler built from a config (rollouts and evaluation, ``--mode=demo``, the memory plan)."""
+  return {"prefill_chunk": config.sampler.prefill_chunk, "min_bucket": config.sampler.min_bucket}
+
+
 def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | None, rows: int) -> Sampler:
   """A Sampler over ``params``; on ``mesh`` only when it has more than one device and ``rows`` (the cache's batch:
   tasks x group_size, this process's share) splits evenly over its batch shards, else on one device, with a
@@ -366,9 +372,8 @@ def make_sampler(config, model: Model, params: Any, mesh: jax.sharding.Mesh | No
     eos_ids=tok.eos_ids if tok else (),
     token_bytes=tok.token_bytes() if tok else None,
     pad_id=(tok.pad_id or 0) if tok else 0,
-    prefill_chunk=config.sampler.prefill_chunk,
-    min_bucket=config.sampler.min_bucket,
     mesh=use_mesh,
+    **sampler_options(config),
   )
 
 
