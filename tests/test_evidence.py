@@ -171,6 +171,9 @@ def test_smoke_grid_chunks_cells_resume_and_page(smoke, capsys):
     files = sorted(p.name for p in (tmp / "chunks" / method / "seed0" / "iid").iterdir())
     test_time = [f"testtime_{v}_n1_0000_0001.json" for v in evidence.TEST_TIME] if method == "envace" else []
     assert files == sorted(["fidelity_0000_0001.json", "gap_0000_0001.json", "success_0000_0002.json", *test_time])
+    for name in files:  # each chunk records the process's memory after it handed its temporaries back
+      chunk = json.loads((tmp / "chunks" / method / "seed0" / "iid" / name).read_text())
+      assert 0 < chunk["memory/host_rss_gib"] <= chunk["memory/host_peak_gib"], name
   assert result["missing"] == ["warmup/seed0/iid: success 0/2, fidelity 0/1, gap 0/1"]
   # The rows: one seed, so each interval is the bootstrap over that cell's items.
   row = next(r for r in result["rows"] if (r["method"], r["split"]) == ("envace", "iid"))
