@@ -377,6 +377,7 @@ def test_dynamic_sampling_replaces_a_group_without_signal(tmp_path, data_dir, mo
       "grpo.micro_batch_size": 4,
       "grpo.dynamic_sampling": True,
       "grpo.dynamic_sampling_max_draws": 1,
+      "rollout.max_turns": 1,
     },
   )
   trainer = train.Trainer(config, str(tmp_path))
