@@ -460,8 +460,8 @@ def evaluate_cell(args, method: str, seed: int, test_time: bool = False) -> None
       mark = clock.mark()
       out = fn(config, tasks, samplers, model.tokenizer, key)
       out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)
-      # The chunk's temporaries go back to the OS before the next one (as the main job's evaluation does between its
-      # phases): without it a cell's evaluation process grew to 21.8 GB by its reward-gap chunks (2026-12-06).
+      # The chunk's temporaries go back to the OS before the next one, as the main job's evaluation does between its
+      # phases (before this, grpo_real_env seed 2's evaluation process held 21.8 GB by its reward-gap chunks).
       runtime.release_host_memory()
       out.update(runtime.host_memory_gib())  # after the release: what the process holds, and its peak so far
       out.update(cell=f"{method}_s{seed}", split=split, phase=phase, tasks=[t.id for t in tasks], step=step)
