@@ -43,7 +43,7 @@ def run(cfg, workdir: str | None = None) -> list[dict]:
     params,
     eos_ids=tokenizer.eos_ids if tokenizer else (),
     token_bytes=tokenizer.token_bytes() if tokenizer else None,
-    pad_id=tokenizer.pad_id if tokenizer else 0,
+    pad_id=(tokenizer.pad_id or 0) if tokenizer else 0,
     mesh=mesh,
     **runtime.sampler_options(cfg),
   )
