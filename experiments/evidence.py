@@ -205,8 +205,9 @@ def cell_config(args, method: str, seed: int):
   c.train.checkpoint_every = 1 if method in RL_METHODS else 5
   c.train.keep_checkpoints = 1  # SmolLM2 with AdamW's state: 1.6 GB a checkpoint
   # 135M parameters fit without recomputing layers, faster on a CPU; host memory peaks near 12 GB in the warm-up and
-  # 17 GB in a GRPO step, 21.7 GB in per_role's (two trees); a GRPO cell beside other jobs is killed for memory on a
-  # 23 GB machine (2026-12-05 beside the main job and the tests, 2026-12-07 per_role beside a test batch).
+  # 17-21 GB in a GRPO step (role_agnostic seed 2: 21.1 GB), 21.7 GB in per_role's; a GRPO cell beside other jobs is
+  # killed for memory on a 23 GB machine (2026-12-05 beside the main job and the tests, 2026-12-07 per_role beside a
+  # test batch).
   c.grpo.remat = False
   if args.smoke:
     common.apply_overrides(c, SMOKE_SIZES)
