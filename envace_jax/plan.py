@@ -306,7 +306,8 @@ def plan(
   if ucfg.user_mode == "policy":
     views.append(Role.USER)
   capacity = max(ucfg.capacity(r) for r in views)
-  cached = views + ([Role.USER] if ucfg.user_mode == "reference" else [])  # the reference user's cache forks too
+  reference_user = runtime.reference_user(config)  # not where the benchmark's user turns are logged (the testbed)
+  cached = views + ([Role.USER] if reference_user else [])  # the reference user's cache forks too
   if not 0 <= opening_tokens < min(ucfg.capacity(r) for r in cached):
     raise config_check.ConfigError(
       [f"opening_tokens={opening_tokens}: must be >= 0 and below every view's capacity (rollout.*_capacity)."]
@@ -316,8 +317,9 @@ def plan(
   traced: dict[str, tuple[Any, tuple]] = {}
   compute = jnp.dtype(mc.dtype).name
 
-  # Persistent: the reference (the initial weights, in the compute dtype), the train state, and the samplers' own
-  # copy of the policy where they read another dtype or placement than the train state's.
+  # Persistent: the reference (the initial weights, in the compute dtype, where the run holds one:
+  # `runtime.holds_reference`), the train state, and the samplers' own copy of the policy where they read another
+  # dtype or placement than the train state's.
   shards = sharding.batch_size_multiple(mesh)
   update_mesh = mesh if shards > 1 and gcfg.micro_batch_size % shards == 0 else None
   sample_cfg = mc.replace(scan_layers=False)
@@ -326,14 +328,15 @@ def plan(
   sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
   compute_shapes = _abstract(sample_shapes, dtype=compute)
   placed = on_mesh is not None  # more than one device (a one-device mesh is none)
-  if ucfg.user_mode == "reference" and placed:
+  holds = runtime.holds_reference(config)
+  if holds and reference_user and placed:
     parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes, sample_sh), "persistent",
                       f"{compute}, sharded like the reference user's sampler, which reads it"))  # fmt: skip
-  elif update_mesh is not None:  # runtime.initial_state builds it on the train state's parameter shardings
+  elif holds and update_mesh is not None:  # runtime.initial_state builds it on the train state's parameter shardings
     ref_sh = sharding.param_shardings(sample_cfg, update_mesh)
     parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes, ref_sh), "persistent",
                       f"{compute}, sharded like the train state's parameters"))  # fmt: skip
-  else:
+  elif holds:
     parts.append(Part("reference (the initial weights)", device_bytes(compute_shapes), "persistent",
                       f"{compute}, whole, on the default device"))  # fmt: skip
   state = jax.eval_shape(functools.partial(grpo.init_train_state, gcfg), sample_shapes)
@@ -410,7 +413,7 @@ def plan(
     ref = _sampler_programs(sampler, params_abstract, alone, num_new, ucfg.sampling(Role.ACT), stops)
     programs["prefill (policy, no openings)"] = _compile(*ref["prefill"])
   rollout_temp = max(programs["prefill (policy)"]["temp"], programs["decode (policy)"]["temp"])
-  if ucfg.user_mode == "reference":
+  if reference_user:
     ref_rows = n + (-n % pad_to)
     ref_cache = _cache(sample_cfg, on_mesh, ref_rows, ucfg.user_capacity, b, opening_tokens, sampler.min_bucket)
     parts.append(Part("KV cache: reference user", device_bytes(ref_cache), "rollout",

@@ -105,7 +105,23 @@ def _param_shardings(model_config: config_lib.ModelConfig, mesh: jax.sharding.Me
   return sharding.param_shardings(model_config.replace(scan_layers=False), mesh)
 
 
-def initial_state(model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Mesh) -> tuple[grpo.TrainState, Any]:
+def reference_user(config) -> bool:
+  """Whether a training run's frozen reference plays the user: ``rollout.user_mode="reference"`` on a benchmark whose
+  user turns are simulated (τ², VitaBench); the testbed's, BFCL's and FinMCP's are logged in the tasks
+  (``registry.Benchmark.logged_user_turns``), so no user sampler runs."""
+  return config.rollout.user_mode == "reference" and not registry.get(config.env.benchmark).logged_user_turns
+
+
+def holds_reference(config) -> bool:
+  """Whether a training run holds the frozen reference policy (the initial weights, a tree beside the train state's):
+  for the loss's KL term (``grpo.use_kl``) or the reference user (`reference_user`). Otherwise the train state starts
+  on the loaded arrays themselves: one copy of the weights fewer (0.5 GiB for SmolLM2-135M in float32)."""
+  return bool(config.grpo.use_kl) or reference_user(config)
+
+
+def initial_state(
+  model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Mesh, reference: bool = True
+) -> tuple[grpo.TrainState, Any]:
   """A run's step-0 train state and its frozen reference, built on ``mesh`` from a model loaded onto it
   (``load_model(config, mesh)``) without a full copy on any one device.
 
@@ -114,10 +130,11 @@ def initial_state(model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Me
   jitted copy) and its optimizer state and step are created on their shardings by one jitted program. The reference
   is a jitted copy in the compute dtype (``model.config.dtype``), sharded like the params: a buffer of its own even
   where the dtypes agree, since the update donates the state. `weights.observe_loading`'s hooks hear "reference",
-  each params tree and "optimizer state" as they are placed.
+  each params tree and "optimizer state" as they are placed. With ``reference=False`` (`holds_reference`) no
+  reference is built.
 
   Returns:
-    (TrainState, reference params): the reference in ``model.params``' tree (layers apart).
+    (TrainState, reference params or None): the reference in ``model.params``' tree (layers apart).
   """
   shardings = grpo.train_state_shardings(model.config, grpo_cfg, mesh)
   p_shardings = _param_shardings(model.config, mesh)
@@ -126,8 +143,10 @@ def initial_state(model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Me
   cast = lambda tree, dtypes: jax.jit(
     lambda p: jax.tree.map(lambda x, d: jnp.array(x, d, copy=True), p, dtypes), out_shardings=p_shardings
   )(tree)
-  reference = cast(params, jax.tree.map(lambda _: compute, params))
-  weights.loaded("reference")
+  frozen = None
+  if reference:
+    frozen = cast(params, jax.tree.map(lambda _: compute, params))
+    weights.loaded("reference")
   init = functools.partial(grpo.init_train_state, grpo_cfg)
   abstract = jax.eval_shape(init, params)
   trees = abstract.params if grpo_cfg.per_role else {"policy": abstract.params}
@@ -144,7 +163,7 @@ def initial_state(model: Model, grpo_cfg: grpo.GrpoConfig, mesh: jax.sharding.Me
   )(params)
   weights.loaded("optimizer state")
   state = grpo.TrainState(step=step, params=owned if grpo_cfg.per_role else owned["policy"], opt_state=opt_state)
-  return state, reference
+  return state, frozen
 
 
 def _chat_template(config, tokenizer: Tokenizer | None) -> Tokenizer | None:

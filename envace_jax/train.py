@@ -170,17 +170,22 @@ class Trainer:
       )
     self.update = grpo.make_update_step(self.model.config, self.grpo_cfg, mesh=update_mesh)
     self.update_mesh = update_mesh
+    # The reference policy (the initial weights, for the KL term or the reference user: `runtime.holds_reference`)
+    # is the only tree besides the train state's, and ``self.model.params`` is it (None where the run holds none:
+    # the update donates the train state, so no other name keeps the loaded arrays).
+    reference = runtime.holds_reference(config)
     if update_mesh is not None:
-      state, self.ref_params = runtime.initial_state(self.model, self.grpo_cfg, update_mesh)
-      self.model = dataclasses.replace(self.model, params=self.ref_params)
+      state, self.ref_params = runtime.initial_state(self.model, self.grpo_cfg, update_mesh, reference=reference)
     else:
-      # The reference policy: the initial weights with their layers apart (the samplers' layout), the only tree
-      # besides the train state's; the stacked load is released. The train state starts as a copy (the update
-      # donates it), committed to the device, as every update's output is: the samplers' programs compile once.
-      self.model = dataclasses.replace(self.model, params=transformer.unstack_tree(self.model.params))
-      self.ref_params = self.model.params
-      state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, self.model.params))
+      # Layers apart (the samplers' layout); the stacked load is released. With a reference the train state starts
+      # as a copy (the update donates it), committed to the device, as every update's output is: the samplers'
+      # programs compile once.
+      params = transformer.unstack_tree(self.model.params)
+      self.ref_params = params if reference else None
+      state = grpo.init_train_state(self.grpo_cfg, jax.tree.map(jnp.copy, params) if reference else params)
       state = jax.device_put(state, jax.devices()[0])
+      del params
+    self.model = dataclasses.replace(self.model, params=self.ref_params)
     self.state = state
     del state  # the train state's only reference is self.state: a restore releases it before reading
     self.key = jax.random.key(config.seed)
@@ -362,11 +367,12 @@ class Trainer:
     reference sampler's placed one: one copy). The reference, only ever run forward, is held in the compute dtype
     from here on (`sharding.cast`: the loaded tree is released where it was in another dtype)."""
     cfg = self.config
-    self.ref_params = sharding.cast(self.ref_params, self.model.config.dtype)
-    self.model = dataclasses.replace(self.model, params=self.ref_params)
+    if self.ref_params is not None:
+      self.ref_params = sharding.cast(self.ref_params, self.model.config.dtype)
+      self.model = dataclasses.replace(self.model, params=self.ref_params)
     mesh, params = self.sample_mesh, self._sampling(self.state.params)
     out = self.policy.samplers(params, lambda p: runtime.make_sampler(cfg, self.model, p, mesh, rows))
-    if self.unfold_cfg.user_mode == "reference":
+    if runtime.reference_user(cfg):
       out["reference"] = runtime.make_sampler(cfg, self.model, self._sampling(self.ref_params), mesh, rows)
       self.ref_params = out["reference"].params
       self.model = dataclasses.replace(self.model, params=self.ref_params)

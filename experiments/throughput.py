@@ -582,8 +582,9 @@ def main(argv: Sequence[str]) -> Report:
       log(f"building the trainer ({config.model}, {config.env.benchmark} {config.env.domain})")
       trainer = train.Trainer(config, workdir)
       try:
-        split = ParamSplit.of(trainer.model.config, trainer.model.params)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.samplers["policy"].params))
+        policy = trainer.samplers["policy"].params  # a run without a reference holds no other tree
+        split = ParamSplit.of(trainer.model.config, policy)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(policy))
         steps = []
         for step in range(1, args.steps + 2):
           log(f"step {step}/{args.steps + 1}" + (" (warm-up)" if step == 1 else ""))

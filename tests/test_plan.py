@@ -116,6 +116,12 @@ def test_plan_off_the_mesh_and_without_a_limit(data_dir):
   assert not [name for name in parts if name.startswith("sampler copy")]
   assert result["device_bytes"] is None and result["fits"] is None
   assert "pass --device_memory_gb=N to compare" in plan.format_plan(result)
+  # The testbed's user turns are logged: no reference user and, without the KL term, no reference
+  # (`runtime.holds_reference`).
+  testbed = {"env.benchmark": "testbed", "env.domain": "cpu", "env.split": "train", "env.eval_split": "iid"}
+  logged = _parts(plan.plan(tiny_config(data_dir, **testbed)))
+  assert set(parts) - set(logged) == {"KV cache: reference user", "reference (the initial weights)"}
+  assert logged["KV cache: policy"] == parts["KV cache: policy"]
 
 
 def _live_bytes():

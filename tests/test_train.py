@@ -182,6 +182,33 @@ def test_bf16_compute_trains_float32_master_weights_and_samples_from_bf16_copies
   check_copies(moved)
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_run_without_the_kl_term_or_a_reference_user_holds_no_reference(tmp_path, data_dir, on_mesh):
+  """On the testbed (user turns logged: no user simulator) the frozen reference is held only for the KL term
+  (`runtime.holds_reference`): without it the trainer's new arrays are the train state alone (params, AdamW's
+  moments and counts, the step; besides the samplers' stop-string tables and the run's key), the policy sampler
+  reads the state's own arrays, and there is no reference sampler. τ² (simulated users) holds it as before (the bf16
+  test above), and so does the KL term (the plan's test)."""
+  overrides = {"env.benchmark": "testbed", "env.domain": "cpu", "env.split": "train", "env.eval_split": "iid"}
+  if on_mesh:  # the update on the 8-device mesh (`runtime.initial_state`)
+    overrides.update({"train.tasks_per_step": 4, "grpo.micro_batch_size": 8})
+  config = tiny_config(data_dir, **overrides)
+  assert not runtime.reference_user(config) and not runtime.holds_reference(config)
+  assert runtime.holds_reference(tiny_config(data_dir, **overrides, **{"grpo.use_kl": True}))
+  before = {id(x) for x in jax.live_arrays()}
+  trainer = train.Trainer(config, str(tmp_path))
+  held = {id(x) for x in jax.live_arrays()} - before
+  assert (trainer.update_mesh is not None) == on_mesh
+  assert trainer.ref_params is None and trainer.model.params is None and set(trainer.samplers) == {"policy"}
+  state = {id(x) for x in jax.tree.leaves(trainer.state)}
+  tables = {id(x) for s in trainer.samplers.values() for x in jax.tree.leaves((s.eos_ids, s._byte_table))}
+  rest = [x for x in jax.live_arrays() if id(x) in held - state - tables]
+  assert [(x.shape, x.dtype) for x in rest] == [((2,), jnp.uint32)]  # the run's key
+  sampled, trained = jax.tree.leaves(trainer.samplers["policy"].params), jax.tree.leaves(trainer.state.params)
+  assert all(a is b for a, b in zip(sampled, trained, strict=True))
+  trainer.ckpt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["envace", "per_role"])
 def test_a_grpo_step_moves_logprobs_along_the_advantages(tmp_path, data_dir, mode):

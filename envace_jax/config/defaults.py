@@ -373,7 +373,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # token-mean, divided by the accumulation steps) or "token_mean" (one mean over every trained token of the step, so
   # long generations weigh more).
   c.grpo.loss_aggregation = "generation_mean"
-  c.grpo.use_kl = False  # KL penalty to the reference policy (costs a reference forward). paper: off
+  # KL penalty to the reference policy: costs a reference forward per step, and a copy of the initial weights where
+  # the reference does not play the user already (runtime.holds_reference). paper: off
+  c.grpo.use_kl = False
   c.grpo.kl_coef = 1e-4  # the KL term's weight (grpo.use_kl)
   c.grpo.kl_estimator = "low_var_kl"  # "low_var_kl" (k3, clamped), "k1" or "k2"
   c.grpo.learning_rate = 1e-6  # AdamW. paper: 1e-6
