@@ -204,9 +204,9 @@ def forget_shared_programs() -> None:
   compilation_cache.SharedPrograms.forget_all()
 
 
-def release_host_memory(staging: bool = False) -> None:
-  """Drops JAX's tracing and lowering caches, keeping the compiled programs, and hands the C heap's free pages back
-  to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
+def release_host_memory(staging: bool = False, programs: bool = False) -> None:
+  """Drops JAX's tracing and lowering caches, keeping the compiled programs (with ``programs``, those too), and hands
+  the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; nothing where it is missing).
 
   Why (experiments/results/2026-12-03_main_job.md): XLA's CPU runtime frees a program's temporaries into glibc's
   arenas, which keep them (one main-job update: 6.2 GiB resident, 3.1 GiB after the trim), and JAX keeps every
@@ -217,9 +217,17 @@ def release_host_memory(staging: bool = False) -> None:
   they last were, or when ``staging`` is True.
   Training and evaluation call this between phases, when no large program runs; the pages come back zeroed when
   next used.
+
+  ``programs``: `jax.clear_caches`, for the end of a phase whose programs will not run again soon. A compiled program
+  holds 20-100 MiB of host memory on a CPU (a SmolLM2 forward: about 25 MiB compiled, 30-100 MiB read back from the
+  persistent cache; experiments/results/2026-12-07_programs_memory.md), so a process that keeps meeting new shapes
+  (an evaluation's chunks: 7.3 -> 16.7 GiB over 23 chunks) grows by its programs; a program needed again is read back
+  from the persistent compilation cache (or compiled where that is off).
   """
   global _large_at_clear
-  if staging or _large_compiles > _large_at_clear:
+  if programs:
+    jax.clear_caches()
+  if staging or programs or _large_compiles > _large_at_clear:
     _large_at_clear = _large_compiles
     _clear_staging_caches()
   trim = _malloc_trim()

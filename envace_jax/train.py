@@ -701,6 +701,10 @@ class Trainer:
         if primary:
           heldout.write_summary(self.workdir, 0, initial)
         say(metrics.format_eval_summary(initial, 0))
+        # Each phase's end drops its compiled programs (`runtime.release_host_memory`: tens of MiB each on a CPU):
+        # the evaluation's run again only at the end, the warm-up's never after its last step, the training's
+        # never after the last; a program needed again is read back from the persistent compilation cache.
+        runtime.release_host_memory(programs=True)
       for step in range(self.start_step + 1, total + 1):
         mark = clock.mark()
         last = self.step(step)
@@ -720,10 +724,13 @@ class Trainer:
           metrics=last,
           force=step == total,
         )
+        if step == cfg.train.sft_warmup_steps < total:
+          runtime.release_host_memory(programs=True)  # the warm-up's update programs are done
       writer.close()  # the bar ends with the last step; the held-out evaluation is not a step
       self.ckpt.wait()
       summary = None
       if cfg.train.eval_tasks != 0:
+        runtime.release_host_memory(programs=True)  # the training's programs are done
         say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
         if primary:

@@ -462,9 +462,10 @@ def evaluate_cell(args, method: str, seed: int, test_time: bool = False) -> None
       mark = clock.mark()
       out = fn(config, tasks, samplers, model.tokenizer, key)
       out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)
-      # The chunk's temporaries go back to the OS before the next one, as the main job's evaluation does between its
-      # phases (before this, grpo_real_env seed 2's evaluation process held 21.8 GB by its reward-gap chunks).
-      runtime.release_host_memory()
+      # The chunk's temporaries and compiled programs go back to the OS before the next one: the programs are read
+      # back from the persistent cache where the next chunk needs them. Keeping them, per_role seed 2's evaluation
+      # process grew from 7.3 to 16.7 GB over 22 chunks and failed its 23rd for memory (2026-12-07).
+      runtime.release_host_memory(programs=True)
       out.update(runtime.host_memory_gib())  # after the release: what the process holds, and its peak so far
       out.update(cell=f"{method}_s{seed}", split=split, phase=phase, tasks=[t.id for t in tasks], step=step)
       out.update(date=calibration._now(), params_sha256=digest["sha256"], params_norms=digest["norms"])

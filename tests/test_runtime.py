@@ -42,6 +42,47 @@ def test_release_host_memory_returns_freed_heap_pages():
   assert (r["freed"] - r["trimmed"]) * mib > 200  # the trim gave them back
 
 
+_PROGRAMS_SCRIPT = textwrap.dedent(
+  """
+  import json, jax, jax.numpy as jnp, numpy as np
+  from envace_jax import runtime
+  from envace_jax.model import transformer
+  from envace_jax.model.config import PRESETS
+  config = PRESETS["tiny"]
+  params = transformer.init_params(config, jax.random.key(0))
+  forward = jax.jit(lambda p, t: transformer.apply(config, p, t)[0][:, -1])
+  tokens = lambda n: jnp.arange(4 * n, dtype=jnp.int32).reshape(4, n) % config.vocab_size
+  first = np.asarray(forward(params, tokens(64)))
+  rss = lambda: runtime.host_memory_gib()["memory/host_rss_gib"] * 1024
+  runtime.release_host_memory(staging=True)
+  before = rss()
+  for n in range(80, 80 + 16 * 8, 16):  # 8 programs more
+    forward(params, tokens(n)).block_until_ready()
+  runtime.release_host_memory()
+  held, programs = rss(), forward._cache_size()
+  runtime.release_host_memory(programs=True)
+  dropped, left = rss(), forward._cache_size()
+  again = np.asarray(forward(params, tokens(64)))
+  print(json.dumps({"before": before, "held": held, "dropped": dropped, "programs": programs, "left": left,
+                    "same": bool((again == first).all())}))
+  """
+)
+
+
+def test_release_host_memory_can_drop_the_compiled_programs():
+  """With ``programs`` the release drops the compiled programs and the host memory they hold (a few MiB each for the
+  tiny model's forward, tens of MiB for SmolLM2's); a call after it compiles (or reads back) its program again and
+  gives the same values. In a fresh interpreter: the figures must not see other tests' programs."""
+  import json
+
+  out = subprocess.run([sys.executable, "-c", _PROGRAMS_SCRIPT], capture_output=True, text=True, check=True)
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert (r["programs"], r["left"], r["same"]) == (9, 0, True)
+  grown = r["held"] - r["before"]
+  assert grown > 8  # MiB: 8 programs held
+  assert r["held"] - r["dropped"] > 0.75 * grown, r  # and given back
+
+
 def test_release_host_memory_keeps_the_compiled_programs():
   """The release drops JAX's tracing and lowering caches, not the compiled programs: a sampler call with shapes
   seen before neither traces nor compiles its prefill and decode again (`Sampler.compile_counts` counts traces; only
