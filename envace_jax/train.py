@@ -643,6 +643,10 @@ class Trainer:
         trajectories, dynamic = out["trajectories"], out["metrics"] = self.dynamic_sampling(groups, key)
       scalars.update(dynamic)
       scalars["time/rollout_s"] += dynamic["time/dynamic_sampling_s"]
+    if step == self.config.train.steps:
+      # The last step's rollout programs run again only in the final evaluation, which reads them back anyway (`run`):
+      # the update does not hold them (`runtime.release_host_memory`).
+      runtime.release_host_memory(programs=True)
     with self._phase("batch") as out:
       adv, empty, adv_stats = out["advantages"] = self.generation_advantages(trajectories)
       update_start = time.perf_counter()
