@@ -105,6 +105,8 @@ RESULTS_FILE = "evidence.json"
 CHUNKS_DIR = RESULTS_DIR / "evidence_chunks"
 PNGS = {"bars": "evidence_bars.png", "curves": "evidence_curves.png", "test_time": "evidence_test_time.png"}
 CELL_FILE = "cell.json"  # beside a cell's chunks: its training record (budget, steps, costs, curve)
+# An evaluation process that holds more than this after a chunk drops its compiled programs (GiB; `evaluate_cell`).
+PROGRAMS_GIB = 8.0
 RESULTS_PAGE = ROOT / "docs" / "results.md"
 RESULTS_BEGIN, RESULTS_END = "<!-- evidence.py --results-page: begin -->", "<!-- evidence.py --results-page: end -->"
 
@@ -462,10 +464,13 @@ def evaluate_cell(args, method: str, seed: int, test_time: bool = False) -> None
       mark = clock.mark()
       out = fn(config, tasks, samplers, model.tokenizer, key)
       out["compile_s"], out["programs"] = clock.since(mark), clock.programs_since(mark)
-      # The chunk's temporaries and compiled programs go back to the OS before the next one: the programs are read
-      # back from the persistent cache where the next chunk needs them. Keeping them, per_role seed 2's evaluation
-      # process grew from 7.3 to 16.7 GB over 22 chunks and failed its 23rd for memory (2026-12-07).
-      runtime.release_host_memory(programs=True)
+      # The chunk's temporaries go back to the OS before the next one, and its compiled programs too once the process
+      # holds more than PROGRAMS_GIB: keeping every program, per_role seed 2's evaluation grew from 7.3 to 16.7 GB
+      # over 22 chunks and failed its 23rd for memory; dropping them after every chunk, EnvACE's test-time chunks
+      # spent 69-90 s of their 340-415 s reading them back (2026-12-07).
+      runtime.release_host_memory()
+      if runtime.host_memory_gib()["memory/host_rss_gib"] > PROGRAMS_GIB:
+        runtime.release_host_memory(programs=True)
       out.update(runtime.host_memory_gib())  # after the release: what the process holds, and its peak so far
       out.update(cell=f"{method}_s{seed}", split=split, phase=phase, tasks=[t.id for t in tasks], step=step)
       out.update(date=calibration._now(), params_sha256=digest["sha256"], params_norms=digest["norms"])
