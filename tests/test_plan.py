@@ -17,7 +17,7 @@ from envace_jax.model import transformer
 from envace_jax.rl import batch as batch_lib
 from envace_jax.rl import grpo
 from tests.rl.test_grpo import ACT, REHEARSE, make_row
-from tests.test_train import ROOT, tiny_config
+from tests.test_train import ROOT, TESTBED, tiny_config
 
 MIB = 1024**2
 
@@ -118,8 +118,7 @@ def test_plan_off_the_mesh_and_without_a_limit(data_dir):
   assert "pass --device_memory_gb=N to compare" in plan.format_plan(result)
   # The testbed's user turns are logged: no reference user and, without the KL term, no reference
   # (`runtime.holds_reference`).
-  testbed = {"env.benchmark": "testbed", "env.domain": "cpu", "env.split": "train", "env.eval_split": "iid"}
-  logged = _parts(plan.plan(tiny_config(data_dir, **testbed)))
+  logged = _parts(plan.plan(tiny_config(data_dir, **TESTBED)))
   assert set(parts) - set(logged) == {"KV cache: reference user", "reference (the initial weights)"}
   assert logged["KV cache: policy"] == parts["KV cache: policy"]
 

@@ -22,6 +22,10 @@ from envace_jax.envs import datasets
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# configs/tiny.py's model on the testbed (logged user turns) instead of τ²'s mock tasks.
+TESTBED = {"env.benchmark": "testbed", "env.domain": "cpu", "env.split": "train", "env.eval_split": "iid"}
+
+
 def tiny_config(data_dir, **overrides):
   spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
   module = importlib.util.module_from_spec(spec)
@@ -189,7 +193,7 @@ def test_a_run_without_the_kl_term_or_a_reference_user_holds_no_reference(tmp_pa
   moments and counts, the step; besides the samplers' stop-string tables and the run's key), the policy sampler
   reads the state's own arrays, and there is no reference sampler. τ² (simulated users) holds it as before (the bf16
   test above), and so does the KL term (the plan's test)."""
-  overrides = {"env.benchmark": "testbed", "env.domain": "cpu", "env.split": "train", "env.eval_split": "iid"}
+  overrides = dict(TESTBED)
   if on_mesh:  # the update on the 8-device mesh (`runtime.initial_state`)
     overrides.update({"train.tasks_per_step": 4, "grpo.micro_batch_size": 8})
   config = tiny_config(data_dir, **overrides)
