@@ -246,7 +246,7 @@ def kernels(traced: Mapping[str, tuple[Any, tuple]]) -> dict[str, dict[str, list
       for program, (fn, args) in traced.items():
         jax.clear_caches()
         with attention.backend(name), attention.recording() as calls:
-          jax.eval_shape(fn, *args)
+          fn.trace(*args)  # jax.eval_shape's own path for a jitted function (`PersistentProgram` passes it on)
         out[name][program] = sorted({_describe(c) for c in calls})
   finally:
     jax.clear_caches()
@@ -360,11 +360,11 @@ def plan(
                          grpo.train_batch_shardings(update_mesh))  # fmt: skip
     mb = _abstract(mb, mb_sh)
   micro_args = (state_abstract.params, mb)
-  grads = jax.eval_shape(step.programs["micro"], *micro_args)  # (gradients like the params, the sums)
+  grads = step.programs["micro"].trace(*micro_args).out_info  # (gradients like the params, the sums)
   if update_mesh is not None:
     rep = sharding.replicated(update_mesh)
     grads = _abstract(grads, (state_sh.params, jax.tree.map(lambda _: rep, grads[1])))
-  after = jax.eval_shape(step.programs["finish"], state_abstract, *grads)[0]  # the state as the update leaves it
+  after = step.programs["finish"].trace(state_abstract, *grads).out_info[0]  # the state as the update leaves it
   held = after if device_bytes(after, state_sh) > device_bytes(state, state_sh) else state
   where = "sharded over the mesh" if update_mesh is not None else "on one device"
   policy = policy_lib.Policy.from_config(config)

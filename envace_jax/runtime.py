@@ -227,6 +227,7 @@ def release_host_memory(staging: bool = False, programs: bool = False) -> None:
   global _large_at_clear
   if programs:
     jax.clear_caches()
+    compilation_cache.PersistentProgram.forget_all()
   if staging or programs or _large_compiles > _large_at_clear:
     _large_at_clear = _large_compiles
     _clear_staging_caches()
@@ -282,7 +283,9 @@ def _count_large_load(event: str, duration: float, **_) -> None:
   compiled does (without this a warm run never dropped the caches: the τ² main job's second run peaked at 11.5 GiB
   against 8.5 GiB, experiments/results/2026-12-05_compile_cache.md)."""
   global _large_compiles
-  if event == _COMPILE_TIME_SAVED and duration >= _LARGE_COMPILE_S:  # compile time less the read: close enough
+  if (
+    event in (_COMPILE_TIME_SAVED, compilation_cache.SAVED_EVENT) and duration >= _LARGE_COMPILE_S
+  ):  # compile time less the read: close enough
     _large_compiles += 1
 
 
@@ -294,8 +297,9 @@ class CompileClock:
   ``jax.monitoring``'s compile events, merged so that nested ones, a jit traced inside another's trace, count once) and
   the programs XLA compiled or loaded from the persistent compilation cache (either way it stays resident), with how
   many of them the cache held (``hits``) and how many it lacked and then stored (``misses``: JAX counts a miss where it
-  writes the entry). Tracing and lowering happen on every run; the persistent cache saves only XLA's compile
-  (``since(mark, backend_only=True)``).
+  writes the entry). JAX's persistent cache saves only XLA's compile (``since(mark, backend_only=True)``); the
+  samplers' and the update's programs (`compilation_cache.PersistentProgram`) a later run reads without tracing or
+  lowering them, each read a span of its own (``LOAD_EVENT``: a program, a hit, and one of ``loads``).
 
       with CompileClock() as clock:
         mark = clock.mark()
@@ -309,7 +313,7 @@ class CompileClock:
     self._spans: list[tuple[float, float, bool, str]] = []  # (start, end, a backend compile, phase)
     self._phase = OUTSIDE_PHASES
     self._listening = True
-    self.hits = self.misses = 0
+    self.hits = self.misses = self.loads = 0
     jax.monitoring.register_event_time_span_listener(self._on_span)
     jax.monitoring.register_event_listener(self._on_event)
 
@@ -322,6 +326,10 @@ class CompileClock:
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
     if event.startswith(_COMPILE_EVENTS):  # reported by the compiling thread, after the compile, inside its phase
       self._spans.append((start, end, event == _BACKEND_COMPILE, self._phase))
+    elif event == compilation_cache.LOAD_EVENT:  # an executable read without tracing: a program, a cache hit
+      self._spans.append((start, end, True, self._phase))
+      self.hits += 1
+      self.loads += 1
 
   @contextlib.contextmanager
   def phase(self, name: str) -> Iterator[None]:

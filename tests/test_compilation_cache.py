@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from envace_jax import compilation_cache
+from envace_jax import compilation_cache, runtime
 
 
 @pytest.fixture
@@ -67,6 +69,38 @@ print("HIT" if clock.hits else "MISS")
 """
 
 
+# A tiny model's sampler and update step (`compilation_cache.PersistentProgram`): what they compute, then how many of
+# their programs were traced and how many read back without tracing.
+_MODEL_PROGRAM = """
+import jax, numpy as np
+from envace_jax import compilation_cache, runtime
+compilation_cache.enable(min_compile_seconds=0.0)
+from envace_jax.model import transformer
+from envace_jax.model.config import PRESETS
+from envace_jax.rl import grpo
+from envace_jax.rl.batch import collate, split_micro_batches
+from envace_jax.sampling.sampler import Sampler
+from tests.rl.test_grpo import make_row
+config = PRESETS["tiny"]
+params = transformer.init_params(config, jax.random.key(0))
+traced = []
+jax.monitoring.register_event_time_span_listener(
+  lambda event, *_, fun_name="", **__: traced.append(fun_name) if event.endswith("jaxpr_trace_duration") else None)
+with runtime.CompileClock() as clock:
+  sampler = Sampler(config, params)
+  out, _ = sampler.generate(sampler.init_cache(2, 64), [[1, 2, 3], [4, 5, 6, 7, 8]], 1, role=2, key=jax.random.key(1),
+                            max_new_tokens=6)
+  cfg = grpo.GrpoConfig.from_config(micro_batch_size=2, learning_rate=1e-3)
+  rng = np.random.default_rng(0)
+  batch = collate([make_row(rng, 12, 5, 2), make_row(rng, 9, 3, 3)], [1.0, -0.5], trained_roles=cfg.trained_roles)
+  state, _ = grpo.make_update_step(config, cfg)(grpo.init_train_state(cfg, params), split_micro_batches(batch, 2))
+  loads = clock.loads
+total = float(sum(abs(x).sum() for x in jax.tree.leaves(state.params)))
+print(np.asarray(out.tokens).tolist(), sampler.compile_counts, total)
+print(loads, sorted({n for n in traced if n.startswith(("_prefill", "_decode", "_admit", "micro", "finish"))}))
+"""
+
+
 def test_second_process_loads_the_first_ones_program(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
   env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"})
@@ -77,6 +111,82 @@ def test_second_process_loads_the_first_ones_program(tmp_path):
   # runtime.CompileClock counts the program either way, and which of the two the cache answered
   assert [r.strip().splitlines()[-2:] for r in runs] == [["1 0 1 True", "MISS"], ["1 1 0 True", "HIT"]]
   assert any(p.name.startswith("jit_") for p in (tmp_path / "cache").iterdir())
+
+
+def test_second_process_runs_the_samplers_and_updates_executables_without_tracing_them(tmp_path):
+  """A second process samples the same tokens and takes the same update step from executables the first wrote
+  (`PersistentProgram`): it traces none of the sampler's and update's programs, and counts each one it read."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"})
+  cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  first, second = [
+    subprocess.run(
+      [sys.executable, "-c", _MODEL_PROGRAM], env=env, cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout.splitlines()[-2:]
+    for _ in range(2)
+  ]
+  assert first[0] == second[0]  # the tokens, the sampler's program counts, the updated parameters
+  assert first[1] == "0 ['_admit_rows', '_decode_loop', '_prefill_chunk', 'finish', 'micro']"
+  assert second[1] == "5 []"  # prefill, decode, admit, the micro-batch and the optimizer step: read, not traced
+  written = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / compilation_cache.EXECUTABLES).iterdir())
+  assert written == ["sampler_admit", "sampler_decode", "sampler_prefill", "update_finish", "update_micro"]
+
+
+def _counting(traces: list):
+  def f(x, n, *, scale):
+    traces.append((x.shape, n, scale))
+    return (x * scale) ** n
+
+  return f
+
+
+def test_a_program_is_keyed_by_its_signature_static_arguments_and_shapes(tmp_path, monkeypatch):
+  """What a later process reads back is the executable traced for the same signature, static arguments (given by
+  position or by name) and argument shapes; any other call traces. A damaged file is compiled again. What is
+  written is a fresh compile, even where JAX's caches hold the same program read back from JAX's persistent cache
+  (XLA's CPU runtime writes such an executable without its code: "Function ... not found" when the copy ran)."""
+  monkeypatch.setattr(compilation_cache, "_executables", str(tmp_path))
+  traces = []
+  x = jnp.arange(4.0)
+  plain = jax.jit(_counting(traces), static_argnames=("n", "scale"))
+  for _ in range(2):  # the second time from JAX's persistent cache (the session's folder), into its memory
+    jax.clear_caches()
+    plain(x, 2, scale=3.0)
+  traces.clear()
+
+  def program(signature=("v1",)):  # a new jax.jit, as in a new process
+    jitted = jax.jit(_counting(traces), static_argnames=("n", "scale"))
+    return compilation_cache.PersistentProgram(jitted, "f", signature, static_argnames=("n", "scale"))
+
+  want = program()(x, 2, scale=3.0)
+  assert len(traces) == 1 and len(list(tmp_path.iterdir())) == 1
+  with runtime.CompileClock() as clock:
+    got = program()(x, n=2, scale=3.0)
+  assert len(traces) == 1 and clock.programs_since(0) == clock.hits == 1  # read, not traced; counted
+  np.testing.assert_array_equal(got, want)
+  program()(x, 3, scale=3.0)  # another static argument,
+  program()(jnp.arange(5.0), 2, scale=3.0)  # another shape,
+  program(("v2",))(x, 2, scale=3.0)  # another signature: each traced
+  assert [t[:2] for t in traces[1:]] == [((4,), 3), ((5,), 2), ((4,), 2)] and len(list(tmp_path.iterdir())) == 4
+  for path in tmp_path.iterdir():
+    path.write_bytes(b"damaged")
+  np.testing.assert_array_equal(program()(x, 2, scale=3.0), want)
+  assert len(traces) == 5 and sorted(p.read_bytes() == b"damaged" for p in tmp_path.iterdir()) == [0, 1, 1, 1]
+
+
+def test_a_program_without_a_stable_signature_is_plain_jit(tmp_path, monkeypatch):
+  """A signature with no text that names it the same in another process (here a closure), or None, writes nothing;
+  under an outer trace the program is traced into it."""
+  monkeypatch.setattr(compilation_cache, "_executables", str(tmp_path))
+  traces, scale = [], 2.0
+  for signature in [(lambda: scale,), None]:
+    jitted = jax.jit(_counting(traces), static_argnames=("n", "scale"))
+    program = compilation_cache.PersistentProgram(jitted, "f", signature, static_argnames=("n", "scale"))
+    assert float(program(jnp.ones(2), 1, scale=scale)[0]) == 2.0
+  assert len(traces) == 2 and not list(tmp_path.iterdir())
+  program = compilation_cache.PersistentProgram(jax.jit(_counting(traces), static_argnames=("n", "scale")), "f", ("v",))
+  assert float(jax.jit(lambda x: program(x, 1, scale=3.0))(jnp.ones(2))[0]) == 3.0
+  assert not list(tmp_path.iterdir())
 
 
 def test_a_foreign_entry_does_not_stop_new_ones_being_written(tmp_path):

@@ -786,8 +786,9 @@ def _micro_batch_shardings(mesh: Mesh, rules: sharding.Rules):
   return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])), train_batch_shardings(mesh, rules))
 
 
-def _update_programs(config: ModelConfig, cfg: GrpoConfig, mesh, rules, donate: bool) -> tuple:
-  """make_update_step's jitted (micro, add, finish, take)."""
+def _update_programs(config: ModelConfig, cfg: GrpoConfig, mesh, rules, donate: bool, signature=None) -> tuple:
+  """make_update_step's jitted (micro, add, finish, take); with a ``signature``, each one's executables kept for later
+  processes (`compilation_cache.PersistentProgram`)."""
 
   def micro(params, mb):
     grads, sums = micro_batch_grads(config, cfg, transformer.stack_tree(params), mb)
@@ -819,7 +820,11 @@ def _update_programs(config: ModelConfig, cfg: GrpoConfig, mesh, rules, donate: 
       finish, in_shardings=(state_sh, *acc_sh), out_shardings=(state_sh, rep), donate_argnames=donated
     )
     take_jit = jax.jit(take, in_shardings=(batch_sh, rep), out_shardings=mb_sh)
-  return micro_jit, add_jit, finish_jit, take_jit
+  jits = {"micro": micro_jit, "add": add_jit, "finish": finish_jit, "take": take_jit}
+  return tuple(
+    compilation_cache.PersistentProgram(jitted, f"update_{name}", signature and (signature, name))
+    for name, jitted in jits.items()
+  )
 
 
 def make_update_step(
@@ -860,7 +865,7 @@ def make_update_step(
   # The programs of an earlier call with the same arguments and attention backend (`_SHARED_UPDATES`), when they hash
   # and no `attention.recording` block would miss their traces.
   signature = None if attention.is_recording() else (config, cfg, mesh, rules, donate, attention.current_backend())
-  shared = _SHARED_UPDATES.get(signature, lambda: _update_programs(config, cfg, mesh, rules, donate))
+  shared = _SHARED_UPDATES.get(signature, lambda: _update_programs(config, cfg, mesh, rules, donate, signature))
   micro_jit, add_jit, finish_jit, take_jit = shared
   shards = 1 if mesh is None else sharding.batch_size_multiple(mesh, rules)
   shapes: set[tuple[int, int, int]] = set()

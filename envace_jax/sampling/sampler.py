@@ -340,7 +340,8 @@ class Sampler:
       attention.current_backend(),
     )  # fmt: skip
     share = share_programs and not attention.is_recording()
-    self._programs = _SHARED.get(signature if share else None, self._holder_programs)
+    self._signature = signature if share else None  # None: no executables written or read (`PersistentProgram`)
+    self._programs = _SHARED.get(self._signature, self._holder_programs)
     self.compile_counts, self._jitted = self._programs.counts, self._programs.jitted
 
   def _holder_programs(self) -> _Programs:
@@ -421,6 +422,12 @@ class Sampler:
         state = state.replace(cache=None)
         kwargs = dict(in_shardings=(state, rows2, rows1, rows1), out_shardings=state)
     jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate, **kwargs)
+    # A later process with these settings loads the executables instead of tracing them (counted as a trace).
+    counts, counted = self.compile_counts, {"prefill_rows": "prefill", "decode_rows": "decode"}.get(kind, kind)
+    jitted = compilation_cache.PersistentProgram(
+      jitted, f"sampler_{kind}", self._signature and (self._signature, key, donate), static,
+      on_load=lambda: counts.__setitem__(counted, counts[counted] + 1),
+    )  # fmt: skip
     if kwargs and jax.process_count() > 1:  # jit takes no host array for a sharded input there: place them first
       jitted = _placing(jitted, kwargs["in_shardings"])
     self._jitted[key] = jitted
