@@ -58,7 +58,7 @@ def test_uncreatable_folder_names_the_fix(clean_env, tmp_path):
 
 
 _PROGRAM = """
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from envace_jax import compilation_cache, runtime
 compilation_cache.enable(min_compile_seconds=0.0)
 x = jnp.ones((64, 32)).block_until_ready()
@@ -69,12 +69,11 @@ print("HIT" if clock.hits else "MISS")
 """
 
 
-# A tiny model's sampler and update step (`compilation_cache.PersistentProgram`): what they compute, then how many of
-# their programs were traced and how many read back without tracing.
-_MODEL_PROGRAM = """
-import jax, numpy as np
-from envace_jax import compilation_cache, runtime
-compilation_cache.enable(min_compile_seconds=0.0)
+# Then a tiny model's sampler and update step (`compilation_cache.PersistentProgram`): what they compute, how many of
+# their programs were read back without tracing, and which were traced.
+_MODEL_PROGRAM = (
+  _PROGRAM
+  + """
 from envace_jax.model import transformer
 from envace_jax.model.config import PRESETS
 from envace_jax.rl import grpo
@@ -99,35 +98,28 @@ total = float(sum(abs(x).sum() for x in jax.tree.leaves(state.params)))
 print(np.asarray(out.tokens).tolist(), sampler.compile_counts, total)
 print(loads, sorted({n for n in traced if n.startswith(("_prefill", "_decode", "_admit", "micro", "finish"))}))
 """
+)
 
 
-def test_second_process_loads_the_first_ones_program(tmp_path):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-  env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"})
-  runs = [
-    subprocess.run([sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, check=True).stdout
-    for _ in range(2)
-  ]
-  # runtime.CompileClock counts the program either way, and which of the two the cache answered
-  assert [r.strip().splitlines()[-2:] for r in runs] == [["1 0 1 True", "MISS"], ["1 1 0 True", "HIT"]]
-  assert any(p.name.startswith("jit_") for p in (tmp_path / "cache").iterdir())
-
-
-def test_second_process_runs_the_samplers_and_updates_executables_without_tracing_them(tmp_path):
-  """A second process samples the same tokens and takes the same update step from executables the first wrote
-  (`PersistentProgram`): it traces none of the sampler's and update's programs, and counts each one it read."""
+def test_second_process_loads_the_first_ones_programs(tmp_path):
+  """A jitted program comes back from JAX's cache. The sampler's and update's executables come back without tracing
+  (`PersistentProgram`): the second process samples the same tokens and takes the same update step, traces none of
+  their programs, and counts each one it read."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
   env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"})
   cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   first, second = [
     subprocess.run(
       [sys.executable, "-c", _MODEL_PROGRAM], env=env, cwd=cwd, capture_output=True, text=True, check=True
-    ).stdout.splitlines()[-2:]
+    ).stdout.splitlines()[-4:]
     for _ in range(2)
   ]
-  assert first[0] == second[0]  # the tokens, the sampler's program counts, the updated parameters
-  assert first[1] == "0 ['_admit_rows', '_decode_loop', '_prefill_chunk', 'finish', 'micro']"
-  assert second[1] == "5 []"  # prefill, decode, admit, the micro-batch and the optimizer step: read, not traced
+  # runtime.CompileClock counts the jitted program either way, and which of the two JAX's cache answered
+  assert (first[:2], second[:2]) == (["1 0 1 True", "MISS"], ["1 1 0 True", "HIT"])
+  assert any(p.name.startswith("jit_") for p in (tmp_path / "cache").iterdir())
+  assert first[2] == second[2]  # the tokens, the sampler's program counts, the updated parameters
+  assert first[3] == "0 ['_admit_rows', '_decode_loop', '_prefill_chunk', 'finish', 'micro']"
+  assert second[3] == "5 []"  # prefill, decode, admit, the micro-batch and the optimizer step: read, not traced
   written = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / compilation_cache.EXECUTABLES).iterdir())
   assert written == ["sampler_admit", "sampler_decode", "sampler_prefill", "update_finish", "update_micro"]
 
@@ -207,11 +199,14 @@ def test_a_foreign_entry_does_not_stop_new_ones_being_written(tmp_path):
 
 
 def test_prune_deletes_the_least_recently_used_files_beyond_the_bound(tmp_path):
-  for i, name in enumerate(["old", "mid", "new"]):
-    path = tmp_path / f"jit_{name}-cache"
+  (tmp_path / compilation_cache.EXECUTABLES).mkdir()
+  names = ["jit_old-cache", f"{compilation_cache.EXECUTABLES}/f-mid.exe", "jit_new-cache"]
+  for i, name in enumerate(names):
+    path = tmp_path / name
     path.write_bytes(b"x" * 100)
     os.utime(path, (1_000_000 + i, 1_000_000 + i))
+  files = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())  # noqa: E731
   assert compilation_cache.prune(str(tmp_path), max_bytes=250) == 100
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_mid-cache", "jit_new-cache"]
+  assert files() == sorted(names[1:])
   assert compilation_cache.prune(str(tmp_path), max_bytes=250) == 0
-  assert compilation_cache.prune(str(tmp_path), max_bytes=0) == 200 and not list(tmp_path.iterdir())
+  assert compilation_cache.prune(str(tmp_path), max_bytes=0) == 200 and not files()
