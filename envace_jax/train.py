@@ -671,8 +671,13 @@ class Trainer:
     scalars["time/step_s"] = time.perf_counter() - start
     return scalars
 
-  def run(self) -> dict[str, Any]:
+  def run(self, keep_optimizer: bool = True) -> dict[str, Any]:
     """Trains ``config.train.steps`` steps (from the resumed step), then evaluates on held-out tasks.
+
+    ``keep_optimizer=False`` (`train_and_evaluate`, the main job) frees the optimizer state before the final
+    held-out evaluation, which does not read it (AdamW's two moments: twice the float32 parameters, 1.0 GiB for
+    SmolLM2-135M; the main job's peak was in that evaluation, experiments/results/2026-12-07_executables.md): the
+    last step's checkpoint holds it, and ``self.state.opt_state`` is None afterwards.
 
     Prints on process 0 (``metrics.py``): the progress bar and a line per step (a resumed run first says from which
     step), then with ``train.eval_tasks`` nonzero a line as the held-out evaluation starts and its table
@@ -734,6 +739,8 @@ class Trainer:
       self.ckpt.wait()
       summary = None
       if cfg.train.eval_tasks != 0:
+        if not keep_optimizer:
+          self.state = self.state.replace(opt_state=None)  # in the checkpoint just saved
         runtime.release_host_memory(programs=True)  # the training's programs are done
         say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
@@ -793,7 +800,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """
   start = time.perf_counter()
   with runtime.CompileClock() as clock:
-    result = Trainer(config, workdir).run()
+    result = Trainer(config, workdir).run(keep_optimizer=False)
   record = {
     "programs": clock.programs_since(0),
     "cache_hits": clock.hits,

@@ -227,7 +227,8 @@ def test_an_unscoreable_output_is_invalid_excluded_and_counted_in_training_and_e
   assert not adv.any() and stats["invalid_trajectories"] == 1.0  # one valid member: no baseline to beat
   assert stats["adv/act/trajectories"] == 1.0 and stats["adv/act/zero_variance_groups"] == 1.0
 
-  result = trainer.run()
+  result = trainer.run(keep_optimizer=False)  # as the main job: the final evaluation runs without AdamW's moments
+  assert trainer.state.opt_state is None and trainer.state.params is not None
   (record,) = metrics.read_jsonl(tmp_path / "run")
   assert record["reward/mean"] == 1.0 and record["reward/std"] == 0.0
   assert record["reward/invalid"] == 1.0 and record["reward/scoring_errors"] == 1.0
