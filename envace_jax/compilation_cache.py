@@ -34,6 +34,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable
@@ -198,6 +199,14 @@ _executables: str | None = None  # the folder, once `enable` turned the cache on
 # process, JAX's persistent cache does not write it (its file here does), and one that JAX's cache answered anyway
 # (counted here) is not written.
 _OWN_COMPILE = {"xla_embed_ir_in_executable": False}
+_CHECK = 32  # bytes of a file's BLAKE2b checksum, before its pickle: a flipped byte loaded and ran wrong or crashed
+
+
+def _debugging() -> bool:
+  """``jax.disable_jit`` or NaN/Inf checking on: jit's own paths (re-running eagerly, the operation's own error)."""
+  return bool(jax.config.jax_disable_jit or jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+
+
 _jax_cache_hits = [0]
 
 
@@ -272,8 +281,8 @@ def _leaf(x: Any) -> tuple:
     _Unstable: a tracer or any other kind of leaf (the caller then calls ``jax.jit`` as usual).
   """
   kind = _KINDS.get(type(x)) or _kind(type(x))
-  if kind == "array":
-    return (x.aval, x.sharding)
+  if kind == "array":  # committed or not: whether jit pins the outputs to the inputs' devices
+    return (x.aval, x.sharding, x.committed)
   if kind == "numpy":
     return ("numpy", x.shape, x.dtype)
   if kind == "python":
@@ -286,8 +295,8 @@ def _stable_leaf(leaf: tuple) -> str:
     return f"numpy{leaf[1]}:{leaf[2]}"
   if leaf[0] == "python":
     return f"python:{leaf[1].__name__}"
-  aval, placement = leaf
-  return f"array{aval.shape}:{aval.dtype}:{aval.weak_type}:{_stable(placement)}"
+  aval, placement, committed = leaf
+  return f"array{aval.shape}:{aval.dtype}:{aval.weak_type}:{_stable(placement)}:{committed}"
 
 
 def _stable_context(context: tuple) -> str:
@@ -308,9 +317,9 @@ def _stable_context(context: tuple) -> str:
 
 @functools.cache
 def _environment() -> str:
-  """Everything besides its arguments and signature that a program's executable depends on: the package's own
-  source, the installed jax, jaxlib, PJRT plugins, flax and numpy, XLA's flags, JAX's settings (less where caches and
-  logs go), the Python version, the backend and its devices."""
+  """What a program's executable depends on besides its arguments, signature and `_settings`, fixed for a process:
+  the package's own source, the installed jax, jaxlib, PJRT plugins, flax and numpy, XLA's flags, the Python version,
+  the backend and its devices."""
   import envace_jax
 
   digest = hashlib.sha256()
@@ -325,13 +334,18 @@ def _environment() -> str:
   prefixes = ("jax", "libtpu", "flax", "numpy", "ml-dtypes", "ml_dtypes", "nvidia-")
   versions = sorted({(d.metadata["Name"] or "").lower(): d.version for d in importlib.metadata.distributions()}.items())
   versions = [(n, v) for n, v in versions if n.startswith(prefixes)]
-  settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k and "log" not in k)
   backend = jax.devices()[0].client
   devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
   flags = [(k, os.environ.get(k)) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS")]
-  extra = (versions, settings, backend.platform, backend.platform_version, devices, flags, sys.version)
+  extra = (versions, backend.platform, backend.platform_version, devices, flags, sys.version)
   digest.update(repr(extra).encode())
   return digest.hexdigest()
+
+
+def _settings() -> str:
+  """JAX's settings now, less where caches and logs go (read at every new key: a setting changed mid-process, e.g.
+  ``jax_default_prng_impl``, is another key)."""
+  return repr(sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k and "log" not in k))
 
 
 class PersistentProgram:
@@ -339,13 +353,16 @@ class PersistentProgram:
   ``<directory()>/executables`` under a key made of ``signature`` (everything its trace reads besides its arguments,
   as for `SharedPrograms`), the static arguments, each argument's shape, dtype, weak type and placement, JAX's trace
   context and `_environment` (the package's source, library versions, XLA flags, devices); a change to any of them is
-  another key. Elsewhere the program is ``jitted`` itself: with the cache off (`enable` not called or turned off), in
-  a multi-process run, under a trace (tracer arguments), or for a signature that is None or has no stable text
-  (`_stable`).
+  another key (JAX's settings are read at every new key; a constant of the package's modules patched at run time is
+  not: a test that patches one must not build samplers or update steps with the cache on). Elsewhere the program is
+  ``jitted`` itself: with the cache off (`enable` not called or turned off), in a multi-process run, with
+  ``jax.disable_jit`` or NaN/Inf checking on, under a trace (tracer arguments), or for a signature that is None or
+  has no stable text (`_stable`).
   ``lower``, ``trace`` and the rest of ``jitted``'s attributes are its own.
 
   A read is reported as the ``LOAD_EVENT`` time span (`runtime.CompileClock` counts it as a compile) and calls
-  ``on_load``; an entry that does not load (damaged, or from an older jaxlib) is deleted and compiled again. Like
+  ``on_load``; an entry that does not load (its checksum does not match, or it is from an older jaxlib) is deleted
+  and compiled again. Like
   JAX's own cache, loading runs what the file holds: the folder must be the user's own.
 
       step = PersistentProgram(jax.jit(f, static_argnames="n"), "f", signature=(config,), static_argnames=("n",))
@@ -380,22 +397,23 @@ class PersistentProgram:
 
   def __call__(self, *args, **kwargs):
     folder = _executables
-    if folder is None or self._signature is None or jax.process_count() > 1:
+    if folder is None or self._signature is None or _debugging() or jax.process_count() > 1:
       return self._jitted(*args, **kwargs)
     given = args
     static = [(k, kwargs.pop(k)) for k in list(kwargs) if k in self._static]
     if self._static_at and any(i < len(args) for i in self._static_at):
       static += [(self._static_at[i], a) for i, a in enumerate(args) if i in self._static_at]
       args = tuple(a for i, a in enumerate(args) if i not in self._static_at)
-    static = tuple(sorted(static))
+    static = tuple(sorted(static, key=lambda item: item[0]))
     leaves, tree = jax.tree.flatten((args, kwargs))
-    try:
-      key = (static, tree, tuple(map(_leaf, leaves)), jax_config.trace_context())
+    try:  # a static value with its type: 1, True and 1.0 are equal keys of a dict, and other programs
+      typed = tuple((k, type(v), v) for k, v in static)
+      key = (typed, tree, tuple(map(_leaf, leaves)), jax_config.trace_context())
       compiled = self._compiled.get(key)
     except TypeError:  # _Unstable, or a static value that does not hash
       return self._jitted(*given, **kwargs, **self._named(static, given))
     if compiled is None:
-      compiled = self._compiled[key] = self._load_or_compile(folder, key, given, kwargs)
+      compiled = self._compiled[key] = self._load_or_compile(folder, key, static, given, kwargs)
     return compiled(*args, **kwargs)
 
   def _named(self, static: tuple, given: tuple) -> dict:
@@ -403,22 +421,22 @@ class PersistentProgram:
     positional = {n for i, n in self._static_at.items() if i < len(given)}
     return {k: v for k, v in static if k not in positional}
 
-  def _path(self, folder: str, key: tuple) -> str | None:
-    static, tree, leaves, context = key
+  def _path(self, folder: str, key: tuple, static: tuple) -> str | None:
+    _, tree, leaves, context = key
     try:
       text = repr((self.name, self._signature, _stable(static), str(tree), [_stable_leaf(x) for x in leaves]))
       text += _stable_context(context)
     except _Unstable:
       return None
-    digest = hashlib.sha256((_environment() + text).encode()).hexdigest()[:48]
+    digest = hashlib.sha256((_environment() + _settings() + text).encode()).hexdigest()[:48]
     return os.path.join(folder, f"{re.sub(r'[^A-Za-z0-9_]', '_', self.name)}-{digest}.exe")
 
-  def _load_or_compile(self, folder: str, key: tuple, given: tuple, kwargs: dict):
+  def _load_or_compile(self, folder: str, key: tuple, static: tuple, given: tuple, kwargs: dict):
     """The executable for ``key``, read from its file, else lowered from the call's own arguments (``given``: the
     positional ones, static included) and compiled, then written."""
     from jax.experimental import serialize_executable
 
-    path = self._path(folder, key)
+    path = self._path(folder, key, static)
     start = time.time()
     try:
       with open(path, "rb") as f:
@@ -427,7 +445,10 @@ class PersistentProgram:
       blob = None
     if blob is not None:
       try:
-        seconds, ids, payload, in_tree, out_tree = pickle.loads(blob)
+        check, body = blob[:_CHECK], blob[_CHECK:]
+        if hashlib.blake2b(body, digest_size=_CHECK).digest() != check:  # damage the unpickler would not see
+          raise ValueError("its checksum does not match")
+        seconds, ids, payload, in_tree, out_tree = pickle.loads(body)
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in ids]  # the program's own devices (by default it would get them all)
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
@@ -443,7 +464,7 @@ class PersistentProgram:
         return compiled
     start = time.time()
     hits = _jax_cache_hits[0]
-    lowered = self._jitted.lower(*given, **kwargs, **self._named(key[0], given))
+    lowered = self._jitted.lower(*given, **kwargs, **self._named(static, given))
     with jax_config.persistent_cache_min_compile_time_secs(float("inf")):  # this file, not JAX's, holds it
       compiled = lowered.compile(compiler_options=_OWN_COMPILE)
     if _jax_cache_hits[0] != hits:  # JAX's cache answered after all (an entry from elsewhere): not written
@@ -451,10 +472,10 @@ class PersistentProgram:
     if path is not None:
       try:
         ids = [d.id for d in compiled._executable._unloaded_executable.device_list]  # no public accessor
-        blob = pickle.dumps((time.time() - start, ids, *serialize_executable.serialize(compiled)))
-        temporary = f"{path}.{os.getpid()}.tmp"
+        body = pickle.dumps((time.time() - start, ids, *serialize_executable.serialize(compiled)))
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(temporary, "wb") as f:
-          f.write(blob)
+          f.write(hashlib.blake2b(body, digest_size=_CHECK).digest() + body)
         os.replace(temporary, path)  # whole or not at all, for a reader in another process
       except Exception as e:  # noqa: BLE001 (not serializable, disk full): it still runs, from memory
         logging.info("compilation cache: %s not written (%s: %s)", path, type(e).__name__, e)

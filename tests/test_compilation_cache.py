@@ -134,7 +134,8 @@ def _counting(traces: list):
 
 def test_a_program_is_keyed_by_its_signature_static_arguments_and_shapes(tmp_path, monkeypatch):
   """What a later process reads back is the executable traced for the same signature, static arguments (given by
-  position or by name) and argument shapes; any other call traces. A damaged file is compiled again. What is
+  position or by name, with their types) and argument shapes; any other call traces. A damaged file is compiled
+  again. What is
   written is a fresh compile, even where JAX's caches hold the same program read back from JAX's persistent cache
   (XLA's CPU runtime writes such an executable without its code: "Function ... not found" when the copy ran)."""
   monkeypatch.setattr(compilation_cache, "_executables", str(tmp_path))
@@ -160,10 +161,44 @@ def test_a_program_is_keyed_by_its_signature_static_arguments_and_shapes(tmp_pat
   program()(jnp.arange(5.0), 2, scale=3.0)  # another shape,
   program(("v2",))(x, 2, scale=3.0)  # another signature: each traced
   assert [t[:2] for t in traces[1:]] == [((4,), 3), ((5,), 2), ((4,), 2)] and len(list(tmp_path.iterdir())) == 4
+  # Static values equal as dict keys but of other types are other programs (1, True and 1.0 scale alike here, so
+  # only the traces tell them apart).
+  for n in (True, 2.0):
+    np.testing.assert_array_equal(program()(x, 2, scale=n), x * n * x * n)
+  assert [t[2] for t in traces[4:]] == [True, 2.0]
+  # Damaged files are compiled again: a flipped byte (its checksum; one such byte loaded and ran wrong, another
+  # crashed the process) and a file that is not one at all.
+  (first,) = [p for p in tmp_path.iterdir() if p.stat().st_mtime == min(q.stat().st_mtime for q in tmp_path.iterdir())]
+  flipped = bytearray(first.read_bytes())
+  flipped[len(flipped) // 2] ^= 0xFF
+  first.write_bytes(bytes(flipped))
+  np.testing.assert_array_equal(program()(x, 2, scale=3.0), want)
+  assert len(traces) == 7 and first.read_bytes() != bytes(flipped)
   for path in tmp_path.iterdir():
     path.write_bytes(b"damaged")
   np.testing.assert_array_equal(program()(x, 2, scale=3.0), want)
-  assert len(traces) == 5 and sorted(p.read_bytes() == b"damaged" for p in tmp_path.iterdir()) == [0, 1, 1, 1]
+  assert len(traces) == 8 and sorted(p.read_bytes() == b"damaged" for p in tmp_path.iterdir()) == [0, 1, 1, 1, 1, 1]
+
+
+def test_a_changed_setting_or_a_debugging_mode_is_not_a_stored_program(tmp_path, monkeypatch):
+  """A JAX setting changed in a process makes new keys from then on (the default PRNG here: a process that changed it
+  had filed its programs under the unchanged key); ``jax.disable_jit`` and NaN checking run ``jax.jit``'s own way."""
+  monkeypatch.setattr(compilation_cache, "_executables", str(tmp_path))
+  draw = lambda seed: jax.random.uniform(jax.random.key(seed), (3,))  # noqa: E731
+  program = lambda: compilation_cache.PersistentProgram(jax.jit(draw), "draw", ("v1",))  # noqa: E731
+  default, impl = program()(0), jax.config.jax_default_prng_impl
+  jax.config.update("jax_default_prng_impl", "rbg")  # for the process, as a script would
+  try:
+    np.testing.assert_array_equal(program()(0), jax.jit(draw)(0))  # not the default's file
+  finally:
+    jax.config.update("jax_default_prng_impl", impl)
+  assert len(list(tmp_path.iterdir())) == 2
+  np.testing.assert_array_equal(program()(0), default)
+  with jax.disable_jit():
+    np.testing.assert_array_equal(program()(0), default)
+  with jax.debug_nans(True), pytest.raises(FloatingPointError):
+    compilation_cache.PersistentProgram(jax.jit(jnp.log), "log", ("v1",))(jnp.array([-1.0, 1.0]))
+  assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_a_program_without_a_stable_signature_is_plain_jit(tmp_path, monkeypatch):
