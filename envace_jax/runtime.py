@@ -283,9 +283,8 @@ def _count_large_load(event: str, duration: float, **_) -> None:
   compiled does (without this a warm run never dropped the caches: the τ² main job's second run peaked at 11.5 GiB
   against 8.5 GiB, experiments/results/2026-12-05_compile_cache.md)."""
   global _large_compiles
-  if (
-    event in (_COMPILE_TIME_SAVED, compilation_cache.SAVED_EVENT) and duration >= _LARGE_COMPILE_S
-  ):  # compile time less the read: close enough
+  # JAX's figure is the compile time less the read (close enough); PersistentProgram's its trace, lowering and compile
+  if event in (_COMPILE_TIME_SAVED, compilation_cache.SAVED_EVENT) and duration >= _LARGE_COMPILE_S:
     _large_compiles += 1
 
 

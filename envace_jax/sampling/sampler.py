@@ -35,9 +35,10 @@ Invariants:
     for its own values would (greedy rows the argmax, sampled rows bit for bit).
   * Compilations are bounded: prompt chunks are bucketed to powers of two up to ``prefill_chunk``, new-token counts
     and gathered rows to powers of two, the slots a dense cache attends over too (a paged cache needs no such
-    bucket: one program serves every history length); ``compile_counts`` reports how many traces each jitted
-    function took (prefill, decode, and a stream's admit). Samplers of the same settings in one process share their
-    programs (``share_programs``), so a second one traces and compiles nothing it has seen.
+    bucket: one program serves every history length); ``compile_counts`` reports how many programs each jitted
+    function made (prefill, decode, and a stream's admit): traced, or read back untraced from the compilation
+    cache's executables (`compilation_cache.PersistentProgram`). Samplers of the same settings in one process share
+    their programs (``share_programs``), so a second one traces and compiles nothing it has seen.
 """
 
 from __future__ import annotations
