@@ -207,11 +207,12 @@ def _debugging() -> bool:
   return bool(jax.config.jax_disable_jit or jax.config.jax_debug_nans or jax.config.jax_debug_infs)
 
 
+JAX_CACHE_HITS = "/jax/compilation_cache/cache_hits"  # jax._src.compiler: a program read from JAX's persistent cache
 _jax_cache_hits = [0]
 
 
 def _count_jax_cache_hit(event: str, **_) -> None:
-  if event == "/jax/compilation_cache/cache_hits":
+  if event == JAX_CACHE_HITS:
     _jax_cache_hits[0] += 1
 
 

@@ -255,7 +255,6 @@ def host_memory_gib() -> dict[str, float]:
 
 _COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, lowering to MLIR, backend compile (jax._src.dispatch)
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_CACHE_HITS = "/jax/compilation_cache/cache_hits"  # jax._src.compiler: a program read from the persistent cache
 _CACHE_MISSES = "/jax/compilation_cache/cache_misses"  # not there; counted where the new entry is written
 # An XLA compile this long is a real model's program (a SmolLM2 sampler program: 2-13 s on a 2-core CPU, an update
 # 10-40 s), not an eager operation's (about 0.01 s) or the tiny test model's (1-3 s, whose caches are small: dropping
@@ -317,7 +316,7 @@ class CompileClock:
     jax.monitoring.register_event_listener(self._on_event)
 
   def _on_event(self, event: str, **_) -> None:
-    if event == _CACHE_HITS:
+    if event == compilation_cache.JAX_CACHE_HITS:
       self.hits += 1
     elif event == _CACHE_MISSES:
       self.misses += 1
