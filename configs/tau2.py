@@ -7,7 +7,7 @@ supported by the τ² adapter (score it with tau2's own orchestrator).
 experiments/evidence.py (trained on one task of each template, evaluated on the four tasks that continue a logged
 conversation, which it never trains on), with what SmolLM2-135M needs to learn within 30 minutes on 2 CPU cores: the
 supervised warm-up, the scenario as the user's first message, REHEARSE without grounding, dynamic sampling, and the
-initial weights evaluated first, so the log ends with the held-out numbers before and after training.
+initial weights evaluated too, so the log ends with the held-out numbers before and after training.
 
 The defaults (base.py) train SmolLM2-135M on 2 CPU cores in well under 30 minutes: 2 steps of 1 task × 2 rollouts,
 at most 4 agent turns of ≤ 96 tokens. Airline and retail system prompts are ≈ 5k SmolLM2 tokens, so the ACT view

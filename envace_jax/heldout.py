@@ -1,8 +1,8 @@
 """A policy evaluated on held-out tasks against the real tools: private rehearsal, committed execution, the
 benchmark's score and pass^k, world-model fidelity, the rehearsal-vs-real reward gap.
 
-Training calls `committed_execution` (rehearsal off) at its start (``train.eval_at_start``), every
-``train.eval_every`` steps and at the end; ``--mode=eval`` (``evaluate.py``) calls `evaluate_policy` once per
+Training calls `committed_execution` (rehearsal off) every ``train.eval_every`` steps and at the end, where
+``train.eval_at_start`` adds the initial weights'; ``--mode=eval`` (``evaluate.py``) calls `evaluate_policy` once per
 test-time rehearsal mode (paper §3.4: N imagined trajectories, a rehearsal memory, one committed execution). Every
 trial's committed execution runs on a fresh ``ToolEnv`` and is scored by the benchmark's own evaluator
 (`scoring.score_committed`); fidelity (`rehearsal.fidelity`) and the reward gap (`scoring.reward_gap`: one rehearsed

@@ -681,8 +681,13 @@ class Trainer:
 
     Prints on process 0 (``metrics.py``): the progress bar and a line per step (a resumed run first says from which
     step), then with ``train.eval_tasks`` nonzero a line as the held-out evaluation starts and its table
-    (``metrics.format_eval_summary``); with ``train.eval_at_start`` a fresh run evaluates the initial weights first
-    (step 0 of ``eval.jsonl``, its table printed) and ends with the two side by side (``metrics.format_eval_change``).
+    (``metrics.format_eval_summary``); with ``train.eval_at_start`` the held-out evaluation also covers the initial
+    weights (step 0 of ``eval.jsonl``, its table printed) and ends with the two side by side
+    (``metrics.format_eval_change``). The initial weights are evaluated after training, just before the trained
+    ones (`_initial_pending`, `_initial_params`), so that the two evaluations run the same compiled programs: the
+    run drops its programs where a phase ends, for memory, and an evaluation before step 1 had its programs read
+    back for the last one (about 10 s of the main job's compile seconds, experiments/results/
+    2026-12-07_initial_evaluation.md).
 
     Returns:
       {"steps": last step, "last": its metrics, "eval": the evaluation summary or None}.
@@ -704,16 +709,6 @@ class Trainer:
     writer = metrics.MetricsWriter(self.workdir, total_steps=total, start_step=self.start_step + 1)
     clock = self.clock = runtime.CompileClock()
     try:
-      if cfg.train.eval_tasks != 0 and cfg.train.eval_at_start and self.start_step == 0:
-        say(f"evaluating the initial weights on {self._eval_count()} before step 1...")
-        initial = self.evaluate(0)
-        if primary:
-          heldout.write_summary(self.workdir, 0, initial)
-        say(metrics.format_eval_summary(initial, 0))
-        # Each phase's end drops its compiled programs (`runtime.release_host_memory`: tens of MiB each on a CPU):
-        # the evaluation's run again only at the end, the warm-up's never after its last step, the training's
-        # never after the last; a program needed again is read back from the persistent compilation cache.
-        runtime.release_host_memory(programs=True)
       for step in range(self.start_step + 1, total + 1):
         mark = clock.mark()
         last = self.step(step)
@@ -742,6 +737,12 @@ class Trainer:
         if not keep_optimizer:
           self.state = self.state.replace(opt_state=None)  # in the checkpoint just saved
         runtime.release_host_memory(programs=True)  # the training's programs are done
+        if self._initial_pending():  # first: eval.jsonl's step-0 row before the trained weights' row
+          say(f"evaluating the initial weights on {self._eval_count()} against the real tools...")
+          initial = self.evaluate(0, self._initial_params())
+          if primary:
+            heldout.write_summary(self.workdir, 0, initial)
+          say(metrics.format_eval_summary(initial, 0))
         say(f"evaluating on {self._eval_count()} against the real tools...")
         summary = self.evaluate(total)
         if primary:
@@ -757,6 +758,26 @@ class Trainer:
       self.ckpt.close()
     return {"steps": total, "last": last, "eval": summary}
 
+  def _initial_pending(self) -> bool:
+    """Whether the final evaluation also evaluates the initial weights (``train.eval_at_start``): a run that trains
+    from the loaded model (not ``train.init_from``'s checkpoint, whose start is another run's) and whose
+    ``eval.jsonl`` has no step-0 row yet (a resumed run's first process may have written it). Process 0 decides for
+    every process."""
+    cfg = self.config
+    if not (cfg.train.eval_at_start and cfg.train.steps and not cfg.train.init_from):
+      return False
+    done = jax.process_index() == 0 and any(r["step"] == 0 for r in metrics.read_jsonl(self.workdir, "eval.jsonl"))
+    return not distributed.allgather_objects(done)[0]
+
+  def _initial_params(self) -> Any:
+    """The weights the run started from, in the train state's layout (per_role: the same tree for both roles): the
+    frozen reference where the run holds one (`runtime.holds_reference`), else the model loaded again
+    (`runtime.load_model`, as the run loaded it)."""
+    tree = self.ref_params
+    if tree is None:
+      tree = transformer.unstack_tree(runtime.load_model(self.config, self.update_mesh).params)
+    return dict.fromkeys(grpo.ROLE_TREES, tree) if self.grpo_cfg.per_role else tree
+
   def _eval_count(self) -> str:
     n, trials = len(self.eval_tasks()), self.config.eval.num_trials
     return (
@@ -764,10 +785,11 @@ class Trainer:
       "each)"
     )
 
-  def evaluate(self, step: int) -> dict[str, float]:
-    """Committed execution of the current policy on held-out tasks against the real tools (``heldout.py``), with
-    the host memory figures after it (``runtime.host_memory_gib``)."""
-    self._sync_samplers()
+  def evaluate(self, step: int, params: Any = None) -> dict[str, float]:
+    """Committed execution of the current policy (or of ``params``, a tree in the train state's layout) on
+    held-out tasks against the real tools (``heldout.py``), with the host memory figures after it
+    (``runtime.host_memory_gib``). The key is the step's: the initial weights' evaluation is ``step=0``."""
+    self.policy.sync(self.samplers, self._sampling(self.state.params if params is None else params))
     with self._counted("eval"):
       summary = heldout.committed_execution(
         self.config,

@@ -81,8 +81,9 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     # One task, one trial, τ²'s reward (a product of 0/1 checks): pass^1 is that trial's success, i.e. its reward.
     assert summary["eval/reward"] in (0.0, 1.0) and summary["eval/pass^1"] == summary["eval/reward"]
 
-  # Every visible line, in order: the initial weights' evaluation and its table, the two step lines, the bar, the
-  # final evaluation's start and its table, then both side by side.
+  # Every visible line, in order: the two step lines, the bar, the initial weights' evaluation and its table (after
+  # training: it shares the final evaluation's programs, `Trainer.run`), the final one's and its table, then both
+  # side by side.
   # First, on the tests' 8 fake CPU devices: tiny's 2 rollout rows and its micro-batches of 1 row do not split over
   # the 8 batch shards, and absl's WARNINGs (shown at the default verbosity) say so, naming the values
   # (`train.Trainer`, `runtime.make_sampler`); nothing else of absl's reaches the terminal.
@@ -92,16 +93,6 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
   assert lines[: len(off_mesh)] == off_mesh, out
   lines = lines[len(off_mesh) :]
   out = "".join(line for line in out.splitlines(keepends=True) if not re.match(r"W\d{4} .*8-device mesh", line))
-  task = "1 held-out task (base split, 1 trial each)"
-  assert lines[0] == f"evaluating the initial weights on {task} before step 1..."
-  first = metrics.format_eval_summary(initial, 0).splitlines()
-  assert lines[1 : 1 + len(first)] == first and len(first) == 7  # header, columns, values, fidelity 3, the gap
-  assert first[0] == (
-    "held-out evaluation after step 0: 1 task x 1 trial against the real tools, scored by the benchmark"
-  )
-  assert first[1].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
-  assert first[2].split()[:2] == [f"{initial['eval/pass^1']:.3f}", f"{initial['eval/reward']:.3f}"]
-  lines = lines[1 + len(first) :]
   for step, line in zip((1, 2), lines[:2], strict=True):
     r = records[step - 1]
     assert line.startswith(f"step {step}/2: reward {r['reward/mean']:.3f} ± {r['reward/std']:.3f}, loss "), line
@@ -114,7 +105,17 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     if step == 1:  # the first step compiles the rollout's and the update's programs (or loads them from the cache)
       assert per_phase["compile/programs/rollout"] > 0 and per_phase["compile/programs/update"] > 0, r
   assert re.fullmatch(r"train: 100%\|█+\| 2/2 \[\d\d:\d\d<00:00, .*step, reward=.*\]", lines[2]), lines[2]
-  assert lines[3] == f"evaluating on {task} against the real tools..."
+  task = "1 held-out task (base split, 1 trial each)"
+  assert lines[3] == f"evaluating the initial weights on {task} against the real tools..."
+  first = metrics.format_eval_summary(initial, 0).splitlines()
+  assert lines[4 : 4 + len(first)] == first and len(first) == 7  # header, columns, values, fidelity 3, the gap
+  assert first[0] == (
+    "held-out evaluation after step 0: 1 task x 1 trial against the real tools, scored by the benchmark"
+  )
+  assert first[1].split() == ["pass^1", "reward", "invalid", "scoring", "errors", "turns", "tool", "calls"]
+  assert first[2].split()[:2] == [f"{initial['eval/pass^1']:.3f}", f"{initial['eval/reward']:.3f}"]
+  lines = lines[4 + len(first) :]
+  assert lines[0] == f"evaluating on {task} against the real tools..."
   final = metrics.format_eval_summary(held_out, 2).splitlines()
   change = metrics.format_eval_change(initial, held_out, 2).splitlines()
   # Last, what the whole run compiled (train.train_and_evaluate's record in compile.jsonl).
@@ -123,7 +124,7 @@ def test_tiny_run_prints_bar_step_lines_and_table_and_writes_its_files(tmp_path)
     f"compiled {record['programs']} programs in {record['compile_s']:.0f} s of the run's {record['wall_s']:.0f} s "
     f"(compilation cache: {record['cache'] or 'off'}, {record['cache_hits']} read from it)"
   )
-  assert lines[4:] == [*final, *change, compiled] and len(final) == 7
+  assert lines[1:] == [*final, *change, compiled] and len(final) == 7
   assert change[0] == "held-out, initial weights vs after step 2:" and len(change) == 10  # every headline number
   with_ci = lambda s, k: [f"{s[k]:.3f}", f"[{s[k + '/lo']:.3f},", f"{s[k + '/hi']:.3f}]"]  # one task: lo = hi = value
   assert change[1].split() == ["pass^1", *with_ci(initial, "eval/pass^1"), "->", *with_ci(held_out, "eval/pass^1")]

@@ -139,7 +139,7 @@ def test_the_main_jobs_held_out_tasks_are_never_trained_on(data_dir):
 
 def test_the_main_job_is_the_testbed_at_level_cpu_with_its_sizes():
   """configs/testbed.py:main (the Makefile's CONFIG, the README's `make run`): level cpu with `MAIN`'s sizes, the
-  initial weights evaluated first on the iid split; every other key as configs/testbed.py:cpu."""
+  initial weights evaluated too on the iid split; every other key as configs/testbed.py:cpu."""
   main, cpu = load("testbed.py:main"), load("testbed.py:cpu")
   sizes = (main.train.sft_warmup_steps, main.train.steps, main.train.eval_tasks, main.train.eval_at_start)
   assert sizes == (6, 7, 16, True) and main.env.eval_split == "iid"

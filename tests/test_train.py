@@ -210,6 +210,22 @@ def test_a_run_without_the_kl_term_or_a_reference_user_holds_no_reference(tmp_pa
   assert [(x.shape, x.dtype) for x in rest] == [((2,), jnp.uint32)]  # the run's key
   sampled, trained = jax.tree.leaves(trainer.samplers["policy"].params), jax.tree.leaves(trainer.state.params)
   assert all(a is b for a, b in zip(sampled, trained, strict=True))
+  # The initial weights' evaluation after training (`Trainer.run`, ``train.eval_at_start``): with no reference
+  # held, the model is loaded again (the update donates the step-0 arrays), equal to them and placed like them.
+  initial = trainer._initial_params()
+  assert not {id(x) for x in jax.tree.leaves(initial)} & state
+  jax.tree.map(np.testing.assert_array_equal, initial, trainer.state.params)
+  same_devices = lambda a, b: a.sharding.device_set == b.sharding.device_set
+  assert all(jax.tree.leaves(jax.tree.map(same_devices, initial, trainer.state.params)))
+  # Pending for a run from the loaded weights whose eval.jsonl has no step-0 row yet, and only for such a run.
+  assert not trainer._initial_pending()  # train.eval_at_start off
+  trainer.config.train.eval_at_start = True
+  assert trainer._initial_pending()
+  trainer.config.train.init_from = str(tmp_path)  # another run's start
+  assert not trainer._initial_pending()
+  trainer.config.train.init_from = ""
+  (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "time": 0.0}) + "\n")  # a resumed run's, written
+  assert not trainer._initial_pending()
   trainer.ckpt.close()
 
 

@@ -183,7 +183,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.checkpoint_fallback = True
   c.train.eval_every = 0  # evaluate on eval_split every this many steps; 0: never during training
   c.train.eval_tasks = 2  # tasks of eval_split each evaluation runs (-1: all, airline test has 20; 0: none)
-  c.train.eval_at_start = False  # a fresh run also evaluates the initial weights first: the before/after pair
+  # The held-out evaluation also covers the initial weights (the before/after pair; after training, beside the
+  # trained ones, sharing their compiled programs: train.Trainer.run). Not for a train.init_from run.
+  c.train.eval_at_start = False
   # The first updates of train.steps that are supervised, on the benchmark's reference conversations (gold calls
   # for ACT, the real tools' responses for REHEARSE; τ² and BFCL) instead of rollouts; 0: none (the paper's runs).
   c.train.sft_warmup_steps = 0
