@@ -773,8 +773,8 @@ class Trainer:
     """The weights the run started from, in the train state's layout (per_role: the same tree for both roles): the
     frozen reference where the run holds one (`runtime.holds_reference`), else the model loaded again
     (`runtime.load_model`, as the run loaded it); placed, and committed, as the train state's params are, so that the
-    samplers run the programs the trained weights run (an uncommitted argument is another program: 19 more, 34 s, in
-    the main job)."""
+    samplers run the programs the trained weights run (an uncommitted argument is another program: the main job's cold
+    run compiled 174 programs in 195 s against 159 in 146 s)."""
     tree = self.ref_params
     if tree is None:
       tree = transformer.unstack_tree(runtime.load_model(self.config, self.update_mesh).params)
