@@ -378,11 +378,11 @@ class Trainer:
       self.model = dataclasses.replace(self.model, params=self.ref_params)
     return out
 
-  def _sync_samplers(self) -> None:
-    """Points the policy samplers at the train state's current arrays (`Policy.sync`): no copy where the sampler's
-    placement and dtype are the state's, else a fresh cast copy. Called after every update: the update donates the
-    old arrays."""
-    self.policy.sync(self.samplers, self._sampling(self.state.params))
+  def _sync_samplers(self, params: Any = None) -> None:
+    """Points the policy samplers at the train state's current arrays, or at ``params`` (a tree in the state's
+    layout) (`Policy.sync`): no copy where the sampler's placement and dtype are the state's, else a fresh cast copy.
+    Called after every update: the update donates the old arrays."""
+    self.policy.sync(self.samplers, self._sampling(self.state.params if params is None else params))
 
   def envs_for(self, tasks: Sequence[Task], group_size: int):
     """One fresh real environment per trajectory (task-major), for ``env_mode="real"``."""
@@ -793,7 +793,7 @@ class Trainer:
     """Committed execution of the current policy (or of ``params``, a tree in the train state's layout) on
     held-out tasks against the real tools (``heldout.py``), with the host memory figures after it
     (``runtime.host_memory_gib``). The key is the step's: the initial weights' evaluation is ``step=0``."""
-    self.policy.sync(self.samplers, self._sampling(self.state.params if params is None else params))
+    self._sync_samplers(params)
     with self._counted("eval"):
       summary = heldout.committed_execution(
         self.config,
