@@ -446,7 +446,7 @@ class PersistentProgram:
       blob = None
     if blob is not None:
       try:
-        check, body = blob[:_CHECK], blob[_CHECK:]
+        check, body = blob[:_CHECK], memoryview(blob)[_CHECK:]  # the body read in place, not copied
         if hashlib.blake2b(body, digest_size=_CHECK).digest() != check:  # damage the unpickler would not see
           raise ValueError("its checksum does not match")
         seconds, ids, payload, in_tree, out_tree = pickle.loads(body)
