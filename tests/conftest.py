@@ -18,7 +18,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 #   the suite 17:48 -> 15:08 on 2 cores (experiments/results/2026-12-06_suite_fusion_emitters.md). The flag also
 #   changes XLA's fusion decisions and scatter expansion, so the tests compile other HLO than `make run` (which keeps
 #   XLA's defaults: its SmolLM2 programs compile slower with these emitters) and round some sums differently, within
-#   float32 rounding. The notebooks' kernels drop it (tests/test_notebooks.py).
+#   float32 rounding. The notebooks' kernels keep both (tests/test_notebooks.py).
 # Set either flag yourself for another value.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
@@ -34,8 +34,8 @@ import pytest
 
 # The suite's longest tests start first. pytest-xdist's worksteal scheduler hands each worker a contiguous part of
 # the collection and the rest is stolen from its end: these (the mesh test with its two-process main job, three runs
-# in-process and two of two processes one after another; the quickstart notebook, ≈3.5 of the suite's ≈35
-# worker-minutes on 2 cores; the longest loop test, ≈1.5) sat near the end and could run last while the other workers
+# in-process and two of two processes one after another, ≈3 of the suite's ≈30 worker-minutes on 2 cores; the
+# quickstart notebook, ≈1; the longest loop test, ≈0.7) sat near the end and could run last while the other workers
 # idled.
 FIRST = (
   "tests/test_resume.py::test_training_loop_on_a_2x2x2_mesh_matches_one_device_and_two_processes",

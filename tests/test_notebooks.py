@@ -36,7 +36,7 @@ from envace_jax import metrics
 from envace_jax.checkpoint import Checkpointer
 from envace_jax.envs import tau2
 from envace_jax.model import config as config_lib
-from envace_jax.model import transformer, weights
+from envace_jax.model import transformer
 from envace_jax.rl import rewards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,15 +51,14 @@ def _kernel_env(tmp_dir: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
   pytest's tmp_path, which pytest prunes) and ``extra``, without the 8 fake CPU devices tests/conftest.py asks XLA
   for: the notebook sees the machine as a user's kernel would.
 
-  The kernel keeps XLA's backend optimisation level 0 and the compilation cache's folder (tests/conftest.py), but
-  compiles with XLA's default fusion emitters (any ``--xla_cpu_use_fusion_emitters`` setting is dropped): the
-  quickstart compiles SmolLM2's 30-layer programs, which the legacy emitters compile slower (the quickstart test:
-  145 s with them, 126 s without, 2026-12-06). Its programs are therefore not the in-process tests' (XLA_FLAGS is
-  part of a program's cache key). No value a notebook shows depends on these settings (the random model's text may
-  differ)."""
+  The kernel keeps the suite's other XLA settings (tests/conftest.py: optimisation level 0, the legacy fusion
+  emitters) and the compilation cache's folder. With ENVACE_NOTEBOOK_SMALL=1 the notebooks compile only the tiny
+  model's programs, which those settings compile fastest (the quickstart's cells 66 s with XLA's default emitters, 52
+  s with the legacy ones, 2026-12-07); XLA_FLAGS is part of a program's cache key, the device count is not. No value
+  a notebook shows depends on these settings (the random model's text may differ)."""
   env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir), **extra)
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  env["XLA_FLAGS"] = " ".join(re.sub(r"(?<!\S)--xla_cpu_use_fusion_emitters(=\S*)?", "", flags).split())
+  env["XLA_FLAGS"] = " ".join(flags.split())
   return env
 
 
@@ -144,25 +143,27 @@ with open({path!r}, "wb") as f:  # the inputs of what the test recomputes (a cel
 
 def _check_quickstart(nb, facts: dict) -> None:
   sizes = facts["S"]  # the notebook's S: its settings under ENVACE_NOTEBOOK_SMALL=1
-  # Section 2: SmolLM2's size, as the preset's shapes give it (no weights read here).
-  loaded = _printed(nb, "smollm2 = runtime.load_model(demo_config)")
-  preset = config_lib.PRESETS["smollm2-135m"]
+  # Section 2: the model's size, as the preset's shapes give it. ENVACE_NOTEBOOK_SMALL=1: configs/tiny.py's random
+  # tiny model over SmolLM2's vocabulary (the SmolLM2 sections' code, without compiling SmolLM2's 30-layer programs:
+  # the test took 143 s with SmolLM2 there, 2026-12-07).
+  assert sizes["demo_model"] == "tiny"
+  loaded = _printed(nb, "model = runtime.load_model(demo_config)")
+  preset = config_lib.get_model_config("tiny", vocab_size=49152)
   count = sum(math.prod(shape) for shape in _shapes(preset).values())
-  assert count == 134_515_008 + preset.num_roles * preset.d_model  # tests/model/test_weights.py: the GGUF's count
-  assert loaded.splitlines()[0] == str(weights.resolve("smollm2-135m"))
+  assert loaded.splitlines()[0] == "random init (seed 0)"
   want = f"{count / 1e6:.1f}M parameters, {preset.num_layers} layers, d_model {preset.d_model}, "
   want += f"vocab {preset.vocab_size}, context {preset.max_seq_len}; loaded in "
   assert want in loaded, loaded
 
   # Section 3: the rule-checklist reward of the trajectory shown, recomputed from its conversation.
   unfolded = _printed(nb, "out = unfold([task], sampler")
-  task, config = facts["task"], _tau2_mock_config()
+  task, config = facts["task"], _demo_config()
   rule = rewards.RuleChecklistConfig.from_config(config)
   reward = rewards.rule_checklist(task, facts["demo_messages"], facts["demo_malformed"], config=rule)
   assert f"rule-checklist reward {reward.reward:.2f}\n" in unfolded, unfolded
   assert ast.literal_eval(_after(unfolded, "reward items: ")) == dict(reward.breakdown)
   assert _after(unfolded, "9 mock tasks; this one: ").startswith("create_task_1, gold actions ['create_task']")
-  # SmolLM2 played every role: the user said something, ACT took a turn, and each training row has sampled tokens.
+  # The model played every role: the user said something, ACT took a turn, and each training row has sampled tokens.
   assert any(m.role == "user" and m.content.strip() for m in facts["demo_messages"])
   assert ast.literal_eval(_after(unfolded, "counts: "))["turns"] >= 1
   rows = ast.literal_eval(_after(unfolded, "training rows: "))
@@ -195,12 +196,13 @@ def _check_quickstart(nb, facts: dict) -> None:
   assert not pathlib.Path(facts["workroot"]).exists()
 
 
-def _tau2_mock_config():
-  """configs/tau2.py:mock, which the quickstart's SmolLM2 sections run (its reward settings)."""
-  spec = importlib.util.spec_from_file_location("envace_config_tau2_for_test", ROOT / "configs" / "tau2.py")
+def _demo_config():
+  """configs/tiny.py, which the quickstart's sections 2 and 3 run under ENVACE_NOTEBOOK_SMALL=1 (its reward
+  settings)."""
+  spec = importlib.util.spec_from_file_location("envace_config_tiny_for_test", ROOT / "configs" / "tiny.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config("mock")
+  return module.get_config()
 
 
 # -- inspect_checkpoint ------------------------------------------------------------------------------------------------
