@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from envace_jax.envs import tau2
 from envace_jax.model import config as config_lib
 from envace_jax.model import transformer
 from envace_jax.rl import rewards
+from tests.test_train import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -157,7 +157,8 @@ def _check_quickstart(nb, facts: dict) -> None:
 
   # Section 3: the rule-checklist reward of the trajectory shown, recomputed from its conversation.
   unfolded = _printed(nb, "out = unfold([task], sampler")
-  task, config = facts["task"], _demo_config()
+  # configs/tiny.py, which sections 2-3 run under ENVACE_NOTEBOOK_SMALL=1: its reward settings.
+  task, config = facts["task"], tiny_config(pathlib.Path(facts["workroot"]) / "tfds")
   rule = rewards.RuleChecklistConfig.from_config(config)
   reward = rewards.rule_checklist(task, facts["demo_messages"], facts["demo_malformed"], config=rule)
   assert f"rule-checklist reward {reward.reward:.2f}\n" in unfolded, unfolded
@@ -194,15 +195,6 @@ def _check_quickstart(nb, facts: dict) -> None:
   # The last cell removes the run's directory.
   assert _printed(nb, "KEEP_WORKDIR = False") == f"{facts['workroot']}: removed\n"
   assert not pathlib.Path(facts["workroot"]).exists()
-
-
-def _demo_config():
-  """configs/tiny.py, which the quickstart's sections 2 and 3 run under ENVACE_NOTEBOOK_SMALL=1 (its reward
-  settings)."""
-  spec = importlib.util.spec_from_file_location("envace_config_tiny_for_test", ROOT / "configs" / "tiny.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 # -- inspect_checkpoint ------------------------------------------------------------------------------------------------
