@@ -349,6 +349,26 @@ def _settings() -> str:
   return repr(sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k and "log" not in k))
 
 
+def read_executable(blob: bytes) -> tuple[Any, float]:
+  """The executable in one file of the executables folder (`PersistentProgram` writes them: a BLAKE2b checksum of
+  ``_CHECK`` bytes, then the pickle), loaded onto the devices it was compiled for, and the seconds its trace, lowering
+  and compile took when written.
+
+  Raises:
+    ValueError: the checksum does not match (a damaged file); whatever unpickling or XLA's deserialization raises for
+      a truncated file or one written by another jaxlib.
+  """
+  from jax.experimental import serialize_executable
+
+  check, body = blob[:_CHECK], memoryview(blob)[_CHECK:]  # the body read in place, not copied
+  if hashlib.blake2b(body, digest_size=_CHECK).digest() != check:  # damage the unpickler would not see
+    raise ValueError("its checksum does not match")
+  seconds, ids, payload, in_tree, out_tree = pickle.loads(body)
+  by_id = {d.id: d for d in jax.devices()}
+  devices = [by_id[i] for i in ids]  # the program's own devices (by default it would get them all)
+  return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices), seconds
+
+
 class PersistentProgram:
   """A ``jax.jit`` program whose executables a later process loads without tracing: each one is written to
   ``<directory()>/executables`` under a key made of ``signature`` (everything its trace reads besides its arguments,
@@ -446,13 +466,7 @@ class PersistentProgram:
       blob = None
     if blob is not None:
       try:
-        check, body = blob[:_CHECK], memoryview(blob)[_CHECK:]  # the body read in place, not copied
-        if hashlib.blake2b(body, digest_size=_CHECK).digest() != check:  # damage the unpickler would not see
-          raise ValueError("its checksum does not match")
-        seconds, ids, payload, in_tree, out_tree = pickle.loads(body)
-        by_id = {d.id: d for d in jax.devices()}
-        devices = [by_id[i] for i in ids]  # the program's own devices (by default it would get them all)
-        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        compiled, seconds = read_executable(blob)
       except Exception as e:  # noqa: BLE001 (damaged, truncated, written by another jaxlib): compile it again
         logging.warning("compilation cache: %s did not load (%s: %s); compiling it again", path, type(e).__name__, e)
         with contextlib.suppress(OSError):

@@ -11,8 +11,8 @@ tokens each: the rollout's prefill chunk sizes and cache shapes), drops every ar
 garbage and trims the C heap (glibc `malloc_trim`), then reads /proc/self/smaps: resident MiB of `[heap]`, anonymous
 mappings and file-backed ones. Then it drops the programs (`PersistentProgram.forget_all`, `jax.clear_caches`) and
 reads the same again: the difference is the memory the programs hold. A third process reads every file of the folder
-back (`PersistentProgram`'s format: a checksum, then the pickle) and runs none: what loading alone holds. About 6
-CPU-minutes on 2 cores, 6.5 GB peak.
+back (`compilation_cache.read_executable`) and runs none: what loading alone holds. About 6 CPU-minutes on 2 cores,
+6.5 GB peak.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 _SHAPES = ((16, 700, 1024), (16, 130, 1024), (16, 1000, 2048), (32, 200, 2048))
 
 _CHILD = """
-import ctypes, gc, importlib.util, json, sys, time
+import ctypes, gc, importlib.util, json, time
 import jax, numpy as np
 from envace_jax import compilation_cache, runtime
 spec = importlib.util.spec_from_file_location("testbed", "configs/testbed.py")
@@ -52,7 +52,7 @@ def resident():
 model = runtime.load_model(config)
 sampler = runtime.make_sampler(config, model, model.params, None, 16)
 rng = np.random.default_rng(0)
-start, seconds = time.perf_counter(), []
+seconds = []
 for rows, length, slots in SHAPES:
   t = time.perf_counter()
   cache = sampler.init_cache(rows, slots)
@@ -72,9 +72,8 @@ print(json.dumps({"seconds": seconds, "programs": dict(sampler.compile_counts), 
 
 
 _LOAD_ONLY = """
-import ctypes, gc, json, os, pickle, sys, time
-import jax
-from jax.experimental import serialize_executable
+import ctypes, gc, json, os, sys, time
+from envace_jax import compilation_cache
 libc = ctypes.CDLL("libc.so.6")
 
 def resident():
@@ -85,9 +84,7 @@ folder, held = sys.argv[1], []
 before = resident()
 for name in sorted(os.listdir(folder)):
   with open(os.path.join(folder, name), "rb") as f:
-    seconds, ids, payload, in_tree, out_tree = pickle.loads(memoryview(f.read())[32:])
-  devices = jax.devices()[:1]
-  held.append(serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices))
+    held.append(compilation_cache.read_executable(f.read())[0])
 print(json.dumps({"programs": len(held), "programs_mib": {"total": resident() - before}}))
 """
 
