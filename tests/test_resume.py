@@ -403,6 +403,10 @@ _ON_MESH = {
   # parameter differences of about lr x 2e-3.
   "grpo.learning_rate": 1e-4,
   "rollout.max_turns": 1,  # the user's opening, then one ACT generation: both samplers decode on the mesh
+  # 6 new tokens each (tiny's 16 before): each decode step is a round of collectives, over gloo in the two-process
+  # runs; the test alone 223 -> 193 CPU-s (2026-12-07).
+  "rollout.user_max_new_tokens": 6,
+  "rollout.act_max_new_tokens": 6,
 }
 
 

@@ -27,6 +27,7 @@ slots 0, 1, 2. Slot order, not position, is the causal order; positions only dri
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from envace_jax.model import attention, kvcache, paged
 from envace_jax.model.config import ModelConfig
@@ -659,8 +661,19 @@ def unstack_tree(tree: Any) -> Any:
   return jax.tree.map(lambda x: unstack_layers(x) if _is_layer_tree(x) else x, tree, is_leaf=_is_layer_tree)
 
 
+# `init_params`' host copies of small random models, by (config, key): tests and smoke runs build the same random
+# model many times per process (the test suite: 207 builds, 82 of its ~1,600 worker-seconds, 2026-12-07), and each
+# eager build runs flax's init, whose layer scan compiles anew every time.
+_INIT_MEMO: collections.OrderedDict[tuple, Params] = collections.OrderedDict()
+_INIT_MEMO_ENTRIES = 4
+_INIT_MEMO_MAX_BYTES = 64 << 20  # the tiny presets are ~13 MB; a real-sized random model is built once
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) projections, unit norms, zero role embeddings), as plain arrays.
+
+  A concrete key's result for a model of at most 64 MiB is kept on the host (the last 4), so the same call again
+  returns new device arrays with the same values, bit for bit, without running the init.
 
   Args:
     key: a ``jax.random.key``.
@@ -669,9 +682,19 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
     ``layers_0 .. layers_{L-1}`` when ``config.scan_layers`` is False), ``final_norm/scale[D]`` and, when untied,
     ``lm_head[D, V]``.
   """
+  memo = None
+  if not isinstance(key, jax.core.Tracer):
+    memo = (config, str(jax.random.key_impl(key)), jax.random.key_data(key).tobytes())
+    if memo in _INIT_MEMO:
+      _INIT_MEMO.move_to_end(memo)
+      return jax.tree.map(lambda x: jnp.array(x, copy=True), _INIT_MEMO[memo])  # not the host copy: donated later
   tokens = jnp.zeros((1, 1), jnp.int32)
-  variables = Transformer(config).init(key, tokens, tokens)
-  return nn.unbox(variables["params"])
+  params = nn.unbox(Transformer(config).init(key, tokens, tokens)["params"])
+  if memo is not None and sum(x.nbytes for x in jax.tree.leaves(params)) <= _INIT_MEMO_MAX_BYTES:
+    _INIT_MEMO[memo] = jax.tree.map(np.array, params)  # a copy: the arrays returned may be donated
+    while len(_INIT_MEMO) > _INIT_MEMO_ENTRIES:
+      _INIT_MEMO.popitem(last=False)
+  return params
 
 
 def logical_axes(config: ModelConfig) -> Params:

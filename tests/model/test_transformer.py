@@ -126,6 +126,33 @@ def test_logical_axes_mirror_params():
   assert not np.any(np.asarray(params["role_embed"]))  # zero-initialised
 
 
+def test_init_params_again_gives_the_same_values_in_new_buffers(monkeypatch):
+  """`init_params`' host memo: the same (config, key) again returns the first call's values bit for bit (also for a
+  raw uint32 key with the same data), in new device buffers, so donating one call's arrays (as the update step does)
+  leaves the next call's intact; another key runs the init; under tracing nothing is kept; a model over the size
+  limit is not kept."""
+  monkeypatch.setattr(transformer, "_INIT_MEMO", type(transformer._INIT_MEMO)())
+  runs, init = [], transformer.Transformer.init
+  monkeypatch.setattr(transformer.Transformer, "init", lambda self, *a, **k: (runs.append(1), init(self, *a, **k))[1])
+  config = config_lib.PRESETS["tiny"]
+  first = transformer.init_params(config, jax.random.key(5))
+  want, embed = [np.array(x) for x in jax.tree.leaves(first)], np.array(first["embed"])
+  jax.jit(lambda p: jax.tree.map(lambda x: x * 0, p), donate_argnums=0)(first)  # first's buffers are given away
+  again = transformer.init_params(config, jax.random.PRNGKey(5))
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), want, strict=True))
+  third = transformer.init_params(config, jax.random.key(5))
+  pointers = lambda tree: {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
+  assert not pointers(third) & pointers(again)
+  assert len(runs) == len(transformer._INIT_MEMO) == 1
+  other = transformer.init_params(config, jax.random.key(6))
+  assert not np.array_equal(np.asarray(other["embed"]), embed)
+  jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(7)))
+  assert len(runs) == 3 and len(transformer._INIT_MEMO) == 2
+  monkeypatch.setattr(transformer, "_INIT_MEMO_MAX_BYTES", 0)
+  transformer.init_params(config, jax.random.key(8))
+  assert len(runs) == 4 and len(transformer._INIT_MEMO) == 2
+
+
 def test_config_errors_name_the_fix():
   with pytest.raises(config_lib.ConfigError, match="num_kv_heads"):
     config_lib.PRESETS["tiny"].replace(num_kv_heads=3)
