@@ -685,7 +685,11 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   memo = None
   if not isinstance(key, jax.core.Tracer):
     memo = (config, str(jax.random.key_impl(key)), jax.random.key_data(key).tobytes())
-    if memo in _INIT_MEMO:
+    try:
+      hash(memo)
+    except TypeError:  # a rope_scaling value read from a config.json as a list
+      memo = None
+    if memo is not None and memo in _INIT_MEMO:
       _INIT_MEMO.move_to_end(memo)
       return jax.tree.map(lambda x: jnp.array(x, copy=True), _INIT_MEMO[memo])  # not the host copy: donated later
   tokens = jnp.zeros((1, 1), jnp.int32)
