@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import threading
 from typing import Any
 
 import flax.linen as nn
@@ -667,13 +668,15 @@ def unstack_tree(tree: Any) -> Any:
 _INIT_MEMO: collections.OrderedDict[tuple, Params] = collections.OrderedDict()
 _INIT_MEMO_ENTRIES = 4
 _INIT_MEMO_MAX_BYTES = 64 << 20  # the tiny presets are ~13 MB; a real-sized random model is built once
+_INIT_MEMO_LOCK = threading.Lock()
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) projections, unit norms, zero role embeddings), as plain arrays.
 
-  A concrete key's result for a model of at most 64 MiB is kept on the host (the last 4), so the same call again
-  returns new device arrays with the same values, bit for bit, without running the init.
+  Outside a trace, an uncommitted concrete key's result for a model of at most 64 MiB is kept on the host (the last
+  4, by config, key and ``jax_threefry_partitionable``), so the same call again returns new device arrays with the
+  same values, bit for bit, without running the init.
 
   Args:
     key: a ``jax.random.key``.
@@ -683,21 +686,30 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
     ``lm_head[D, V]``.
   """
   memo = None
-  if not isinstance(key, jax.core.Tracer):
-    memo = (config, str(jax.random.key_impl(key)), jax.random.key_data(key).tobytes())
+  # None for a committed key (a fresh init follows its device) or under a trace (a concrete key closed over by a jit:
+  # its data is a tracer there, and the init is traced, not baked in)
+  data = None if isinstance(key, jax.core.Tracer) or getattr(key, "committed", False) else jax.random.key_data(key)
+  if data is not None and not isinstance(data, jax.core.Tracer):
+    memo = (config, str(jax.random.key_impl(key)), data.tobytes(), jax.config.jax_threefry_partitionable)
     try:
       hash(memo)
     except TypeError:  # a rope_scaling value read from a config.json as a list
       memo = None
-    if memo is not None and memo in _INIT_MEMO:
-      _INIT_MEMO.move_to_end(memo)
-      return jax.tree.map(lambda x: jnp.array(x, copy=True), _INIT_MEMO[memo])  # not the host copy: donated later
+  if memo is not None:
+    with _INIT_MEMO_LOCK:
+      host = _INIT_MEMO.get(memo)
+      if host is not None:
+        _INIT_MEMO.move_to_end(memo)
+    if host is not None:
+      return jax.tree.map(lambda x: jnp.array(x, copy=True), host)  # not the host copy: donated later
   tokens = jnp.zeros((1, 1), jnp.int32)
   params = nn.unbox(Transformer(config).init(key, tokens, tokens)["params"])
   if memo is not None and sum(x.nbytes for x in jax.tree.leaves(params)) <= _INIT_MEMO_MAX_BYTES:
-    _INIT_MEMO[memo] = jax.tree.map(np.array, params)  # a copy: the arrays returned may be donated
-    while len(_INIT_MEMO) > _INIT_MEMO_ENTRIES:
-      _INIT_MEMO.popitem(last=False)
+    host = jax.tree.map(np.array, params)  # a copy: the arrays returned may be donated
+    with _INIT_MEMO_LOCK:
+      _INIT_MEMO[memo] = host
+      while len(_INIT_MEMO) > _INIT_MEMO_ENTRIES:
+        _INIT_MEMO.popitem(last=False)
   return params
 
 

@@ -129,8 +129,9 @@ def test_logical_axes_mirror_params():
 def test_init_params_again_gives_the_same_values_in_new_buffers(monkeypatch):
   """`init_params`' host memo: the same (config, key) again returns the first call's values bit for bit (also for a
   raw uint32 key with the same data), in new device buffers, so donating one call's arrays (as the update step does)
-  leaves the next call's intact; another key runs the init; under tracing nothing is kept; a model over the size
-  limit is not kept."""
+  leaves the next call's intact; another key runs the init; under tracing (a key made there or closed over) and for a
+  key committed to a device (the result follows it) nothing is looked up or kept; a model over the size limit is not
+  kept."""
   monkeypatch.setattr(transformer, "_INIT_MEMO", type(transformer._INIT_MEMO)())
   runs, init = [], transformer.Transformer.init
   monkeypatch.setattr(transformer.Transformer, "init", lambda self, *a, **k: (runs.append(1), init(self, *a, **k))[1])
@@ -148,9 +149,15 @@ def test_init_params_again_gives_the_same_values_in_new_buffers(monkeypatch):
   assert not np.array_equal(np.asarray(other["embed"]), embed)
   jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(7)))
   assert len(runs) == 3 and len(transformer._INIT_MEMO) == 2
+  closed_over = jax.random.key(5)  # concrete, but its data is a tracer inside the jit: traced, not looked up
+  traced = jax.jit(lambda: transformer.init_params(config, closed_over))()
+  np.testing.assert_allclose(np.asarray(traced["embed"]), embed, rtol=0, atol=1e-7)  # XLA fuses the draw and scale
+  placed = transformer.init_params(config, jax.device_put(jax.random.key(5), jax.devices()[1]))  # follows its key
+  assert placed["embed"].devices() == {jax.devices()[1]} and np.array_equal(np.asarray(placed["embed"]), embed)
+  assert len(runs) == 5 and len(transformer._INIT_MEMO) == 2
   monkeypatch.setattr(transformer, "_INIT_MEMO_MAX_BYTES", 0)
   transformer.init_params(config, jax.random.key(8))
-  assert len(runs) == 4 and len(transformer._INIT_MEMO) == 2
+  assert len(runs) == 6 and len(transformer._INIT_MEMO) == 2
 
 
 def test_config_errors_name_the_fix():
