@@ -691,10 +691,6 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   data = None if isinstance(key, jax.core.Tracer) or getattr(key, "committed", False) else jax.random.key_data(key)
   if data is not None and not isinstance(data, jax.core.Tracer):
     memo = (config, str(jax.random.key_impl(key)), data.tobytes(), jax.config.jax_threefry_partitionable)
-    try:
-      hash(memo)
-    except TypeError:  # a rope_scaling value read from a config.json as a list
-      memo = None
   if memo is not None:
     with _INIT_MEMO_LOCK:
       host = _INIT_MEMO.get(memo)
