@@ -19,11 +19,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 #   changes XLA's fusion decisions and scatter expansion, so the tests compile other HLO than `make run` (which keeps
 #   XLA's defaults: its SmolLM2 programs compile slower with these emitters) and round some sums differently, within
 #   float32 rounding. The notebooks' kernels keep both (tests/test_notebooks.py).
-# Set either flag yourself for another value.
+# - Eigen's matrix products on one thread (--xla_cpu_multi_thread_eigen=false): the tests' products are small and the
+#   two xdist workers already keep both cores busy, so splitting them over threads costs more than it saves
+#   (test_grpo.py with test_sampler.py, -n 2, cold cache, in alternating order: 311 and 328 -> 287 and 277 CPU-s,
+#   2026-12-07).
+# Set any of these flags yourself for another value; subprocesses inherit them.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 import functools
 import time
