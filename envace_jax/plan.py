@@ -324,7 +324,7 @@ def plan(
   update_mesh = mesh if shards > 1 and gcfg.micro_batch_size % shards == 0 else None
   sample_cfg = mc.replace(scan_layers=False)
   on_mesh = mesh if mesh.size > 1 and n % shards == 0 else None  # as runtime.make_sampler places B×G rows
-  sample_shapes = jax.eval_shape(functools.partial(transformer.init_params, sample_cfg), jax.random.key(0))
+  sample_shapes = transformer.abstract_params(sample_cfg)
   sample_sh = sharding.param_shardings(sample_cfg, on_mesh) if on_mesh is not None else None
   compute_shapes = _abstract(sample_shapes, dtype=compute)
   placed = on_mesh is not None  # more than one device (a one-device mesh is none)

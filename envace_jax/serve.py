@@ -452,7 +452,7 @@ class Engine:
     id_bytes = tokenizer.token_bytes()
     self.token_bytes = max(1, *(len(b) for b in id_bytes))
     # Each id's bytes (none for the model's padding ids): a request's stop strings are matched on them on the host.
-    self.id_bytes = id_bytes + [b""] * (int(self.sampler.config.vocab_size) - len(id_bytes))
+    self.id_bytes = [*id_bytes, *[b""] * (int(self.sampler.config.vocab_size) - len(id_bytes))]
     self._key = jax.random.key(seed)
     self._counter = 0
     self.stats = {

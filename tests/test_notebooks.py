@@ -52,10 +52,10 @@ def _kernel_env(tmp_dir: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
   for: the notebook sees the machine as a user's kernel would.
 
   The kernel keeps the suite's other XLA settings (tests/conftest.py: optimisation level 0, the legacy fusion
-  emitters, Eigen on one thread) and the compilation cache's folder. With ENVACE_NOTEBOOK_SMALL=1 the notebooks compile only the tiny
-  model's programs, which those settings compile fastest (the quickstart's cells 66 s with XLA's default emitters, 52
-  s with the legacy ones, 2026-12-07); XLA_FLAGS is part of a program's cache key, the device count is not. No value
-  a notebook shows depends on these settings (the random model's text may differ)."""
+  emitters, Eigen on one thread) and the compilation cache's folder. With ENVACE_NOTEBOOK_SMALL=1 the notebooks
+  compile only the tiny model's programs, which those settings compile fastest (the quickstart's cells 66 s with
+  XLA's default emitters, 52 s with the legacy ones, 2026-12-07); XLA_FLAGS is part of a program's cache key, the
+  device count is not. No value a notebook shows depends on these settings (the random model's text may differ)."""
   env = dict(os.environ, ENVACE_NOTEBOOK_SMALL="1", TMPDIR=str(tmp_dir), **extra)
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = " ".join(flags.split())

@@ -12,6 +12,7 @@ EnvACE code, and never an error.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import functools
@@ -19,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -184,6 +186,31 @@ class Message:
     object.__setattr__(self, "author", Role(_DEFAULT_AUTHOR[self.role] if self.author is None else self.author))
 
 
+# A tokenizer.json parsed once per process (SmolLM2's: ≈0.2 s; tests and the main job load the same one many times),
+# and the bytes of each id once per backend. The backends are never changed after they are built (`Tokenizer` only
+# reads them), so the Tokenizers of one file share one; a file rewritten since (its size or mtime) is parsed again.
+_MEMO_ENTRIES = 4
+_MEMO_LOCK = threading.Lock()
+_BACKENDS: collections.OrderedDict[tuple, tokenizers.Tokenizer] = collections.OrderedDict()
+_TOKEN_BYTES: collections.OrderedDict[int, tuple[tokenizers.Tokenizer, tuple[bytes, ...]]] = collections.OrderedDict()
+
+
+def _backend_from_file(path: pathlib.Path) -> tokenizers.Tokenizer:
+  stat = path.stat()
+  key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+  with _MEMO_LOCK:
+    backend = _BACKENDS.get(key)
+    if backend is not None:
+      _BACKENDS.move_to_end(key)
+      return backend
+  backend = tokenizers.Tokenizer.from_file(str(path))
+  with _MEMO_LOCK:
+    _BACKENDS[key] = backend
+    while len(_BACKENDS) > _MEMO_ENTRIES:
+      _BACKENDS.popitem(last=False)
+  return backend
+
+
 class Tokenizer:
   """A text tokenizer plus its chat template.
 
@@ -288,7 +315,7 @@ class Tokenizer:
     directory = pathlib.Path(directory)
     if not (directory / "tokenizer.json").is_file():
       raise TokenizerError(f"{directory} has no tokenizer.json; write one with transformers' save_pretrained")
-    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    backend = _backend_from_file(directory / "tokenizer.json")
     config = {}
     if (directory / "tokenizer_config.json").is_file():
       config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -345,9 +372,22 @@ class Tokenizer:
     """Text of ``ids`` (int[T]); invalid UTF-8 from a partial character decodes to U+FFFD."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-  def token_bytes(self) -> list[bytes]:
+  def token_bytes(self) -> tuple[bytes, ...]:
     """The bytes each id stands for, indexed by id (length ``vocab_size``): special tokens as their UTF-8 text,
-    byte-level tokens through GPT-2's byte alphabet. Used by the sampler to match stop strings on bytes in jit."""
+    byte-level tokens through GPT-2's byte alphabet. Used by the sampler to match stop strings on bytes in jit.
+    Computed once per backend (SmolLM2's 49,152 ids: ≈0.25 s) and shared: every sampler of a run asks for it."""
+    with _MEMO_LOCK:
+      held = _TOKEN_BYTES.get(id(self.backend))
+    if held is not None and held[0] is self.backend:
+      return held[1]
+    out = tuple(self._token_bytes())
+    with _MEMO_LOCK:
+      _TOKEN_BYTES[id(self.backend)] = (self.backend, out)  # the backend held: its id is not reused meanwhile
+      while len(_TOKEN_BYTES) > _MEMO_ENTRIES:
+        _TOKEN_BYTES.popitem(last=False)
+    return out
+
+  def _token_bytes(self) -> list[bytes]:
     added = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
     to_byte = {c: b for b, c in _byte_alphabet().items()}
     out = []

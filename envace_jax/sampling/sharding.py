@@ -230,7 +230,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules = LOGICAL_RULE
     ValueError: as ``logical_to_spec``.
   """
   axes = transformer.logical_axes(config)
-  shapes = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
+  shapes = transformer.abstract_params(config)
   return jax.tree.map(lambda spec, x: logical_to_sharding(spec, x.shape, mesh, rules), axes, shapes, is_leaf=_is_spec)
 
 

@@ -16,7 +16,9 @@ compiles for them.
 
 from __future__ import annotations
 
+import collections
 import enum
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -36,20 +38,41 @@ class FinishReason(enum.IntEnum):
     return self.name.lower()
 
 
+_TABLES: collections.OrderedDict[int, tuple[tuple[bytes, ...], np.ndarray, np.ndarray]] = collections.OrderedDict()
+_TABLES_LOCK = threading.Lock()
+
+
 def token_byte_table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
   """Pads per-id bytes into arrays.
 
   Args:
     token_bytes: the bytes of each id, e.g. ``Tokenizer.token_bytes()`` (length V).
   Returns:
-    (uint8[V, Lmax] bytes, int32[V] lengths).
+    (uint8[V, Lmax] bytes, int32[V] lengths), read-only. For a tuple (``Tokenizer.token_bytes()``'s, shared by every
+    sampler of a run) the arrays are built once and shared.
   """
+  if not isinstance(token_bytes, tuple):
+    return _table(token_bytes)
+  with _TABLES_LOCK:
+    held = _TABLES.get(id(token_bytes))
+  if held is not None and held[0] is token_bytes:
+    return held[1], held[2]
+  table, lengths = _table(token_bytes)
+  with _TABLES_LOCK:
+    _TABLES[id(token_bytes)] = (token_bytes, table, lengths)  # the tuple held: its id is not reused meanwhile
+    while len(_TABLES) > 4:
+      _TABLES.popitem(last=False)
+  return table, lengths
+
+
+def _table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
   width = max(1, max(len(b) for b in token_bytes))
   table = np.zeros((len(token_bytes), width), np.uint8)
   lengths = np.zeros((len(token_bytes),), np.int32)
   for i, b in enumerate(token_bytes):
     table[i, : len(b)] = np.frombuffer(b, np.uint8)
     lengths[i] = len(b)
+  table.flags.writeable = lengths.flags.writeable = False
   return table, lengths
 
 

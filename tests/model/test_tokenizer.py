@@ -221,6 +221,22 @@ def test_save_and_load_round_trip(tok, tmp_path):
   assert np.array_equal(loaded.render(CONVERSATION, TOOLS)[0], tok.render(CONVERSATION, TOOLS)[0])
 
 
+def test_a_directory_loaded_again_shares_its_parsed_file_until_the_file_changes(tok, tmp_path):
+  """`Tokenizer.from_hf_dir` parses a tokenizer.json once: a second load shares the backend and the bytes of each id
+  (the same tuple, equal to what the backend spells), with its own chat template; a rewritten file is parsed again."""
+  tok.save(tmp_path)
+  first, again = Tokenizer.from_hf_dir(tmp_path), Tokenizer.from_hf_dir(tmp_path).with_chat_template(None)
+  assert first.backend is again.backend and first.chat_template == tok.chat_template and again.chat_template is None
+  spelled = first._token_bytes()
+  assert first.token_bytes() is again.token_bytes() and list(first.token_bytes()) == spelled == list(tok.token_bytes())
+  assert spelled[2] == b"<|im_end|>" and spelled[198] == b"\n"
+  path = tmp_path / "tokenizer.json"
+  path.write_text(path.read_text(encoding="utf-8") + "\n", encoding="utf-8")  # the same vocabulary, a new file
+  changed = Tokenizer.from_hf_dir(tmp_path)
+  assert changed.backend is not first.backend and changed.token_bytes() is not first.token_bytes()
+  assert changed.token_bytes() == first.token_bytes()
+
+
 def test_saved_dir_loads_in_transformers(tok, tmp_path):
   transformers = pytest.importorskip("transformers")
   tok.save(tmp_path)

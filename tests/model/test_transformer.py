@@ -126,6 +126,24 @@ def test_logical_axes_mirror_params():
   assert not np.any(np.asarray(params["role_embed"]))  # zero-initialised
 
 
+def test_abstract_trees_are_traced_once_per_config_and_each_call_gets_its_own():
+  """`logical_axes` and `abstract_params` keep their trees per config: equal to tracing the initialiser, traced once
+  (a second call is a cache hit), and a caller that edits its tree's nesting leaves the next call's intact."""
+  config = config_lib.PRESETS["tiny"].replace(num_layers=3)  # a config no other test of this process asks for
+  traced = jax.eval_shape(functools.partial(transformer.init_params, config), jax.random.key(0))
+  shapes = transformer.abstract_params(config)
+  assert jax.tree.structure(shapes) == jax.tree.structure(traced)
+  assert jax.tree.leaves(shapes) == jax.tree.leaves(traced)  # ShapeDtypeStructs: shape and dtype
+  axes = transformer.logical_axes(config)
+  leaves = jax.tree.leaves(shapes)
+  shapes["embed"] = axes["embed"] = None  # the caller's own nesting
+  again = transformer.abstract_params(config)
+  assert all(a is b for a, b in zip(jax.tree.leaves(again)[1:], leaves[1:], strict=True))  # not traced again
+  assert again["embed"] == traced["embed"] and tuple(transformer.logical_axes(config)["embed"]) == ("vocab", "embed")
+  two = transformer.abstract_params(config.replace(num_layers=2))["layers"]["mlp"]["up_proj"]
+  assert two.shape[0] == 2 and again["layers"]["mlp"]["up_proj"].shape[0] == 3
+
+
 def test_init_params_again_gives_the_same_values_in_new_buffers(monkeypatch):
   """`init_params`' host memo: the same (config, key) again returns the first call's values bit for bit (also for a
   raw uint32 key with the same data), in new device buffers, so donating one call's arrays (as the update step does)
