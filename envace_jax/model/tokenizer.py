@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -188,7 +189,7 @@ class Message:
 
 # A tokenizer.json parsed once per process (SmolLM2's: ≈0.2 s; tests and the main job load the same one many times),
 # and the bytes of each id once per backend. The backends are never changed after they are built (`Tokenizer` only
-# reads them), so the Tokenizers of one file share one; a file rewritten since (its size or mtime) is parsed again.
+# reads them), so the Tokenizers of one file's content (its SHA-256: a few ms) share one.
 _MEMO_ENTRIES = 4
 _MEMO_LOCK = threading.Lock()
 _BACKENDS: collections.OrderedDict[tuple, tokenizers.Tokenizer] = collections.OrderedDict()
@@ -196,14 +197,14 @@ _TOKEN_BYTES: collections.OrderedDict[int, tuple[tokenizers.Tokenizer, tuple[byt
 
 
 def _backend_from_file(path: pathlib.Path) -> tokenizers.Tokenizer:
-  stat = path.stat()
-  key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+  data = path.read_bytes()
+  key = hashlib.sha256(data).digest()
   with _MEMO_LOCK:
     backend = _BACKENDS.get(key)
     if backend is not None:
       _BACKENDS.move_to_end(key)
       return backend
-  backend = tokenizers.Tokenizer.from_file(str(path))
+  backend = tokenizers.Tokenizer.from_buffer(data)
   with _MEMO_LOCK:
     _BACKENDS[key] = backend
     while len(_BACKENDS) > _MEMO_ENTRIES:
