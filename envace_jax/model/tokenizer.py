@@ -12,16 +12,13 @@ EnvACE code, and never an error.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import functools
-import hashlib
 import json
 import os
 import pathlib
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -189,27 +186,28 @@ class Message:
 
 # A tokenizer.json parsed once per process (SmolLM2's: ≈0.2 s; tests and the main job load the same one many times),
 # and the bytes of each id once per backend. The backends are never changed after they are built (`Tokenizer` only
-# reads them), so the Tokenizers of one file's content (its SHA-256: a few ms) share one.
-_MEMO_ENTRIES = 4
-_MEMO_LOCK = threading.Lock()
-_BACKENDS: collections.OrderedDict[tuple, tokenizers.Tokenizer] = collections.OrderedDict()
-_TOKEN_BYTES: collections.OrderedDict[int, tuple[tokenizers.Tokenizer, tuple[bytes, ...]]] = collections.OrderedDict()
+# reads them), so the Tokenizers of one file's content share one.
+@functools.lru_cache(maxsize=4)
+def _backend(data: bytes) -> tokenizers.Tokenizer:
+  return tokenizers.Tokenizer.from_buffer(data)
 
 
-def _backend_from_file(path: pathlib.Path) -> tokenizers.Tokenizer:
-  data = path.read_bytes()
-  key = hashlib.sha256(data).digest()
-  with _MEMO_LOCK:
-    backend = _BACKENDS.get(key)
-    if backend is not None:
-      _BACKENDS.move_to_end(key)
-      return backend
-  backend = tokenizers.Tokenizer.from_buffer(data)
-  with _MEMO_LOCK:
-    _BACKENDS[key] = backend
-    while len(_BACKENDS) > _MEMO_ENTRIES:
-      _BACKENDS.popitem(last=False)
-  return backend
+@functools.lru_cache(maxsize=4)
+def _spelled(backend: tokenizers.Tokenizer) -> tuple[bytes, ...]:
+  """Each id's bytes (`Tokenizer.token_bytes`), for a backend (hashed by identity, held by the cache)."""
+  added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+  to_byte = {c: b for b, c in _byte_alphabet().items()}
+  out = []
+  for index in range(backend.get_vocab_size(with_added_tokens=True)):
+    if index in added:
+      out.append(added[index].encode("utf-8"))
+      continue
+    token = backend.id_to_token(index) or ""
+    if all(c in to_byte for c in token):
+      out.append(bytes(to_byte[c] for c in token))
+    else:  # not a byte-level vocabulary entry: take the decoder's word for it
+      out.append(backend.decode([index], skip_special_tokens=False).encode("utf-8"))
+  return tuple(out)
 
 
 class Tokenizer:
@@ -316,7 +314,7 @@ class Tokenizer:
     directory = pathlib.Path(directory)
     if not (directory / "tokenizer.json").is_file():
       raise TokenizerError(f"{directory} has no tokenizer.json; write one with transformers' save_pretrained")
-    backend = _backend_from_file(directory / "tokenizer.json")
+    backend = _backend((directory / "tokenizer.json").read_bytes())
     config = {}
     if (directory / "tokenizer_config.json").is_file():
       config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -377,31 +375,7 @@ class Tokenizer:
     """The bytes each id stands for, indexed by id (length ``vocab_size``): special tokens as their UTF-8 text,
     byte-level tokens through GPT-2's byte alphabet. Used by the sampler to match stop strings on bytes in jit.
     Computed once per backend (SmolLM2's 49,152 ids: ≈0.25 s) and shared: every sampler of a run asks for it."""
-    with _MEMO_LOCK:
-      held = _TOKEN_BYTES.get(id(self.backend))
-    if held is not None and held[0] is self.backend:
-      return held[1]
-    out = tuple(self._token_bytes())
-    with _MEMO_LOCK:
-      _TOKEN_BYTES[id(self.backend)] = (self.backend, out)  # the backend held: its id is not reused meanwhile
-      while len(_TOKEN_BYTES) > _MEMO_ENTRIES:
-        _TOKEN_BYTES.popitem(last=False)
-    return out
-
-  def _token_bytes(self) -> list[bytes]:
-    added = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
-    to_byte = {c: b for b, c in _byte_alphabet().items()}
-    out = []
-    for index in range(self.vocab_size):
-      if index in added:
-        out.append(added[index].encode("utf-8"))
-        continue
-      token = self.backend.id_to_token(index) or ""
-      if all(c in to_byte for c in token):
-        out.append(bytes(to_byte[c] for c in token))
-      else:  # not a byte-level vocabulary entry: take the decoder's word for it
-        out.append(self.decode([index]).encode("utf-8"))
-    return out
+    return _spelled(self.backend)
 
   def token_to_id(self, token: str) -> int | None:
     """Id of a vocabulary entry (byte-alphabet spelling, e.g. 'Ġthe') or added token; None if absent."""

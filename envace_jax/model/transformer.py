@@ -712,41 +712,30 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
 # `logical_axes` and `abstract_params` trace the model's initialiser (≈0.1-0.3 s each); the shardings of the sampler,
 # the train state and the weights loaders ask for them many times per run with the same config. Their trees are kept
 # per (config, jax_enable_x64) and each call gets its own copy of the nesting (the leaves are immutable).
-_ABSTRACT_MEMO: collections.OrderedDict[tuple, Params] = collections.OrderedDict()
-
-
-def _abstract_memo(kind: str, config: ModelConfig, build) -> Params:
-  key = (kind, config, jax.config.jax_enable_x64)
-  with _INIT_MEMO_LOCK:
-    tree = _ABSTRACT_MEMO.get(key)
-  if tree is None:
-    tree = build()
-    with _INIT_MEMO_LOCK:
-      _ABSTRACT_MEMO[key] = tree
-      while len(_ABSTRACT_MEMO) > 16:
-        _ABSTRACT_MEMO.popitem(last=False)
-  return _copy_nesting(tree)
-
-
 def _copy_nesting(tree):
   return {k: _copy_nesting(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
+@functools.lru_cache(maxsize=16)
+def _logical_axes(config: ModelConfig, x64: bool) -> Params:
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  abstract = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens))
+  return nn.get_partition_spec(abstract)["params"]
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params(config: ModelConfig, x64: bool) -> Params:
+  return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+
+
 def logical_axes(config: ModelConfig) -> Params:
   """A tree like ``init_params``' whose leaves are ``PartitionSpec``s of logical axis names (no compute)."""
-
-  def build():
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    abstract = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens))
-    return nn.get_partition_spec(abstract)["params"]
-
-  return _abstract_memo("axes", config, build)
+  return _copy_nesting(_logical_axes(config, jax.config.jax_enable_x64))
 
 
 def abstract_params(config: ModelConfig) -> Params:
   """``jax.eval_shape`` of ``init_params(config, key)``: a tree of ``jax.ShapeDtypeStruct`` (no compute)."""
-  build = lambda: jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))  # noqa: E731
-  return _abstract_memo("shapes", config, build)
+  return _copy_nesting(_abstract_params(config, jax.config.jax_enable_x64))
 
 
 def apply(

@@ -16,9 +16,8 @@ compiles for them.
 
 from __future__ import annotations
 
-import collections
 import enum
-import threading
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -38,10 +37,6 @@ class FinishReason(enum.IntEnum):
     return self.name.lower()
 
 
-_TABLES: collections.OrderedDict[int, tuple[tuple[bytes, ...], np.ndarray, np.ndarray]] = collections.OrderedDict()
-_TABLES_LOCK = threading.Lock()
-
-
 def token_byte_table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
   """Pads per-id bytes into arrays.
 
@@ -51,18 +46,7 @@ def token_byte_table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarr
     (uint8[V, Lmax] bytes, int32[V] lengths), read-only. For a tuple (``Tokenizer.token_bytes()``'s, shared by every
     sampler of a run) the arrays are built once and shared.
   """
-  if not isinstance(token_bytes, tuple):
-    return _table(token_bytes)
-  with _TABLES_LOCK:
-    held = _TABLES.get(id(token_bytes))
-  if held is not None and held[0] is token_bytes:
-    return held[1], held[2]
-  table, lengths = _table(token_bytes)
-  with _TABLES_LOCK:
-    _TABLES[id(token_bytes)] = (token_bytes, table, lengths)  # the tuple held: its id is not reused meanwhile
-    while len(_TABLES) > 4:
-      _TABLES.popitem(last=False)
-  return table, lengths
+  return _shared_table(token_bytes) if isinstance(token_bytes, tuple) else _table(token_bytes)
 
 
 def _table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +58,9 @@ def _table(token_bytes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     lengths[i] = len(b)
   table.flags.writeable = lengths.flags.writeable = False
   return table, lengths
+
+
+_shared_table = functools.lru_cache(maxsize=4)(_table)
 
 
 def buffer_width(table_width: int, stop_strings: tuple[bytes, ...]) -> int:
